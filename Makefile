@@ -1,0 +1,40 @@
+# The two commands a newcomer runs: `make demo` and `make test`.
+# Both create .venv with the standard library's venv if it is missing.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch used on laptops and CI. On a GPU machine: make TORCH_SPEC='torch==2.14.0' ...
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint install install-dev clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(VENV)/bin/sao demo
+
+lint: install-dev
+	$(VENV)/bin/ruff check .
+
+# pytest's exit status is kept in .pytest-rc so that .ci/run can tell "no tests" (5) apart.
+test: lint
+	@rm -f .pytest-rc
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
+
+clean:
+	rm -rf $(VENV) .pytest_cache .pytest-rc .ruff_cache

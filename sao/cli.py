@@ -1,0 +1,63 @@
+"""The ``sao`` command.
+
+Sub-commands: ``demo``, ``bench``; the lake, training and replay commands join as their parts land.
+Bad arguments exit with code 2 and a one-line reason, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="sao",
+    help="Single-rollout asynchronous RL with every trajectory in Delta Lake.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+# `sao bench NAME [ARGS...]` runs `benchmarks/<module>.py`'s `main(argv)`. One line per benchmark.
+BENCHMARKS: dict[str, str] = {}
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``message`` to stderr and return an Exit to raise (usage errors exit with 2)."""
+    typer.echo(f"sao: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@app.command()
+def demo() -> None:
+    """Run the end-to-end demo on embedded defaults (not built yet)."""
+    typer.echo(
+        "sao demo will: build the tiny Qwen3-MoE policy and tokenizer, SFT warm-start it on math_tool,\n"
+        "pretrain the critic, run SAO with Ray Serve rollouts into a local Delta lake and Ray Train\n"
+        "updates read from it, then print accuracy before/after and SQL queries to try.\n"
+        "It is not built yet: the parts land issue by issue (see README.md).",
+        err=True,
+    )
+    raise typer.Exit(1)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench(ctx: typer.Context, name: str = typer.Argument(..., help="Benchmark to run.")) -> None:
+    """Run a benchmark from benchmarks/ (extra arguments go to it; try `--help` after the name)."""
+    if name not in BENCHMARKS:
+        known = ", ".join(sorted(BENCHMARKS)) or "none yet"
+        raise fail(f"unknown benchmark {name!r}; known: {known}")
+    module = importlib.import_module(f"benchmarks.{BENCHMARKS[name]}")
+    code = module.main(list(ctx.args))
+    raise typer.Exit(code or 0)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app(prog_name="sao")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
