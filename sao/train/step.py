@@ -1,0 +1,321 @@
+"""One update: advantages, one actor step, K critic steps (SAO.md sections 1-3).
+
+Per batch of trajectories:
+
+1. critic values at action positions, ``V(s_end)`` for budget ends (no gradient);
+2. advantages by the configured estimator: skip-observation GAE (``lam_policy`` length-adaptive for
+   the policy, ``lam_critic`` for the critic's returns), group-normalised, or reward minus a running mean;
+3. one actor step: current log-probabilities under the distribution the rollout recorded, the DIS (or
+   PPO-clip) loss over micro-batches formed by a token budget, gradients accumulated with the whole
+   batch's denominator and summed across data-parallel workers;
+4. K critic steps on the same returns.
+
+A sampled token that the current policy's top-k / top-p filter excludes has probability 0 under the
+sampling distribution: its log-probability is replaced by :data:`FILTERED_LOGPROB`, which puts rho
+below any DIS interval (the token is masked) and passes no gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from sao.algos.advantages import (
+    RunningMeanBaseline,
+    broadcast_to_actions,
+    grpo_advantages,
+    length_adaptive_lambda,
+    skip_observation_gae,
+)
+from sao.algos.dis import dis_weights
+from sao.algos.losses import dis_policy_loss, ppo_clip_loss, value_loss
+from sao.algos.masked import LossAggregation, masked_mean, masked_whiten
+from sao.algos.sampling import sampling_logprobs
+from sao.train.batch import TrainBatch, completion_positions, split_by_token_budget
+from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
+
+__all__ = ["FILTERED_LOGPROB", "Learner", "policy_logprobs", "critic_values", "LENGTH_BUCKETS"]
+
+FILTERED_LOGPROB = -1.0e4
+# Upper bounds (action tokens) of the length buckets the kept fraction is reported by.
+LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def policy_logprobs(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """(B, T) log pi_theta of each completion token, under the distribution the rollout recorded."""
+    logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    positions = completion_positions(batch)
+    vocab = logits.shape[-1]
+    scoring = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, vocab))  # (B, T, V)
+    targets = batch.input_ids.gather(1, (positions + 1).clamp(max=batch.input_ids.shape[1] - 1))
+    sampled = sampling_logprobs(scoring, batch.temperature.unsqueeze(-1), batch.top_k.unsqueeze(-1),
+                                batch.top_p.unsqueeze(-1))
+    if bool(batch.raw_logprobs.any()):
+        raw = torch.log_softmax(scoring, dim=-1)
+        sampled = torch.where(batch.raw_logprobs.view(-1, 1, 1), raw, sampled)
+    logp = sampled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    filtered = batch.action_mask & ~torch.isfinite(logp)
+    logp = torch.where(filtered, torch.full_like(logp, FILTERED_LOGPROB), logp)
+    return torch.where(batch.action_mask, logp, torch.zeros_like(logp))
+
+
+def critic_values(critic: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` (B, T): V of the state each completion token was sampled in; ``v_end`` (B,): the
+    value after the last token."""
+    all_values = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask)  # (B, L)
+    values = all_values.gather(1, completion_positions(batch))
+    last = (batch.prompt_lens + batch.completion_lens - 1).unsqueeze(-1)
+    v_end = all_values.gather(1, last).squeeze(-1)
+    return torch.where(batch.action_mask, values, torch.zeros_like(values)), v_end
+
+
+def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def _sum_gradients_across_workers(module: torch.nn.Module) -> None:
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for param in module.parameters():
+        if param.requires_grad:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+
+def _warmup(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(steps, 1)))
+
+
+@dataclasses.dataclass
+class Learner:
+    """The models, optimisers and state that one update changes.
+
+    ``critic`` is None for estimators without a critic. ``running_mean`` is the baseline's state for
+    the ``running_mean`` estimator (saved with checkpoints so a replayed step sees the same window).
+    """
+
+    config: UpdateConfig
+    policy: torch.nn.Module
+    critic: torch.nn.Module | None = None
+    policy_optimizer: torch.optim.Optimizer = dataclasses.field(init=False)
+    critic_optimizer: torch.optim.Optimizer | None = dataclasses.field(init=False, default=None)
+    running_mean: RunningMeanBaseline = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        if cfg.uses_critic and self.critic is None:
+            raise ValueError(f"algorithm {cfg.algorithm.value!r} needs a critic, got critic=None")
+        self.policy_optimizer = torch.optim.AdamW(
+            [p for p in self.policy.parameters() if p.requires_grad], lr=cfg.lr_policy,
+            weight_decay=cfg.weight_decay)
+        self.policy_scheduler = _warmup(self.policy_optimizer, cfg.warmup_steps_policy)
+        if self.critic is not None:
+            self.critic_optimizer = torch.optim.AdamW(
+                [p for p in self.critic.parameters() if p.requires_grad], lr=cfg.lr_critic,
+                weight_decay=cfg.weight_decay)
+            self.critic_scheduler = _warmup(self.critic_optimizer, cfg.warmup_steps_critic)
+        self.running_mean = RunningMeanBaseline(cfg.running_mean_window)
+        self.critic_steps = 0
+        self.policy_steps = 0
+
+    # ----- state for checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        state = {
+            "policy_optimizer": self.policy_optimizer.state_dict(),
+            "policy_scheduler": self.policy_scheduler.state_dict(),
+            "running_mean": list(self.running_mean._recent),
+            "critic_steps": self.critic_steps,
+            "policy_steps": self.policy_steps,
+        }
+        if self.critic_optimizer is not None:
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+            state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy_optimizer.load_state_dict(state["policy_optimizer"])
+        self.policy_scheduler.load_state_dict(state["policy_scheduler"])
+        self.running_mean._recent.clear()
+        self.running_mean.update(state["running_mean"])
+        self.critic_steps = int(state["critic_steps"])
+        self.policy_steps = int(state["policy_steps"])
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(state["critic_scheduler"])
+
+    # ----- the update ---------------------------------------------------------------------------
+
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch]]:
+        for rows in split_by_token_budget(batch, self.config.token_budget):
+            yield rows, batch.select(rows)
+
+    def _denominator(self, batch: TrainBatch) -> float:
+        local = batch.action_mask.sum() if self.config.aggregation is LossAggregation.TOKEN else torch.tensor(
+            batch.action_mask.shape[0])
+        return float(_all_reduce_sum(local.to(torch.float64).clone()))
+
+    @torch.no_grad()
+    def advantages(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """Policy advantages (B, T), critic returns (B, T) or None, and value metrics.
+
+        ``sequence_advantages`` (B,) overrides the group / running-mean estimate: with several
+        data-parallel workers those are computed over the whole batch (a group may span shards) and
+        each worker passes its rows.
+        """
+        cfg = self.config
+        metrics: dict[str, float] = {}
+        estimator = cfg.advantage_estimator
+        if estimator is AdvantageEstimator.CRITIC_GAE:
+            values = torch.zeros(batch.action_mask.shape)
+            v_end = torch.zeros(batch.action_mask.shape[0])
+            for rows, mb in self._micro_batches(batch):
+                mb_values, mb_end = critic_values(self.critic, mb)
+                values[rows, : mb_values.shape[1]] = mb_values.float()
+                v_end[rows] = mb_end.float()
+            bootstrap = torch.where(batch.bootstrap, v_end, torch.zeros_like(v_end))
+            _, returns = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, cfg.gamma,
+                                              cfg.lam_critic)
+            lam_policy = length_adaptive_lambda(batch.num_action_tokens, cfg.alpha)
+            advantages, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, cfg.gamma,
+                                                 lam_policy)
+            low, high = cfg.reward_range
+            action = batch.action_mask
+            metrics |= {
+                "critic/value_mean_before": float(masked_mean(values, action)),
+                "critic/frac_outside_reward_range": float((action & ((values < low) | (values > high))).sum())
+                / max(int(action.sum()), 1),
+                "critic/bootstrap_frac": float(batch.bootstrap.float().mean()),
+            }
+        else:
+            returns = None
+            if sequence_advantages is not None:
+                per_sequence = sequence_advantages
+            elif estimator is AdvantageEstimator.GROUP:
+                per_sequence = grpo_advantages(batch.scalar_rewards, batch.group_ids,
+                                               scale_by_std=cfg.group_scale_by_std)
+            else:
+                per_sequence = self.running_mean.advantages(batch.scalar_rewards)
+            advantages = broadcast_to_actions(per_sequence, batch.action_mask)
+        if cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, batch.action_mask)
+        metrics["actor/advantage_mean"] = float(masked_mean(advantages, batch.action_mask))
+        return advantages, returns, metrics
+
+    def sequence_advantages(self, scalar_rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor | None:
+        """(B,) per-trajectory advantages of the group / running-mean estimators over a whole batch
+        (every worker calls this with the same full batch); None for the critic estimator."""
+        estimator = self.config.advantage_estimator
+        if estimator is AdvantageEstimator.GROUP:
+            return grpo_advantages(scalar_rewards, group_ids, scale_by_std=self.config.group_scale_by_std)
+        if estimator is AdvantageEstimator.RUNNING_MEAN:
+            return self.running_mean.advantages(scalar_rewards)
+        return None
+
+    def update(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None) -> dict[str, float]:
+        """One actor step and K critic steps on ``batch`` (this worker's shard of it)."""
+        started = time.perf_counter()
+        advantages, returns, metrics = self.advantages(batch, sequence_advantages)
+        metrics |= self._actor_step(batch, advantages)
+        actor_done = time.perf_counter()
+        if returns is not None:
+            for _ in range(self.config.critic_updates):
+                metrics |= self._critic_step(batch, returns)
+        metrics |= {
+            "time/actor_s": actor_done - started,
+            "time/critic_s": time.perf_counter() - actor_done,
+            "batch/trajectories": float(batch.action_mask.shape[0]),
+            "batch/action_tokens": float(batch.action_mask.sum()),
+            "batch/reward_mean": float(batch.scalar_rewards.mean()),
+            "batch/staleness_mean": float(batch.staleness.float().mean()),
+            "batch/staleness_max": float(batch.staleness.max()),
+        }
+        return metrics
+
+    def _actor_step(self, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
+        cfg = self.config
+        self.policy.train()
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        denominator = self._denominator(batch)
+        kept_per_row = torch.zeros(batch.action_mask.shape[0])
+        loss_total = 0.0
+        for rows, mb in self._micro_batches(batch):
+            logp = policy_logprobs(self.policy, mb)
+            adv = advantages[rows, : logp.shape[1]]
+            if cfg.policy_loss is PolicyLossKind.DIS:
+                loss, _ = dis_policy_loss(logp, mb.logp_rollout, adv, mb.action_mask, cfg.eps_low, cfg.eps_high,
+                                          detach_weight=cfg.detach_weight, aggregation=cfg.aggregation,
+                                          denominator=denominator)
+                _, keep = dis_weights(logp.detach(), mb.logp_rollout, mb.action_mask, cfg.eps_low, cfg.eps_high)
+            else:
+                loss, _ = ppo_clip_loss(logp, mb.logp_rollout, adv, mb.action_mask, cfg.clip_low, cfg.clip_high,
+                                        aggregation=cfg.aggregation, denominator=denominator)
+                keep = mb.action_mask
+            loss.backward()
+            loss_total += float(loss.detach())
+            kept_per_row[rows] = keep.sum(-1).float()
+        _sum_gradients_across_workers(self.policy)
+        grad_norm = self._clip(self.policy)
+        self.policy_optimizer.step()
+        self.policy_scheduler.step()
+        self.policy_steps += 1
+        return {"actor/loss": loss_total, "actor/grad_norm": grad_norm,
+                "actor/lr": self.policy_scheduler.get_last_lr()[0]} | kept_fraction_metrics(batch, kept_per_row)
+
+    def _critic_step(self, batch: TrainBatch, returns: torch.Tensor) -> dict[str, float]:
+        cfg = self.config
+        self.critic.train()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        denominator = self._denominator(batch)
+        loss_total = 0.0
+        value_sum = 0.0
+        for rows, mb in self._micro_batches(batch):
+            values, _ = critic_values(self.critic, mb)
+            target = returns[rows, : values.shape[1]]
+            loss, m = value_loss(values, target, mb.action_mask, aggregation=cfg.aggregation,
+                                 denominator=denominator, reward_range=cfg.reward_range)
+            loss.backward()
+            loss_total += float(loss.detach())
+            value_sum += m["critic/value_mean"] * float(mb.action_mask.sum())
+        _sum_gradients_across_workers(self.critic)
+        grad_norm = self._clip(self.critic)
+        self.critic_optimizer.step()
+        self.critic_scheduler.step()
+        self.critic_steps += 1
+        return {"critic/loss": loss_total, "critic/grad_norm": grad_norm,
+                "critic/value_mean": value_sum / max(float(batch.action_mask.sum()), 1.0),
+                "critic/lr": self.critic_scheduler.get_last_lr()[0]}
+
+    def _clip(self, module: torch.nn.Module) -> float:
+        params = [p for p in module.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def kept_fraction_metrics(batch: TrainBatch, kept_per_row: torch.Tensor) -> dict[str, float]:
+    """DIS kept fraction overall, per staleness and per length bucket (SAO.md: report the bias)."""
+    actions = batch.num_action_tokens.float()
+    metrics = {"actor/kept_frac": float(kept_per_row.sum() / actions.sum().clamp(min=1)),
+               "actor/all_masked_rows": float(((kept_per_row == 0) & (actions > 0)).sum())}
+    for staleness in sorted(set(batch.staleness.tolist())):
+        rows = batch.staleness == staleness
+        metrics[f"actor/kept_frac/staleness_{staleness}"] = float(
+            kept_per_row[rows].sum() / actions[rows].sum().clamp(min=1))
+        metrics[f"batch/staleness_count/{staleness}"] = float(rows.sum())
+    bucket_of = torch.bucketize(actions, torch.tensor(LENGTH_BUCKETS, dtype=torch.float32))
+    for bucket in sorted(set(bucket_of.tolist())):
+        rows = bucket_of == bucket
+        label = f"le_{LENGTH_BUCKETS[bucket]}" if bucket < len(LENGTH_BUCKETS) else f"gt_{LENGTH_BUCKETS[-1]}"
+        metrics[f"actor/kept_frac/length_{label}"] = float(kept_per_row[rows].sum() / actions[rows].sum().clamp(min=1))
+    return metrics

@@ -1,0 +1,221 @@
+"""The update step against a slow per-token reference of the same equations, and its invariances."""
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from sao.train.batch import collate, split_by_token_budget
+from sao.train.config import UpdateConfig
+from sao.train.step import Learner
+
+torch.use_deterministic_algorithms(True)
+
+
+class ValueModel(torch.nn.Module):
+    """A small critic for these tests: the policy's trunk and a scalar head, (B, L) values."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.model = copy.deepcopy(policy.model)
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    return Qwen3MoeForCausalLM(config)
+
+
+def row(tid, task, prompt, completion, mask, logprobs, reward, reason, version, temperature=1.0):
+    return {"trajectory_id": tid, "task_id": task, "prompt_ids": prompt, "completion_ids": completion,
+            "action_mask": mask, "logprobs": logprobs, "reward": reward, "termination_reason": reason,
+            "min_policy_version": version, "logprob_kind": "sampling",
+            "sampling": {"temperature": temperature, "top_k": None, "top_p": 1.0}}
+
+
+def hand_built_rows(policy):
+    """Three trajectories: two action segments around an observation (natural end), a truncated one,
+    and a short one; rollout log-probabilities are the current policy's shifted so DIS masks some."""
+    specs = [
+        ("t0", "a", [1, 2, 3], [10, 11, 40, 41, 12, 13], [1, 1, 0, 0, 1, 1], 1.0, "stop", 3, 1.0),
+        ("t1", "b", [4, 5], [20, 21, 22, 23, 24], [1, 1, 1, 1, 1], 0.0, "length", 2, 0.7),
+        ("t2", "a", [6, 7, 8, 9], [30, 31], [1, 1], 0.0, "stop", 4, 1.0),
+    ]
+    shifts = [[0.1, -0.5, 0, 0, 0.05, 2.0], [0.0, 0.2, -0.1, -1.5, 0.3], [0.0, 0.4]]
+    rows = []
+    for (tid, task, prompt, completion, mask, reward, reason, version, temp), shift in zip(specs, shifts, strict=True):
+        with torch.no_grad():
+            logp_now = reference_logprobs(policy, prompt, completion, temp)
+        logp = [min(0.0, lp + s) if m else 0.0 for lp, s, m in zip(logp_now, shift, mask, strict=True)]
+        rows.append(row(tid, task, prompt, completion, mask, logp, reward, reason, version, temp))
+    return rows
+
+
+def reference_logprobs(policy, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    logits = policy(input_ids=ids).logits[0].double() / temperature
+    return [float(torch.log_softmax(logits[len(prompt) + j - 1], -1)[tok]) for j, tok in enumerate(completion)]
+
+
+def reference_gae(rewards, values, bootstrap, gamma, lam):
+    out, last = [0.0] * len(rewards), 0.0
+    for i in reversed(range(len(rewards))):
+        nxt = values[i + 1] if i + 1 < len(rewards) else bootstrap
+        last = rewards[i] + gamma * nxt - values[i] + gamma * lam * last
+        out[i] = last
+    return out
+
+
+def reference_update(cfg, policy, critic, rows, trainer_version):
+    """One SAO update written token by token, without batching, padding or masks."""
+    eps_low, eps_high = cfg.eps_low, cfg.eps_high
+    total_actions = sum(sum(r["action_mask"]) for r in rows)
+    per_row = []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+            v = critic(input_ids=ids, attention_mask=torch.ones_like(ids))[0]
+            p = len(r["prompt_ids"])
+            actions = [j for j, m in enumerate(r["action_mask"]) if m]
+            values = [float(v[p + j - 1]) for j in actions]
+            v_end = float(v[-1]) if r["termination_reason"] in ("length", "turns", "timeout") else 0.0
+            rewards = [0.0] * len(actions)
+            rewards[-1] = r["reward"]
+            lam_policy = 1 - 1 / (cfg.alpha * len(actions))
+            adv = reference_gae(rewards, values, v_end, cfg.gamma, lam_policy)
+            ret = [a + b for a, b in zip(reference_gae(rewards, values, v_end, cfg.gamma, cfg.lam_critic), values, strict=True)]
+            per_row.append((actions, adv, ret))
+    # actor
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr_policy, weight_decay=cfg.weight_decay)
+    loss = 0.0
+    for r, (actions, adv, _) in zip(rows, per_row, strict=True):
+        ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+        logits = policy(input_ids=ids).logits[0] / r["sampling"]["temperature"]
+        p = len(r["prompt_ids"])
+        for k, j in enumerate(actions):
+            logp = torch.log_softmax(logits[p + j - 1], -1)[r["completion_ids"][j]]
+            rho = math.exp(float(logp.detach()) - r["logprobs"][j])
+            if 1 - eps_low < rho < 1 + eps_high:
+                loss = loss - rho * adv[k] * logp / total_actions
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(policy.parameters()), cfg.max_grad_norm)
+    optimizer.step()
+    # critic, K times
+    critic_optimizer = torch.optim.AdamW([q for q in critic.parameters() if q.requires_grad], lr=cfg.lr_critic,
+                                         weight_decay=cfg.weight_decay)
+    for step in range(cfg.critic_updates):
+        for group in critic_optimizer.param_groups:
+            group["lr"] = cfg.lr_critic * min(1.0, (step + 1) / cfg.warmup_steps_critic)
+        critic_optimizer.zero_grad()
+        loss = 0.0
+        for r, (actions, _, ret) in zip(rows, per_row, strict=True):
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+            v = critic(input_ids=ids, attention_mask=torch.ones_like(ids))[0]
+            p = len(r["prompt_ids"])
+            for k, j in enumerate(actions):
+                loss = loss + 0.5 * (v[p + j - 1] - ret[k]) ** 2 / total_actions
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([q for q in critic.parameters() if q.grad is not None], cfg.max_grad_norm)
+        critic_optimizer.step()
+
+
+CFG = UpdateConfig(eps_low=0.3, eps_high=0.5, lr_policy=1e-5, lr_critic=1e-5, warmup_steps_critic=2,
+                   critic_updates=2, token_budget=12)
+
+
+def record_optimizer_steps(monkeypatch):
+    """Record the gradients every AdamW step sees, in order (policy step, then K critic steps)."""
+    seen = []
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        seen.append([p.grad.clone() for group in self.param_groups for p in group["params"] if p.grad is not None])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return seen
+
+
+def test_one_sao_step_matches_the_slow_reference(monkeypatch):
+    # Gradients are compared at every optimiser step: Adam's first step moves each parameter by about
+    # lr * sign(grad), so comparing parameters would amplify float noise in near-zero gradients.
+    policy = tiny()
+    critic = ValueModel(tiny(1))
+    rows = hand_built_rows(policy)
+    ref_policy, ref_critic = copy.deepcopy(policy), copy.deepcopy(critic)
+    seen = record_optimizer_steps(monkeypatch)
+    metrics = Learner(CFG, policy, critic).update(collate(rows, trainer_version=5))
+    ours, seen[:] = list(seen), []
+    reference_update(CFG, ref_policy, ref_critic, rows, trainer_version=5)
+    assert len(ours) == len(seen) == 1 + CFG.critic_updates
+    for step, (a_grads, b_grads) in enumerate(zip(ours, seen, strict=True)):
+        assert len(a_grads) == len(b_grads)
+        for a, b in zip(a_grads, b_grads, strict=True):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), f"optimiser step {step}"
+    for a, b in zip(list(policy.parameters()) + list(critic.parameters()),
+                    list(ref_policy.parameters()) + list(ref_critic.parameters()), strict=True):
+        assert torch.allclose(a, b, atol=3 * CFG.lr_policy)
+    assert 0 < metrics["actor/kept_frac"] < 1  # the shifts above push some rho out of (0.7, 1.5)
+    assert metrics["batch/staleness_count/1"] == 1.0 and metrics["batch/staleness_count/3"] == 1.0
+
+
+def test_k_critic_updates_means_exactly_k_critic_optimiser_steps():
+    for k in (0, 1, 2, 3):
+        policy = tiny()
+        learner = Learner(UpdateConfig(critic_updates=k), policy, ValueModel(tiny(1)))
+        learner.update(collate(hand_built_rows(policy), trainer_version=5))
+        state = learner.critic_optimizer.state_dict()["state"]
+        steps = {int(s["step"]) for s in state.values()} if state else {0}
+        assert learner.critic_steps == k and steps == {k}
+        assert learner.policy_steps == 1
+
+
+@pytest.mark.parametrize("budget", [1, 7, 12, 30])
+def test_the_update_does_not_depend_on_how_the_batch_is_split(budget, monkeypatch):
+    base = tiny()
+    rows = hand_built_rows(base)
+    seen = record_optimizer_steps(monkeypatch)
+    runs = []
+    for token_budget in (10_000, budget):
+        policy, critic = copy.deepcopy(base), ValueModel(tiny(1))
+        Learner(UpdateConfig(eps_high=0.5, token_budget=token_budget, lr_policy=1e-5, lr_critic=1e-5),
+                policy, critic).update(collate(rows, trainer_version=5))
+        runs.append(list(seen))
+        seen.clear()
+    for whole, split in zip(*runs, strict=True):
+        for a, b in zip(whole, split, strict=True):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_split_by_token_budget_buckets_by_length():
+    policy = tiny()
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    # lengths: t0 9, t1 7, t2 6 -> budget 14 fits (t1, t2) as 2 x 7 but not t0 with t1 (2 x 9 = 18)
+    assert split_by_token_budget(batch, 14) == [[0], [1, 2]]
+    assert split_by_token_budget(batch, 1) == [[0], [1], [2]]
+    assert split_by_token_budget(batch, 100) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo_dis", "ppo_async", "running_mean"])
+def test_every_algorithm_runs_through_the_same_loop(algorithm):
+    policy = tiny()
+    cfg = UpdateConfig(algorithm=algorithm, eps_high=0.5)
+    critic = ValueModel(tiny(1)) if cfg.uses_critic else None
+    before = [p.detach().clone() for p in policy.parameters()]
+    metrics = Learner(cfg, policy, critic).update(collate(hand_built_rows(policy), trainer_version=5))
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters(), strict=True))
+
+
+def test_a_critic_algorithm_without_a_critic_is_refused():
+    with pytest.raises(ValueError, match="needs a critic"):
+        Learner(UpdateConfig(algorithm="sao"), tiny(), None)
