@@ -16,11 +16,12 @@ import torch
 
 from sao.algos.sampling import LogprobKind
 
-__all__ = ["BUDGET_REASONS", "TrainBatch", "collate", "completion_positions", "split_by_token_budget"]
+__all__ = ["NATURAL_END", "TrainBatch", "collate", "completion_positions", "split_by_token_budget"]
 
-# Termination reasons after which the return is bootstrapped with V(s_end); ``stop`` ends with 0.
-# ``cancelled`` and ``error`` trajectories are never trained on (the reader excludes them).
-BUDGET_REASONS = frozenset({"length", "turns", "timeout"})
+# Only a natural end (``stop``) has value 0 after its last token. Budget ends (length, turns, timeout)
+# bootstrap with V(s_end); so do ``cancelled`` and ``error`` ends: their sampled tokens are valid
+# actions of the behaviour policy and the return after them is unknown, exactly as after a budget end.
+NATURAL_END = "stop"
 
 
 class TrainBatch(NamedTuple):
@@ -34,7 +35,7 @@ class TrainBatch(NamedTuple):
         action_mask: (B, T) bool, completion tokens sampled by the policy.
         logp_rollout: (B, T) float32, engine log-probabilities (0 off actions).
         rewards: (B, T) float32, the trajectory reward on its last action token.
-        bootstrap: (B,) bool, True after a budget end (length, turns, timeout).
+        bootstrap: (B,) bool, True unless the trajectory ended naturally (``stop``).
         staleness: (B,) long, trainer version minus the oldest version that sampled the trajectory.
         group_ids: (B,) long, sequences sampled from the same prompt share an id (GRPO).
         scalar_rewards: (B,) float32, one reward per trajectory.
@@ -130,7 +131,7 @@ def collate(rows: Sequence[Mapping], trainer_version: int) -> TrainBatch:
         action_mask=action_mask,
         logp_rollout=logp_rollout,
         rewards=rewards,
-        bootstrap=torch.tensor([r["termination_reason"] in BUDGET_REASONS for r in rows]),
+        bootstrap=torch.tensor([r["termination_reason"] != NATURAL_END for r in rows]),
         staleness=torch.tensor([trainer_version - int(r["min_policy_version"]) for r in rows], dtype=torch.long),
         group_ids=torch.tensor([group_of[str(r["task_id"])] for r in rows], dtype=torch.long),
         scalar_rewards=torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32),

@@ -1,0 +1,200 @@
+"""The rollout driver: keeps trajectories in flight, feeds tasks, streams finished records to a sink.
+
+The sink is the lake writer in production (:class:`sao.lake.writer.TrajectoryWriter`, batched and
+idempotent); an in-memory queue exists only as a benchmark comparison. Back-pressure: a new trajectory
+starts only while fewer than ``max_in_flight`` run and the :class:`~sao.rollout.staleness.StalenessGate`
+allows it at the trainer's current version, so no trajectory is generated further ahead than the
+trainer can consume within ``max_staleness`` versions.
+
+Every launched task ends in exactly one record handed to the sink (the agent loop turns failures into
+``error`` / ``cancelled`` records); a replica that dies mid-rollout surfaces as an exception from the
+handle, which the driver records as an ``error`` trajectory and, if ``retry_failed``, relaunches the
+task under a new trajectory id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Protocol
+
+from sao.envs.base import Task
+from sao.lake.records import TrajectoryRecord
+from sao.rollout.staleness import StalenessGate
+
+__all__ = ["DriverConfig", "DriverStats", "RolloutDriver", "TrajectorySink"]
+
+log = logging.getLogger(__name__)
+
+
+class TrajectorySink(Protocol):
+    """Where finished trajectories go (the lake writer, or a queue in benchmarks)."""
+
+    def add_many(self, records: list[TrajectoryRecord]) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DriverConfig:
+    """Attributes:
+        max_in_flight: trajectories generated at once (across replicas).
+        batch_size: trajectories the trainer consumes per version (for the staleness gate).
+        max_staleness: versions a trajectory may lag when consumed; None turns the gate off.
+        seed: base of the per-trajectory sampling seeds.
+        retry_failed: relaunch a task whose replica failed (under a new trajectory id).
+        version_poll_s: how often the trainer's version is re-read while the gate is closed.
+    """
+
+    max_in_flight: int = 64
+    batch_size: int = 16
+    max_staleness: int | None = 4
+    seed: int = 0
+    retry_failed: bool = True
+    version_poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+
+
+@dataclasses.dataclass
+class DriverStats:
+    """What a driver run did (for progress output and the speed benchmark)."""
+
+    launched: int = 0
+    finished: int = 0
+    retried: int = 0
+    by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    wall_s: float = 0.0
+    slot_busy_s: float = 0.0  # sum over trajectories of their generation wall time
+
+    def slot_utilisation(self, max_in_flight: int) -> float:
+        return self.slot_busy_s / (self.wall_s * max_in_flight) if self.wall_s > 0 else 0.0
+
+
+class RolloutDriver:
+    """Drives a rollout app (anything with ``rollout.remote(task, run_id, trajectory_id, seed)``).
+
+    Args:
+        rollout: the Serve handle (``rollout_handle()``) or any object with the same method.
+        sink: receives every finished record.
+        run_id: recorded in every trajectory.
+        config: driver settings.
+        trainer_version: async callable returning the trainer's current policy version.
+        initial_version: the version the run starts (or resumes) at.
+        on_record: optional callback per finished record (progress bars, counters).
+    """
+
+    def __init__(self, rollout, sink: TrajectorySink, run_id: str, config: DriverConfig | None = None,
+                 trainer_version: Callable[[], Awaitable[int]] | None = None, initial_version: int = 0,
+                 on_record: Callable[[TrajectoryRecord], None] | None = None) -> None:
+        self.rollout = rollout
+        self.sink = sink
+        self.run_id = run_id
+        self.config = config or DriverConfig()
+        self.trainer_version = trainer_version
+        self.on_record = on_record
+        cfg = self.config
+        self.gate = (StalenessGate(cfg.batch_size, cfg.max_staleness, initial_version)
+                     if cfg.max_staleness is not None and trainer_version is not None else None)
+        self.stats = DriverStats()
+        self._sink_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sink")
+
+    async def _capacity(self) -> int:
+        room = self.config.max_in_flight
+        if self.gate is None:
+            return room
+        return min(room, self.gate.capacity(await self.trainer_version()))
+
+    async def run(self, tasks: Iterable[Task], limit: int | None = None,
+                  stop: asyncio.Event | None = None) -> DriverStats:
+        """Roll out tasks until ``tasks`` is exhausted, ``limit`` trajectories finished, or ``stop``."""
+        started = time.monotonic()
+        source: Iterator[Task] = iter(tasks)
+        retry: collections.deque[Task] = collections.deque()
+        running: dict[asyncio.Future, tuple[Task, float]] = {}
+        exhausted = False
+        index = 0
+        pending_sink: list[asyncio.Future] = []
+        while True:
+            stopping = (stop is not None and stop.is_set()) or (limit is not None and self.stats.launched >= limit)
+            if not stopping and not exhausted:
+                free = await self._capacity() - len(running)
+                while free > 0 and (limit is None or self.stats.launched < limit):
+                    task = retry.popleft() if retry else next(source, None)
+                    if task is None:
+                        exhausted = True
+                        break
+                    trajectory_id = uuid.uuid4().hex
+                    seed = self.config.seed * 1_000_003 + index
+                    index += 1
+                    future = asyncio.ensure_future(self._call(task, trajectory_id, seed))
+                    running[future] = (task, time.monotonic())
+                    self.stats.launched += 1
+                    if self.gate is not None:
+                        self.gate.start()
+                    free -= 1
+            if not running:
+                if exhausted or stopping:
+                    break
+                await asyncio.sleep(self.config.version_poll_s)  # gate closed: wait for the trainer
+                continue
+            done, _ = await asyncio.wait(running, timeout=self.config.version_poll_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            records = []
+            for future in done:
+                task, began = running.pop(future)
+                self.stats.slot_busy_s += time.monotonic() - began
+                record, failed = future.result()
+                records.append(record)
+                if failed and self.config.retry_failed and not stopping:
+                    retry.append(task)
+                    self.stats.retried += 1
+            if records:
+                self.stats.finished += len(records)
+                for record in records:
+                    self.stats.by_reason[str(record.termination_reason)] += 1
+                    if self.on_record is not None:
+                        self.on_record(record)
+                loop = asyncio.get_running_loop()
+                pending_sink.append(loop.run_in_executor(self._sink_thread, self.sink.add_many, records))
+                for finished in [f for f in pending_sink if f.done()]:
+                    finished.result()  # a sink failure stops the run loudly
+                    pending_sink.remove(finished)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*pending_sink)
+        await loop.run_in_executor(self._sink_thread, self.sink.flush)
+        self.stats.wall_s = time.monotonic() - started
+        return self.stats
+
+    async def _call(self, task: Task, trajectory_id: str, seed: int) -> tuple[TrajectoryRecord, bool]:
+        """One rollout; a failing replica becomes an ``error`` record (and a retry, if configured)."""
+        try:
+            record = await self.rollout.rollout.remote(task, self.run_id, trajectory_id, seed)
+            return record, False
+        except Exception as exc:
+            log.warning("rollout %s of task %s failed on its replica: %s", trajectory_id, task.task_id, exc)
+            return failed_record(task, self.run_id, trajectory_id, f"{type(exc).__name__}: {exc}"), True
+
+
+def failed_record(task: Task, run_id: str, trajectory_id: str, message: str) -> TrajectoryRecord:
+    """An ``error`` trajectory with no tokens, for a rollout whose replica failed before answering."""
+    from sao.lake.records import SamplingParams, Timings, utc_now
+
+    now = utc_now()
+    log.info("recording %s as error: %s", trajectory_id, message)
+    return TrajectoryRecord(
+        trajectory_id=trajectory_id, run_id=run_id, task_id=task.task_id, env_name=task.env, prompt_ids=[],
+        completion_ids=[], action_mask=[], logprobs=[], logprob_kind="sampling", segments=(), reward=0.0,
+        termination_reason="error", num_turns=0,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=None, max_tokens=1, seed=None),
+        tokenizer_version="unknown", chat_template_version="unknown", engine_name="unknown",
+        engine_version="unknown", worker_id="driver", timings=Timings(now, now, now, 0.0, 0.0),
+    )

@@ -1,0 +1,53 @@
+"""Back-pressure on staleness: how many trajectories may be started at a given trainer version.
+
+Staleness of a trajectory at trainer version v is ``v - (oldest version that sampled it)``. If the
+trainer consumes ``batch_size`` trajectories per version and at most ``max_staleness`` is allowed, a
+trajectory started now (at version v) must be consumed by version ``v + max_staleness``. So the total
+number of trajectories started may not exceed ``(v + max_staleness + 1) * batch_size`` (the rule of
+AReaL's staleness manager). Generation never runs further ahead than the trainer can absorb; with
+``max_staleness = 0`` it degenerates to synchronous batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+__all__ = ["StalenessGate", "VersionProvider"]
+
+
+class VersionProvider(Protocol):
+    """Anything that knows the trainer's current policy version."""
+
+    def current_version(self) -> int: ...
+
+
+@dataclasses.dataclass
+class StalenessGate:
+    """Counts started trajectories and says how many more may start.
+
+    Attributes:
+        batch_size: trajectories the trainer consumes per policy version.
+        max_staleness: versions a trajectory may lag when it is consumed.
+        initial_version: the version counting starts from (a resumed run starts at its version).
+        started: trajectories started so far (including those already consumed).
+    """
+
+    batch_size: int
+    max_staleness: int
+    initial_version: int = 0
+    started: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def capacity(self, trainer_version: int) -> int:
+        """How many more trajectories may start now."""
+        steps = trainer_version - self.initial_version + self.max_staleness + 1
+        return max(0, steps * self.batch_size - self.started)
+
+    def start(self, count: int = 1) -> None:
+        self.started += count

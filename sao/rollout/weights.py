@@ -1,0 +1,116 @@
+"""Weight publication through the Ray object store.
+
+The trainer puts a state dict into the object store once per version and tells the broker, a small
+named actor. Every rollout replica polls the broker and, on a newer version, fetches the weights
+(zero-copy for tensors on the same node) and hands them to its engine, which swaps them in between
+decode steps. Replicas acknowledge the version they run, so the publisher can measure how long a
+version takes to reach all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+__all__ = ["WeightBroker", "WeightSubscriber", "broker_name", "get_or_create_broker", "publish_weights"]
+
+log = logging.getLogger(__name__)
+
+
+def broker_name(app_name: str) -> str:
+    return f"{app_name}-weights"
+
+
+class WeightBroker:
+    """Holds the newest (version, object ref) and the versions replicas report (a Ray actor)."""
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._refs: list = []
+        self._published_at: dict[int, float] = {}
+        self._acks: dict[str, tuple[int, float]] = {}
+
+    def publish(self, version: int, refs: list) -> int:
+        if version <= self._version:
+            raise ValueError(f"version {version} is not newer than the published version {self._version}")
+        self._version, self._refs = version, refs
+        self._published_at[version] = time.time()
+        return version
+
+    def latest(self) -> tuple[int, list]:
+        return self._version, self._refs
+
+    def latest_version(self) -> int:
+        return self._version
+
+    def ack(self, replica_id: str, version: int) -> None:
+        self._acks[replica_id] = (version, time.time())
+
+    def replica_versions(self) -> dict[str, int]:
+        return {replica: version for replica, (version, _) in self._acks.items()}
+
+    def publish_latency(self, version: int, replicas: int) -> float | None:
+        """Seconds from publication of ``version`` until ``replicas`` replicas run it (None if not yet)."""
+        published = self._published_at.get(version)
+        reached = sorted(at for v, at in self._acks.values() if v >= version)
+        if published is None or len(reached) < replicas:
+            return None
+        return reached[replicas - 1] - published
+
+
+def get_or_create_broker(app_name: str):
+    """The broker actor of a Serve app (created on first use, detached so it outlives a driver)."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(WeightBroker)
+    return actor.options(name=broker_name(app_name), get_if_exists=True, lifetime="detached").remote()
+
+
+def publish_weights(broker, version: int, weights: Mapping[str, torch.Tensor]) -> float:
+    """Put ``weights`` into the object store and announce them; returns seconds spent."""
+    import ray
+
+    start = time.perf_counter()
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
+    ref = ray.put(state)
+    ray.get(broker.publish.remote(version, [ref]))
+    return time.perf_counter() - start
+
+
+class WeightSubscriber:
+    """Polls the broker from a replica and applies newer weights through ``apply(version, weights)``."""
+
+    def __init__(self, broker, replica_id: str, current_version: Callable[[], int],
+                 apply: Callable[[int, Mapping[str, torch.Tensor]], None], interval_s: float = 0.02) -> None:
+        self._broker = broker
+        self._replica_id = replica_id
+        self._current_version = current_version
+        self._apply = apply
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weight-subscriber", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import ray
+
+        acked = -1
+        while not self._stop.wait(self._interval_s):
+            try:
+                version, refs = ray.get(self._broker.latest.remote())
+                if version > self._current_version() and refs:
+                    self._apply(version, ray.get(refs[0]))
+                running = self._current_version()
+                if running != acked:
+                    self._broker.ack.remote(self._replica_id, running)
+                    acked = running
+            except Exception:  # the broker may be restarting; try again next tick
+                log.exception("weight subscriber poll failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,289 @@
+"""The training loop: read unconsumed trajectories from Delta, update, commit, publish.
+
+Each step (one actor update):
+
+1. rank 0 asks the lake reader for the next ``batch_size`` unconsumed trajectories of the run within
+   ``max_staleness`` of the current version, pinned to one ``trajectories`` snapshot (it waits while
+   fewer have arrived); the snapshot version and the ids go to every worker;
+2. every worker reads its shard of those rows from the pinned snapshot and runs
+   :meth:`sao.train.step.Learner.update` (gradients are summed across workers);
+3. rank 0 writes the checkpoint of the new version, then the ``train_steps`` row (the commit point: the
+   step happened, its trajectories are consumed), then the ``policy_versions`` row, then publishes the
+   weights to the rollout replicas.
+
+Resume: the last ``train_steps`` row of the run names the version to load; its checkpoint is complete
+before the row is written, so a crash anywhere loses at most the step in flight, and that step's
+trajectories are offered again (nothing consumed twice, nothing skipped). Trajectories beyond
+``max_staleness`` stay in the table and are counted in the metrics, never deleted.
+
+:func:`train_worker` is the body of one worker; :func:`run_training` runs it in-process (one worker)
+and :func:`sao.train.ray_trainer.fit` runs it on Ray Train workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from sao.lake.config import LakeConfig
+from sao.lake.ledger import record_train_step, register_policy_version
+from sao.lake.reader import TrajectoryReader, read_trajectories
+from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
+from sao.lake.store import Lake
+from sao.models.critic import Critic, load_critic
+from sao.models.policy import load_policy
+from sao.models.tokenizer import load_tokenizer
+from sao.train.batch import collate
+from sao.train.checkpoint import load_checkpoint, save_checkpoint, weights_hash
+from sao.train.config import UpdateConfig
+from sao.train.step import Learner
+from schemas import train_steps
+
+__all__ = ["StepReport", "TrainConfig", "last_committed_step", "prepare_run", "run_training", "train_worker"]
+
+log = logging.getLogger(__name__)
+
+# Columns the trainer reads from ``trajectories`` (everything else stays in the lake).
+TRAIN_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs",
+                 "logprob_kind", "reward", "termination_reason", "min_policy_version", "num_action_tokens",
+                 "sampling")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    Attributes:
+        run_id: the run (partition of every table); a re-run with the same id resumes.
+        lake: where the tables live.
+        checkpoint_root: where every version's checkpoint goes.
+        policy_path: the version-0 policy (SFT warm start) directory.
+        critic_path: a pretrained critic directory; None builds one from the policy.
+        update: the algorithm and its settings.
+        batch_size: trajectories per actor update.
+        max_staleness: most versions a trajectory may lag when trained on.
+        total_steps: actor updates of the run (a resumed run continues to this count).
+        seed: torch seed of the run.
+        deterministic: ``torch.use_deterministic_algorithms`` (bit-exact replay on CPU).
+        torch_threads: intra-op threads per worker.
+        wait_timeout_s: longest wait for a batch to arrive before the run fails.
+        poll_s: how often the reader looks for new trajectories while waiting.
+        app_name: rollout app whose replicas receive new weights (None: do not publish).
+    """
+
+    run_id: str
+    lake: LakeConfig
+    checkpoint_root: str
+    policy_path: str
+    critic_path: str | None = None
+    update: UpdateConfig = UpdateConfig()
+    batch_size: int = 16
+    max_staleness: int = 4
+    total_steps: int = 20
+    seed: int = 0
+    deterministic: bool = True
+    torch_threads: int = 1
+    wait_timeout_s: float = 900.0
+    poll_s: float = 0.1
+    app_name: str | None = "rollout"
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.total_steps < 0:
+            raise ValueError(f"total_steps must be >= 0, got {self.total_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one committed step did (passed to the progress callback)."""
+
+    step: int
+    version: int
+    trajectories_version: int
+    trajectory_ids: tuple[str, ...]
+    metrics: dict[str, float]
+
+
+def last_committed_step(lake: Lake, run_id: str) -> tuple[int, int] | None:
+    """(step, policy_version_after) of the run's last ``train_steps`` row, or None."""
+    rows = lake.read(train_steps.NAME, columns=["step", "policy_version_after"],
+                     predicate=f"run_id = '{run_id}'")
+    if rows.num_rows == 0:
+        return None
+    last = max(rows.to_pylist(), key=lambda r: r["step"])
+    return int(last["step"]), int(last["policy_version_after"])
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast(obj):
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _load_models(cfg: TrainConfig, version: int):
+    """Policy, critic and trainer state at ``version`` (version 0 may come from the SFT directory)."""
+    root = Path(cfg.checkpoint_root)
+    try:
+        checkpoint = load_checkpoint(root, version, with_critic=cfg.update.uses_critic)
+        return checkpoint.policy, checkpoint.critic, checkpoint.trainer_state
+    except FileNotFoundError:
+        if version != 0:
+            raise
+    policy = load_policy(cfg.policy_path)
+    critic = None
+    if cfg.update.uses_critic:
+        critic = load_critic(cfg.critic_path) if cfg.critic_path else Critic.from_policy(policy)
+    return policy, critic, None
+
+
+def _publisher(cfg: TrainConfig):
+    if cfg.app_name is None:
+        return None
+    from sao.rollout.weights import get_or_create_broker, publish_weights
+
+    broker = get_or_create_broker(cfg.app_name)
+    return lambda version, policy: publish_weights(broker, version, policy.state_dict())
+
+
+def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int):
+    """Block until ``batch_size`` eligible trajectories are in the lake; returns the MicroBatch."""
+    deadline = time.monotonic() + cfg.wait_timeout_s
+    held: list[pa.Table] = []
+    snapshot = None
+    stale = 0
+    while True:
+        want = cfg.batch_size - sum(t.num_rows for t in held)
+        micro = reader.next_micro_batch(version, cfg.max_staleness, want)
+        stale += micro.skipped_stale
+        if len(micro):
+            held.append(micro.data)
+        snapshot = micro.snapshot_version
+        if sum(t.num_rows for t in held) >= cfg.batch_size:
+            return snapshot, pa.concat_tables(held), stale
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"run {cfg.run_id!r}: only {sum(t.num_rows for t in held)} of {cfg.batch_size} trajectories "
+                f"arrived within {cfg.wait_timeout_s} s at version {version} (max_staleness {cfg.max_staleness})"
+            )
+        time.sleep(cfg.poll_s)
+
+
+def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
+                 on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+    """The body of one training worker (see the module docstring). ``max_steps`` stops early (tests)."""
+    rank, world = _rank_world()
+    torch.set_num_threads(cfg.torch_threads)
+    torch.use_deterministic_algorithms(cfg.deterministic)
+    lake = Lake.open(cfg.lake)
+    resumed = last_committed_step(lake, cfg.run_id)
+    step, version = (0, 0) if resumed is None else (resumed[0] + 1, resumed[1])
+    torch.manual_seed(cfg.seed + version)
+    policy, critic, trainer_state = _load_models(cfg, version)
+    tokenizer = load_tokenizer(cfg.policy_path)
+    learner = Learner(cfg.update, policy, critic)
+    if trainer_state is not None:
+        learner.load_state_dict(trainer_state)
+    publish = _publisher(cfg) if rank == 0 else None
+    if rank == 0:
+        _ensure_version_registered(lake, cfg, version, policy, critic, tokenizer, learner, step - 1)
+        if publish is not None and version > 0:
+            publish(version, policy)  # replicas may be behind after a restart
+    reader = TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS) if rank == 0 else None
+    reports: list[StepReport] = []
+    while step < cfg.total_steps and (max_steps is None or len(reports) < max_steps):
+        started_at = utc_now()
+        t0 = time.perf_counter()
+        selection = None
+        if rank == 0:
+            snapshot, table, stale = _wait_for_batch(reader, cfg, version)
+            selection = (snapshot, table.column("trajectory_id").to_pylist(), stale)
+        snapshot, ids, stale = _broadcast(selection)
+        read_s = time.perf_counter() - t0
+        rows = read_trajectories(lake, version=snapshot, run_id=cfg.run_id, trajectory_ids=ids,
+                                 columns=TRAIN_COLUMNS).to_pylist()
+        full = collate(rows, trainer_version=version)
+        sequence_advantages = learner.sequence_advantages(full.scalar_rewards, full.group_ids)
+        shard = list(range(rank, len(rows), world))
+        batch = full.select(shard)
+        t1 = time.perf_counter()
+        metrics = learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard])
+        update_s = time.perf_counter() - t1
+        metrics["batch/stale_skipped"] = float(stale)
+        metrics["batch/world_size"] = float(world)
+        version += 1
+        if rank == 0:
+            t2 = time.perf_counter()
+            _, digest = save_checkpoint(cfg.checkpoint_root, version, policy, tokenizer, critic, learner.state_dict())
+            record_train_step(lake, TrainStepRecord(
+                run_id=cfg.run_id, step=step, policy_version_before=version - 1, policy_version_after=version,
+                trajectories_version=snapshot, trajectory_ids=tuple(ids), started_at=started_at,
+                finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
+                timings={"wait_read_s": read_s, "update_s": update_s, "commit_s": time.perf_counter() - t2},
+            ))
+            register_policy_version(lake, PolicyVersionRecord(
+                run_id=cfg.run_id, version=version, parent_version=version - 1,
+                checkpoint_uri=str(Path(cfg.checkpoint_root, f"v{version:06d}").resolve()),
+                weights_hash=digest, step=step))
+            if publish is not None:
+                metrics["time/publish_s"] = publish(version, policy)
+            report = StepReport(step, version, snapshot, tuple(ids), metrics)
+            reports.append(report)
+            if on_step is not None:
+                on_step(report)
+        else:
+            reports.append(StepReport(step, version, snapshot, tuple(ids), metrics))
+        if world > 1:
+            dist.barrier()
+        step += 1
+    return reports
+
+
+def _ensure_version_registered(lake: Lake, cfg: TrainConfig, version: int, policy, critic, tokenizer,
+                               learner: Learner, step: int) -> None:
+    """Version 0 gets its checkpoint and ``policy_versions`` row at the start of a run; after a crash
+    between a step's commit and its version row, the row is written now (idempotent)."""
+    path = Path(cfg.checkpoint_root, f"v{version:06d}")
+    if not (path / "COMPLETE").exists():
+        save_checkpoint(cfg.checkpoint_root, version, policy, tokenizer, critic, learner.state_dict())
+    register_policy_version(lake, PolicyVersionRecord(
+        run_id=cfg.run_id, version=version, parent_version=None if version == 0 else version - 1,
+        checkpoint_uri=str(path.resolve()), weights_hash=weights_hash(policy),
+        step=None if version == 0 else step))
+
+
+def prepare_run(cfg: TrainConfig) -> int:
+    """Open the lake and make sure the run's current version has its checkpoint and
+    ``policy_versions`` row (version 0 from ``policy_path`` for a new run); returns that version.
+    Rollouts of a run may start only after this (the lake refuses versions not yet registered)."""
+    lake = Lake.open(cfg.lake)
+    resumed = last_committed_step(lake, cfg.run_id)
+    step, version = (0, 0) if resumed is None else (resumed[0] + 1, resumed[1])
+    policy, critic, state = _load_models(cfg, version)
+    learner = Learner(cfg.update, policy, critic)
+    if state is not None:
+        learner.load_state_dict(state)
+    _ensure_version_registered(lake, cfg, version, policy, critic, load_tokenizer(cfg.policy_path), learner, step - 1)
+    return version
+
+
+def run_training(cfg: TrainConfig, **kwargs) -> list[StepReport]:
+    """Run :func:`train_worker` in this process (one worker, no process group)."""
+    return train_worker(cfg, **kwargs)

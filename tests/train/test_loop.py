@@ -1,0 +1,128 @@
+"""The training loop in-process: reads from Delta, commits steps, exactly-once across a killed trainer."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sao.envs import make_env
+from sao.envs.math_tool import MathToolConfig, generate_tasks
+from sao.lake.config import LakeConfig, WriterConfig
+from sao.lake.ledger import consumed_ids
+from sao.lake.store import Lake
+from sao.lake.writer import TrajectoryWriter
+from sao.models.policy import load_policy
+from sao.rollout.agent import AgentConfig, AgentLoop
+from sao.rollout.torch_engine import TorchEngine
+from sao.train.checkpoint import load_checkpoint, weights_hash
+from sao.train.config import UpdateConfig
+from sao.train.loop import TrainConfig, prepare_run, run_training
+
+
+def make_config(tmp_path, policy_dir, **kw):
+    fields = dict(run_id="run-a", lake=LakeConfig(root=str(tmp_path / "lake")),
+                  checkpoint_root=str(tmp_path / "ckpt"), policy_path=str(policy_dir),
+                  update=UpdateConfig(token_budget=4096), batch_size=4, max_staleness=8, total_steps=2,
+                  app_name=None, wait_timeout_s=30, poll_s=0.02)
+    fields.update(kw)
+    return TrainConfig(**fields)
+
+
+def roll_out(policy_dir, tokenizer, lake, run_id, count, seed=0):
+    """``count`` real trajectories of the version-0 policy on math_tool, written to the lake."""
+    engine = TorchEngine(load_policy(policy_dir))
+    loop = AgentLoop(engine, tokenizer, lambda task: make_env(task.env), AgentConfig(max_tokens=24, max_turns=2))
+    tasks = generate_tasks(MathToolConfig(num_train=count, num_heldout=0, seed=seed))
+
+    async def many():
+        return await asyncio.gather(*[loop.run(t, run_id=run_id, seed=seed * 100 + i) for i, t in enumerate(tasks)])
+
+    records = asyncio.run(many())
+    engine.close()
+    loop.close()
+    with TrajectoryWriter(lake, WriterConfig(flush_rows=5, background_flush=False)) as writer:
+        writer.add_many(records)
+    return [r.trajectory_id for r in records]
+
+
+@pytest.fixture
+def cfg(tmp_path, policy_dir):
+    return make_config(tmp_path, policy_dir)
+
+
+def test_steps_read_from_the_lake_commit_and_register_versions(cfg, policy_dir, tokenizer):
+    assert prepare_run(cfg) == 0
+    lake = Lake.open(cfg.lake)
+    ids = roll_out(policy_dir, tokenizer, lake, cfg.run_id, 12)
+    before = weights_hash(load_policy(policy_dir))
+    reports = run_training(cfg)
+    assert [r.step for r in reports] == [0, 1] and [r.version for r in reports] == [1, 2]
+    consumed = consumed_ids(lake, cfg.run_id).to_pylist()
+    assert len(consumed) == 8 == len(set(consumed)) and set(consumed) <= set(ids)
+    assert set(consumed) == set(reports[0].trajectory_ids) | set(reports[1].trajectory_ids)
+    versions = lake.read("policy_versions", predicate="run_id = 'run-a'").sort_by("version").to_pylist()
+    assert [v["version"] for v in versions] == [0, 1, 2]
+    assert versions[0]["weights_hash"] == before
+    for row in versions[1:]:
+        checkpoint = load_checkpoint(cfg.checkpoint_root, row["version"])
+        assert weights_hash(checkpoint.policy) == row["weights_hash"] != before
+    steps = lake.read("train_steps", predicate="run_id = 'run-a'").sort_by("step").to_pylist()
+    metrics = dict(steps[0]["metrics"])
+    assert 0.0 <= metrics["actor/kept_frac"] <= 1.0 and "critic/loss" in metrics
+    assert steps[1]["trajectories_version"] >= steps[0]["trajectories_version"]
+    # A resumed run continues at step 2 with the remaining four trajectories.
+    more = run_training(TrainConfig(**{**cfg.__dict__, "total_steps": 3}))
+    assert [r.step for r in more] == [2]
+    assert sorted(consumed_ids(lake, cfg.run_id).to_pylist()) == sorted(ids)
+
+
+def test_stale_trajectories_are_kept_and_reported_not_trained(cfg, policy_dir, tokenizer):
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 4)
+    run_training(cfg.__class__(**{**cfg.__dict__, "total_steps": 1}))  # version 1 now
+    old = roll_out(policy_dir, tokenizer, lake, cfg.run_id, 4, seed=1)  # sampled by version 0: staleness 1
+    strict = cfg.__class__(**{**cfg.__dict__, "max_staleness": 0, "total_steps": 2, "wait_timeout_s": 1.0})
+    with pytest.raises(TimeoutError, match="only 0 of 4 trajectories"):
+        run_training(strict)
+    stored = lake.read("trajectories", columns=["trajectory_id"]).column(0).to_pylist()
+    assert set(old) <= set(stored)
+    assert not set(old) & set(consumed_ids(lake, cfg.run_id).to_pylist())
+
+
+KILL_SCRIPT = textwrap.dedent('''
+    import sys, time
+    from sao.train.loop import run_training
+    from tests.train.test_loop import make_config
+    import pathlib
+    cfg = make_config(pathlib.Path(sys.argv[1]), sys.argv[2], total_steps=6)
+    def slow(report):
+        print("committed", report.step, flush=True)
+        time.sleep(30)  # the parent kills us here, after the commit of step 0
+    run_training(cfg, on_step=slow)
+''')
+
+
+def test_a_killed_trainer_resumes_with_no_trajectory_consumed_twice_or_skipped(tmp_path, policy_dir, tokenizer):
+    cfg = make_config(tmp_path, policy_dir, total_steps=6)
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    ids = roll_out(policy_dir, tokenizer, lake, cfg.run_id, 12)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    child = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(policy_dir)],
+                             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("committed 0"), line
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    reports = run_training(TrainConfig(**{**cfg.__dict__, "total_steps": 3}))
+    assert [r.step for r in reports] == [1, 2]
+    consumed = consumed_ids(lake, cfg.run_id).to_pylist()
+    assert len(consumed) == len(set(consumed)) == 12
+    assert sorted(consumed) == sorted(ids)
