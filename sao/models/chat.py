@@ -1,0 +1,234 @@
+"""The conversation format as token ids: what the agent loop, the SFT and the evaluator share.
+
+A trajectory is ``prompt | action | observation | action | ... | action``:
+
+    prompt       <|im_start|>user\\n{question}<|im_end|>\\n<|im_start|>assistant\\n      (chat template)
+    action       <tool_call>{code}</tool_call>                     sampled; ends at a stop id
+    observation  <|im_end|>\\n<|im_start|>tool\\n<tool_response>{output}</tool_response><|im_end|>\\n
+                 <|im_start|>assistant\\n                                        inserted, action_mask 0
+    action       <answer>{number}</answer><|im_end|>                 sampled; the natural end
+
+An action segment ends when the policy samples one of :attr:`ChatTokens.stop_token_ids`:
+``</tool_call>`` (a tool call: the environment answers with an observation) or ``<|im_end|>`` (the turn,
+and the episode, is over). The observation closes the assistant turn itself (the ``<|im_end|>`` after
+``</tool_call>`` is inserted, never sampled), so the concatenation of the segments equals the chat
+template's rendering of the same conversation, token for token (tested).
+
+Tool output is encoded with special tokens split into ordinary text, so a program that prints
+``<|im_end|>`` cannot forge a turn boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # transformers is only needed by callers that hold a tokenizer
+    from transformers import PreTrainedTokenizerBase
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+ANSWER_START, ANSWER_END = "<answer>", "</answer>"
+# Every special token of the format; the order fixes the ids of our tokenizer (0 .. len - 1).
+SPECIAL_TOKENS: tuple[str, ...] = (
+    PAD_TOKEN,
+    IM_START,
+    IM_END,
+    TOOL_CALL_START,
+    TOOL_CALL_END,
+    TOOL_RESPONSE_START,
+    TOOL_RESPONSE_END,
+    ANSWER_START,
+    ANSWER_END,
+)
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "ChatTokens",
+    "FinalAnswer",
+    "Message",
+    "Reply",
+    "ToolCall",
+    "action_text",
+    "observation_ids",
+    "observation_text",
+    "parse_action",
+    "parse_chat",
+    "prompt_ids",
+    "tool_call_message",
+]
+
+Message = dict[str, Any]  # a Hugging Face chat message: {"role", "content", optional "tool_calls"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTokens:
+    """The special token ids of a tokenizer that follows this format.
+
+    Attributes:
+        pad_id: padding (``<|endoftext|>``), never sampled on purpose.
+        im_start_id / im_end_id: turn delimiters; ``im_end_id`` is the natural end of an episode.
+        tool_call_start_id / tool_call_end_id: around the code of a tool call; the end is a stop id.
+        tool_response_start_id / tool_response_end_id: around a tool's output in an observation.
+        answer_start_id / answer_end_id: around a final answer.
+    """
+
+    pad_id: int
+    im_start_id: int
+    im_end_id: int
+    tool_call_start_id: int
+    tool_call_end_id: int
+    tool_response_start_id: int
+    tool_response_end_id: int
+    answer_start_id: int
+    answer_end_id: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> ChatTokens:
+        """Resolve the ids; raises ``ValueError`` naming every token the tokenizer lacks."""
+        names = {
+            "pad_id": PAD_TOKEN,
+            "im_start_id": IM_START,
+            "im_end_id": IM_END,
+            "tool_call_start_id": TOOL_CALL_START,
+            "tool_call_end_id": TOOL_CALL_END,
+            "tool_response_start_id": TOOL_RESPONSE_START,
+            "tool_response_end_id": TOOL_RESPONSE_END,
+            "answer_start_id": ANSWER_START,
+            "answer_end_id": ANSWER_END,
+        }
+        vocab = tokenizer.get_vocab()
+        missing = [token for token in names.values() if token not in vocab]
+        if missing:
+            raise ValueError(f"the tokenizer lacks the special tokens {missing} that this chat format needs")
+        return cls(**{field: vocab[token] for field, token in names.items()})
+
+    @property
+    def stop_token_ids(self) -> tuple[int, int]:
+        """Ids that end an action segment: ``</tool_call>`` (tool call) and ``<|im_end|>`` (end of turn)."""
+        return (self.tool_call_end_id, self.im_end_id)
+
+
+class ToolCall(NamedTuple):
+    """The action asked the Python tool to run ``code``."""
+
+    code: str
+
+
+class FinalAnswer(NamedTuple):
+    """The action gave a final answer ``<answer>...</answer>`` (``answer`` stripped of whitespace)."""
+
+    answer: str
+
+
+class Reply(NamedTuple):
+    """The action ended the turn with plain text (no complete tool call, no answer tags)."""
+
+    text: str
+
+
+_TOOL_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+_ANSWER = re.compile(re.escape(ANSWER_START) + r"(.*?)" + re.escape(ANSWER_END), re.DOTALL)
+
+
+def parse_action(text: str) -> ToolCall | FinalAnswer | Reply:
+    """Read one decoded action segment (special tokens kept).
+
+    A segment that ends with a complete ``<tool_call>...</tool_call>`` is a :class:`ToolCall` (the last
+    one: the stop id ended it). Otherwise the first ``<answer>...</answer>`` is a :class:`FinalAnswer`;
+    anything else (an unclosed tag, plain text) is a :class:`Reply` without the trailing ``<|im_end|>``.
+    """
+    body = text.strip()
+    if body.endswith(TOOL_CALL_END):
+        calls = _TOOL_CALL.findall(body)
+        if calls:
+            return ToolCall(calls[-1])
+    answer = _ANSWER.search(body)
+    if answer is not None:
+        return FinalAnswer(answer.group(1).strip())
+    return Reply(body.removesuffix(IM_END).rstrip())
+
+
+def tool_call_message(code: str, content: str = "") -> Message:
+    """An assistant message with one Python tool call, in the Hugging Face ``tool_calls`` format."""
+    call = {"type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+    return {"role": "assistant", "content": content, "tool_calls": [call]}
+
+
+def action_text(message: Message) -> str:
+    """The text of an assistant message as the policy samples it (without the turn's delimiters).
+
+    A tool-call message ends at ``</tool_call>`` (its ``<|im_end|>`` belongs to the observation); any
+    other assistant message ends with ``<|im_end|>``.
+    """
+    if message.get("role") != "assistant":
+        raise ValueError(f"action_text needs an assistant message, got role {message.get('role')!r}")
+    calls = message.get("tool_calls") or []
+    text = message.get("content") or ""
+    for call in calls:
+        text += f"{TOOL_CALL_START}{call['function']['arguments']['code']}{TOOL_CALL_END}"
+    return text if calls else text + IM_END
+
+
+def observation_text(tool_output: str) -> str:
+    """The text inserted after a tool call: close the turn, the tool message, open the next turn."""
+    return (
+        f"{IM_END}\n{IM_START}tool\n{TOOL_RESPONSE_START}{tool_output}{TOOL_RESPONSE_END}{IM_END}\n"
+        f"{IM_START}assistant\n"
+    )
+
+
+def observation_ids(tokenizer: PreTrainedTokenizerBase, tool_output: str) -> list[int]:
+    """Token ids of :func:`observation_text`; special tokens inside ``tool_output`` stay plain text."""
+    head = f"{IM_END}\n{IM_START}tool\n{TOOL_RESPONSE_START}"
+    tail = f"{TOOL_RESPONSE_END}{IM_END}\n{IM_START}assistant\n"
+    output = tokenizer.encode(tool_output, add_special_tokens=False, split_special_tokens=True)
+    return tokenizer.encode(head, add_special_tokens=False) + output + tokenizer.encode(tail, add_special_tokens=False)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
+    """The chat template's rendering of ``messages`` plus the assistant generation prompt, as ids."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(i) for i in ids]
+
+
+_TURN = re.compile(re.escape(IM_START) + r"(\w+)\n(.*?)(?:" + re.escape(IM_END) + r"\n?|$)", re.DOTALL)
+
+
+def _message(role: str, body: str) -> Message:
+    if role == "tool":
+        return {"role": "tool", "content": body.removeprefix(TOOL_RESPONSE_START).removesuffix(TOOL_RESPONSE_END)}
+    if role != "assistant":
+        return {"role": role, "content": body}
+    codes = _TOOL_CALL.findall(body)
+    if not codes:
+        return {"role": "assistant", "content": body}
+    message = tool_call_message(codes[0], _TOOL_CALL.sub("", body))
+    message["tool_calls"] += [tool_call_message(code)["tool_calls"][0] for code in codes[1:]]
+    return message
+
+
+def parse_chat(text: str) -> list[Message]:
+    """Invert the chat template: rendered text (or a decoded trajectory) back to messages.
+
+    A last turn without ``<|im_end|>`` (a trajectory that ended inside a turn) is returned with what
+    it holds; an empty one (the generation prompt) is dropped. Raises ``ValueError`` on text between
+    turns that the template cannot have produced.
+    """
+    messages: list[Message] = []
+    position = 0
+    for match in _TURN.finditer(text):
+        if text[position : match.start()].strip():
+            raise ValueError(f"parse_chat: unexpected text at {position}: {text[position : match.start()]!r}")
+        position = match.end()
+        closed = match.group(0).rstrip("\n").endswith(IM_END)
+        if closed or match.group(2):
+            messages.append(_message(match.group(1), match.group(2)))
+    if text[position:].strip():
+        raise ValueError(f"parse_chat: unexpected trailing text {text[position:]!r}")
+    return messages

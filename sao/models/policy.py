@@ -1,0 +1,262 @@
+"""The policy: a tiny ``Qwen3MoeForCausalLM`` built from code, saved and loaded as a Hugging Face directory.
+
+Qwen3-MoE is the architecture of the paper's Qwen3-30B-A3B. The defaults (:class:`PolicyConfig`) are
+the configuration measured to work in both transformers and vLLM on CPU (see STACK-NOTES): about 625k
+parameters, fp32, ``sdpa`` attention and ``grouped_mm`` experts (``batched_mm`` is 25-30x slower on CPU
+and is refused).
+
+A policy directory is what ``save_pretrained`` writes (``config.json``, ``model.safetensors``,
+``generation_config.json``) plus the tokenizer files and ``sao_policy.json`` (:class:`PolicyMetadata`:
+policy version, tokenizer and chat-template versions, free-form provenance). :func:`load_policy`
+reads it with ``AutoModelForCausalLM.from_pretrained``, so a real checkpoint directory loads through the
+same function.
+
+The saved generation config samples from the model's own distribution (``top_k=0``, ``top_p=1``,
+temperature 1; ``generate()`` would otherwise apply top_k=50) and stops at both action-ending ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from sao.models.chat import ChatTokens
+from sao.models.tokenizer import chat_template_version, save_tokenizer, tokenizer_version
+
+__all__ = [
+    "METADATA_FILE",
+    "PolicyConfig",
+    "PolicyMetadata",
+    "build_policy",
+    "count_parameters",
+    "load_policy",
+    "read_policy_metadata",
+    "save_policy",
+]
+
+METADATA_FILE = "sao_policy.json"
+_ATTENTION = ("sdpa", "eager")
+_EXPERTS = ("grouped_mm", "eager")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_implementations(attn_implementation: str, experts_implementation: str, dtype: str) -> None:
+    if attn_implementation not in _ATTENTION:
+        raise ValueError(f"attn_implementation must be one of {_ATTENTION}, got {attn_implementation!r}")
+    if experts_implementation not in _EXPERTS:
+        hint = " (batched_mm is 25-30x slower on CPU, see STACK-NOTES)" if experts_implementation == "batched_mm" else ""
+        raise ValueError(f"experts_implementation must be one of {_EXPERTS}, got {experts_implementation!r}{hint}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """Architecture of the tiny Qwen3-MoE policy (Hugging Face ``Qwen3MoeConfig`` field names).
+
+    Attributes:
+        vocab_size: embedding rows; at least the tokenizer's vocabulary.
+        hidden_size: residual width.
+        intermediate_size: width of a dense MLP (unused while every layer is MoE; kept for vLLM).
+        moe_intermediate_size: width of one expert (avoid 2 * it == hidden_size: a vLLM CPU quirk).
+        num_hidden_layers: decoder layers, all MoE.
+        num_attention_heads / num_key_value_heads: query heads and grouped KV heads.
+        head_dim: per-head width (vLLM CPU needs >= 32).
+        num_experts / num_experts_per_tok: experts per layer and the router's top-k.
+        norm_topk_prob: renormalise the top-k routing weights to sum to 1 (as Qwen3-30B-A3B does).
+        max_position_embeddings: longest sequence (prompt + all segments).
+        rope_theta: RoPE base.
+        rms_norm_eps: RMSNorm epsilon.
+        initializer_range: std of the normal initialisation.
+        tie_word_embeddings: share the input embedding with the output head.
+        pad_token_id / eos_token_id: ``<|endoftext|>`` and ``<|im_end|>`` of :mod:`sao.models.tokenizer`.
+        attn_implementation: ``sdpa`` or ``eager``.
+        experts_implementation: ``grouped_mm`` or ``eager`` (never ``batched_mm``).
+        dtype: parameter dtype name; fp32 on CPU.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    moe_intermediate_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    pad_token_id: int = 0
+    eos_token_id: int = 2
+    attn_implementation: str = "sdpa"
+    experts_implementation: str = "grouped_mm"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_implementations(self.attn_implementation, self.experts_implementation, self.dtype)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must lie in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}")
+
+    def to_hf(self) -> Qwen3MoeConfig:
+        """The equivalent ``Qwen3MoeConfig``."""
+        config = Qwen3MoeConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            norm_topk_prob=self.norm_topk_prob,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps,
+            initializer_range=self.initializer_range,
+            tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_id,
+            bos_token_id=None,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_cache=True,
+        )
+        config._attn_implementation = self.attn_implementation
+        config._experts_implementation = self.experts_implementation
+        return config
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyMetadata:
+    """What ``sao_policy.json`` records beside the weights.
+
+    Attributes:
+        policy_version: 0 for the initial (SFT) policy, +1 per actor update.
+        tokenizer_version / chat_template_version: content hashes of the saved tokenizer ('' if none).
+        extra: provenance (e.g. the SFT config and its metrics), JSON-serialisable.
+    """
+
+    policy_version: int
+    tokenizer_version: str = ""
+    chat_template_version: str = ""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def build_policy(config: PolicyConfig | None = None, seed: int = 0) -> Qwen3MoeForCausalLM:
+    """A freshly initialised policy; the same ``(config, seed)`` always gives the same weights.
+
+    The global torch RNG is left as it was (the initialisation uses a forked RNG state).
+    """
+    config = config or PolicyConfig()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config.to_hf())
+    model.to(_DTYPES[config.dtype])
+    model.generation_config = _generation_config(config.pad_token_id, [config.eos_token_id])
+    return model
+
+
+def _generation_config(pad_token_id: int, eos_token_ids: list[int]) -> GenerationConfig:
+    return GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_ids,
+    )
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameters (only those with ``requires_grad`` if ``trainable_only``)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def save_policy(
+    model: PreTrainedModel,
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    policy_version: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a policy directory (weights as safetensors, tokenizer, ``sao_policy.json``); returns it.
+
+    With a tokenizer, the generation config stops at both action-ending ids of the chat format.
+    """
+    if policy_version < 0:
+        raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    metadata = PolicyMetadata(policy_version=policy_version, extra=dict(extra or {}))
+    if tokenizer is not None:
+        tokens = ChatTokens.from_tokenizer(tokenizer)
+        model.generation_config = _generation_config(tokens.pad_id, list(tokens.stop_token_ids))
+        save_tokenizer(tokenizer, path)
+        metadata = dataclasses.replace(
+            metadata,
+            tokenizer_version=tokenizer_version(tokenizer),
+            chat_template_version=chat_template_version(tokenizer),
+        )
+    model.save_pretrained(path, safe_serialization=True)
+    (path / METADATA_FILE).write_text(json.dumps(dataclasses.asdict(metadata), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_policy_metadata(path: str | Path) -> PolicyMetadata | None:
+    """``sao_policy.json`` of a policy directory, or ``None`` for a directory without one."""
+    file = Path(path) / METADATA_FILE
+    if not file.exists():
+        return None
+    data = json.loads(file.read_text())
+    return PolicyMetadata(
+        policy_version=int(data["policy_version"]),
+        tokenizer_version=str(data.get("tokenizer_version", "")),
+        chat_template_version=str(data.get("chat_template_version", "")),
+        extra=dict(data.get("extra", {})),
+    )
+
+
+def load_policy(
+    path: str | Path,
+    *,
+    attn_implementation: str = "sdpa",
+    experts_implementation: str = "grouped_mm",
+    dtype: str = "float32",
+) -> PreTrainedModel:
+    """Load a policy directory (ours or a real Hugging Face checkpoint) as a causal LM, in eval mode."""
+    _check_implementations(attn_implementation, experts_implementation, dtype)
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"load_policy: {path} has no config.json (not a Hugging Face model directory)")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path),
+        dtype=_DTYPES[dtype],
+        attn_implementation=attn_implementation,
+        experts_implementation=experts_implementation,
+    )
+    model.eval()
+    return model

@@ -1,0 +1,243 @@
+"""A small multi-turn evaluator: sampled accuracy of a policy on math_tool tasks, with the real tool loop.
+
+Each episode runs the same loop the rollout engine will (prompt, action segment until a stop id,
+sandboxed tool call, observation segment, ...), on batches of episodes in lock-step. Sampling is plain
+ancestral sampling from ``softmax(logits / temperature)`` (no top-k / top-p), with a KV cache within
+each action segment and a seeded generator, so a run is reproducible. This is the reference used to
+report SFT quality; the batched, asynchronous rollout engine lives in :mod:`sao.rollout`.
+
+Notation: B episodes in a batch, L context tokens (left-padded), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from sao.envs.base import StepResult, Task, Termination
+from sao.envs.math_tool import MathToolConfig, MathToolEnv
+from sao.models.chat import ChatTokens, observation_ids, prompt_ids
+
+__all__ = ["EvalConfig", "EvalResult", "Episode", "evaluate_math", "run_math_episodes", "sample_segments"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """How the evaluator samples.
+
+    Attributes:
+        num_tasks: held-out tasks evaluated (the first ``num_tasks`` of the list given).
+        temperature: sampling temperature (1.0: the policy's own distribution).
+        max_new_tokens: token budget of one action segment; reaching it ends the episode (``length``).
+        max_turns: action segments per episode; running out ends it (``turns``).
+        batch_size: episodes decoded together.
+        seed: seeds the sampler.
+        tool_workers: threads running the sandboxed tool calls of a batch concurrently.
+    """
+
+    num_tasks: int = 500
+    temperature: float = 1.0
+    max_new_tokens: int = 48
+    max_turns: int = 4
+    batch_size: int = 64
+    seed: int = 0
+    tool_workers: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_tasks", "max_new_tokens", "max_turns", "batch_size", "tool_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ValueError(f"EvalConfig.temperature must be > 0, got {self.temperature}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+    """One evaluated episode.
+
+    Attributes:
+        task_id: the task.
+        reward: the terminal reward (0.0 unless the environment gave one).
+        termination: why it ended.
+        tool_calls: tool calls made.
+        token_ids: prompt and every segment after it.
+        action_mask: 1 at sampled tokens, 0 at prompt and observation tokens (same length as token_ids).
+    """
+
+    task_id: str
+    reward: float
+    termination: Termination
+    tool_calls: int
+    token_ids: tuple[int, ...]
+    action_mask: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """Aggregate of a run: ``accuracy`` = mean reward, ``stderr`` its binomial standard error."""
+
+    accuracy: float
+    stderr: float
+    num_tasks: int
+    mean_tool_calls: float
+    terminations: dict[str, int]
+    wall_s: float
+    episodes: tuple[Episode, ...]
+
+
+def sample_segments(
+    model: PreTrainedModel,
+    contexts: Sequence[Sequence[int]],
+    *,
+    stop_token_ids: Sequence[int],
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    pad_id: int,
+) -> list[tuple[list[int], bool]]:
+    """Sample one action segment per context: ``(tokens, stopped)``; ``tokens`` ends with the stop id.
+
+    The contexts are left-padded into one (B, L) batch; positions count real tokens only, so every row
+    sees exactly the positions it would alone. Decoding stops for a row at a stop id or after
+    ``max_new_tokens`` (``stopped`` False).
+    """
+    batch = len(contexts)
+    width = max(len(c) for c in contexts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, context in enumerate(contexts):
+        input_ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+        attention_mask[row, width - len(context) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    stops = torch.tensor(list(stop_token_ids), dtype=torch.long)
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    finished = torch.zeros(batch, dtype=torch.bool)
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        next_position = position_ids[:, -1:] + 1
+        for _ in range(max_new_tokens):
+            probs = torch.softmax(out.logits[:, -1, :].float() / temperature, dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            sampled = torch.where(finished, torch.full_like(sampled, pad_id), sampled)
+            for row in (~finished).nonzero().flatten().tolist():
+                tokens[row].append(int(sampled[row]))
+            finished |= torch.isin(sampled, stops)
+            if bool(finished.all()):
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            out = model(
+                input_ids=sampled[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            next_position = next_position + 1
+    stop_set = set(int(s) for s in stop_token_ids)
+    return [(row, bool(row) and row[-1] in stop_set) for row in tokens]
+
+
+@dataclasses.dataclass
+class _State:
+    env: MathToolEnv
+    task: Task
+    ids: list[int]
+    mask: list[int]
+    result: StepResult | None = None
+    termination: Termination | None = None
+
+
+def run_math_episodes(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[Task],
+    config: EvalConfig | None = None,
+    env_config: MathToolConfig | None = None,
+) -> list[Episode]:
+    """Run one sampled episode per task (multi-turn, real sandboxed tool) and return them in order."""
+    config = config or EvalConfig()
+    chat = ChatTokens.from_tokenizer(tokenizer)
+    generator = torch.Generator().manual_seed(config.seed)
+    states = []
+    for task in tasks:
+        env = MathToolEnv(env_config)
+        context = prompt_ids(tokenizer, env.reset(task))
+        states.append(_State(env, task, context, [0] * len(context)))
+    was_training = model.training
+    model.eval()
+    with ThreadPoolExecutor(config.tool_workers) as pool:
+        for _ in range(config.max_turns):
+            active = [s for s in states if s.termination is None]
+            for start in range(0, len(active), config.batch_size):
+                chunk = active[start : start + config.batch_size]
+                segments = sample_segments(
+                    model,
+                    [s.ids for s in chunk],
+                    stop_token_ids=chat.stop_token_ids,
+                    max_new_tokens=config.max_new_tokens,
+                    temperature=config.temperature,
+                    generator=generator,
+                    pad_id=chat.pad_id,
+                )
+                texts = [tokenizer.decode(tokens, skip_special_tokens=False) for tokens, _ in segments]
+                stepped = [s for s, (_, stopped) in zip(chunk, segments, strict=True) if stopped]
+                step_texts = [t for t, (_, stopped) in zip(texts, segments, strict=True) if stopped]
+                results = dict(zip(map(id, stepped), pool.map(lambda s, t: s.env.step(t), stepped, step_texts), strict=True))
+                for state, (tokens, stopped) in zip(chunk, segments, strict=True):
+                    state.ids += tokens
+                    state.mask += [1] * len(tokens)
+                    if not stopped:
+                        state.termination = Termination.LENGTH
+                        continue
+                    result = results[id(state)]
+                    if result.done:
+                        state.result, state.termination = result, result.termination
+                    else:
+                        observation = observation_ids(tokenizer, result.observation)
+                        state.ids += observation
+                        state.mask += [0] * len(observation)
+    model.train(was_training)
+    return [
+        Episode(
+            task_id=s.task.task_id,
+            reward=s.result.reward if s.result is not None else 0.0,
+            termination=s.termination or Termination.TURNS,
+            tool_calls=s.env.tool_calls,
+            token_ids=tuple(s.ids),
+            action_mask=tuple(s.mask),
+        )
+        for s in states
+    ]
+
+
+def evaluate_math(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[Task],
+    config: EvalConfig | None = None,
+    env_config: MathToolConfig | None = None,
+) -> EvalResult:
+    """Sampled accuracy on the first ``config.num_tasks`` of ``tasks``."""
+    config = config or EvalConfig()
+    if not tasks:
+        raise ValueError("evaluate_math: no tasks given")
+    start = time.monotonic()
+    episodes = run_math_episodes(model, tokenizer, list(tasks)[: config.num_tasks], config, env_config)
+    n = len(episodes)
+    accuracy = sum(e.reward for e in episodes) / n
+    return EvalResult(
+        accuracy=accuracy,
+        stderr=math.sqrt(max(accuracy * (1 - accuracy), 0.0) / n),
+        num_tasks=n,
+        mean_tool_calls=sum(e.tool_calls for e in episodes) / n,
+        terminations=dict(Counter(str(e.termination) for e in episodes)),
+        wall_s=time.monotonic() - start,
+        episodes=tuple(episodes),
+    )
