@@ -1,6 +1,6 @@
 """The ``sao`` command.
 
-Sub-commands: ``demo``, ``bench``; the lake, training and replay commands join as their parts land.
+Sub-commands: ``demo``, ``bench``, ``sql``, ``lake``; training and replay join as their parts land.
 Bad arguments exit with code 2 and a one-line reason, never a traceback.
 """
 
@@ -20,7 +20,10 @@ app = typer.Typer(
 )
 
 # `sao bench NAME [ARGS...]` runs `benchmarks/<module>.py`'s `main(argv)`. One line per benchmark.
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "lake": "lake_ingest",
+    "sft": "sft_warmstart",
+}
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -53,6 +56,14 @@ def bench(ctx: typer.Context, name: str = typer.Argument(..., help="Benchmark to
     module = importlib.import_module(f"benchmarks.{BENCHMARKS[name]}")
     code = module.main(list(ctx.args))
     raise typer.Exit(code or 0)
+
+
+# The lake: `sao sql "<query>"` and `sao lake tables|versions|counts|examples|compact|vacuum`
+# (sao/lake/cli.py).
+from sao.lake.cli import lake_app, sql  # noqa: E402
+
+app.command()(sql)
+app.add_typer(lake_app, name="lake")
 
 
 def main() -> None:  # pragma: no cover - console entry point

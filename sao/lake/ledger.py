@@ -1,0 +1,228 @@
+"""The run ledger: ``policy_versions`` (which weights exist) and ``train_steps`` (which data each step
+used). Both are small, written once per actor update, and keyed: ``(run_id, version)`` and
+``(run_id, step)``. Writes go through :func:`sao.lake.commit.append_exactly`, so the checks below hold
+in every Delta version even with concurrent writers.
+
+Consumption: a trajectory is consumed when a ``train_steps`` row lists it. :func:`record_train_step`
+refuses a step that lists an id an earlier step of the run consumed, or an id absent from the
+``trajectories`` snapshot the step says it read, so a trajectory is used at most once per run, also
+across trainer restarts. Re-recording an identical step (a restart after the commit) is a no-op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable
+
+from sao.lake.commit import CommitResult, append_exactly
+from sao.lake.config import CommitConfig
+from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
+from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
+from schemas import policy_versions, train_steps
+
+__all__ = [
+    "ConsumptionError",
+    "LedgerError",
+    "consumed_ids",
+    "newest_policy_version",
+    "newest_policy_versions",
+    "protected_versions",
+    "record_train_step",
+    "register_policy_version",
+]
+
+
+class LedgerError(LakeError):
+    """A ledger write that would break a ledger invariant."""
+
+
+class ConsumptionError(LedgerError):
+    """A step lists trajectories that are already consumed or were not in the snapshot it read."""
+
+
+def _run_predicate(run_id: str) -> str:
+    if not is_valid_run_id(run_id):
+        raise ValueError(f"run_id {run_id!r} is not a valid run id")
+    return f"run_id = {sql_literal(run_id)}"
+
+
+def newest_policy_version(
+    lake: Lake, run_id: str, *, table: DeltaTable | None = None
+) -> int | None:
+    """Newest registered policy version of ``run_id``; None when none is registered."""
+    delta = table if table is not None else lake.table(policy_versions.NAME)
+    versions = lake.read_from(
+        delta, policy_versions.NAME, columns=["version"], predicate=_run_predicate(run_id)
+    )
+    return None if versions.num_rows == 0 else int(pc.max(versions["version"]).as_py())
+
+
+def newest_policy_versions(lake: Lake) -> dict[str, int]:
+    """Newest registered policy version of every run."""
+    table = lake.read(policy_versions.NAME, columns=["run_id", "version"])
+    if table.num_rows == 0:
+        return {}
+    grouped = table.group_by("run_id").aggregate([("version", "max")])
+    return dict(zip(grouped["run_id"].to_pylist(), grouped["version_max"].to_pylist(), strict=True))
+
+
+def register_policy_version(
+    lake: Lake, record: PolicyVersionRecord, config: CommitConfig | None = None
+) -> CommitResult:
+    """Append ``record`` to ``policy_versions``.
+
+    Versions of a run are registered in order: the first is 0 (parent None), each next one is the
+    newest + 1. Registering an identical row again is a no-op (``result.version`` is None).
+
+    Raises:
+        LedgerError: out-of-order version, wrong parent, or a different row for an existing version.
+    """
+    _run_predicate(record.run_id)
+
+    def plan(delta: DeltaTable) -> pa.Table | None:
+        existing = lake.read_from(
+            delta, policy_versions.NAME, predicate=_run_predicate(record.run_id)
+        )
+        rows = {row["version"]: row for row in existing.to_pylist()}
+        if record.version in rows:
+            stored = rows[record.version]
+            same = all(stored[k] == v for k, v in record.to_row().items() if k != "created_at")
+            if same:
+                return None
+            raise LedgerError(
+                f"run {record.run_id!r} already has policy version {record.version} with "
+                f"checkpoint {stored['checkpoint_uri']!r}, hash {stored['weights_hash']!r}"
+            )
+        newest = max(rows) if rows else None
+        expected = 0 if newest is None else newest + 1
+        if record.version != expected:
+            raise LedgerError(
+                f"run {record.run_id!r}: policy version {record.version} registered out of order; "
+                f"the next version is {expected}"
+            )
+        if record.parent_version != newest:
+            raise LedgerError(
+                f"run {record.run_id!r}: version {record.version} must have parent_version {newest}, "
+                f"got {record.parent_version}"
+            )
+        row = record.to_row() | {"schema_version": policy_versions.SCHEMA_VERSION}
+        return pa.Table.from_pylist([row], schema=policy_versions.SCHEMA)
+
+    return append_exactly(lake, policy_versions.NAME, plan, config or CommitConfig())
+
+
+def consumed_ids(lake: Lake, run_id: str, *, table: DeltaTable | None = None) -> pa.Array:
+    """Trajectory ids consumed by the recorded steps of ``run_id`` (a string array, no duplicates)."""
+    delta = table if table is not None else lake.table(train_steps.NAME)
+    steps = lake.read_from(
+        delta, train_steps.NAME, columns=["trajectory_ids"], predicate=_run_predicate(run_id)
+    )
+    return _flatten_ids(steps["trajectory_ids"])
+
+
+def _flatten_ids(lists: pa.ChunkedArray) -> pa.Array:
+    flat = pc.list_flatten(lists)
+    return flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
+
+
+def record_train_step(
+    lake: Lake, record: TrainStepRecord, config: CommitConfig | None = None
+) -> CommitResult:
+    """Append ``record`` to ``train_steps``, marking its trajectories consumed.
+
+    Raises:
+        ConsumptionError: an id is listed twice, was consumed by an earlier step of the run, or is not
+            in ``trajectories`` (run ``record.run_id``) at ``record.trajectories_version``.
+        LedgerError: the step is not after the last recorded step, the trajectories version does not
+            exist yet, or a different row exists for the same step.
+    """
+    _run_predicate(record.run_id)
+    ids = list(record.trajectory_ids)
+    duplicates = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+    if duplicates:
+        raise ConsumptionError(f"step {record.step} lists trajectory ids twice: {duplicates[:5]}")
+    if record.policy_version_after < record.policy_version_before:
+        raise LedgerError(
+            f"step {record.step}: policy_version_after {record.policy_version_after} is before "
+            f"policy_version_before {record.policy_version_before}"
+        )
+    _check_ids_in_snapshot(lake, record)
+
+    def plan(delta: DeltaTable) -> pa.Table | None:
+        existing = lake.read_from(
+            delta,
+            train_steps.NAME,
+            columns=[
+                "step",
+                "trajectory_ids",
+                "trajectories_version",
+                "policy_version_before",
+                "policy_version_after",
+            ],
+            predicate=_run_predicate(record.run_id),
+        )
+        by_step = {row["step"]: row for row in existing.to_pylist()}
+        if record.step in by_step:
+            stored = by_step[record.step]
+            if (
+                stored["trajectory_ids"] == ids
+                and stored["trajectories_version"] == record.trajectories_version
+                and stored["policy_version_before"] == record.policy_version_before
+                and stored["policy_version_after"] == record.policy_version_after
+            ):
+                return None
+            raise LedgerError(f"run {record.run_id!r} already has a different step {record.step}")
+        last = max(by_step) if by_step else None
+        if last is not None and record.step <= last:
+            raise LedgerError(
+                f"run {record.run_id!r}: step {record.step} is not after the last recorded step {last}"
+            )
+        consumed = _flatten_ids(existing["trajectory_ids"])
+        again = pc.is_in(pa.array(ids, pa.string()), value_set=consumed)
+        if pc.any(again).as_py():
+            repeated = [i for i, hit in zip(ids, again.to_pylist(), strict=True) if hit]
+            raise ConsumptionError(
+                f"run {record.run_id!r} step {record.step}: {len(repeated)} trajectories were consumed "
+                f"by an earlier step, e.g. {repeated[:3]}"
+            )
+        row = record.to_row() | {
+            "recorded_at": utc_now(),
+            "schema_version": train_steps.SCHEMA_VERSION,
+        }
+        return pa.Table.from_pylist([row], schema=train_steps.SCHEMA)
+
+    return append_exactly(lake, train_steps.NAME, plan, config or CommitConfig())
+
+
+def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord) -> None:
+    latest = lake.version("trajectories")
+    if record.trajectories_version > latest:
+        raise LedgerError(
+            f"step {record.step} read trajectories version {record.trajectories_version}, "
+            f"but the newest version is {latest}"
+        )
+    if not record.trajectory_ids:
+        return
+    snapshot = lake.table("trajectories", version=record.trajectories_version)
+    stored = lake.read_from(
+        snapshot, "trajectories", columns=["trajectory_id"], predicate=_run_predicate(record.run_id)
+    )
+    present = pc.is_in(
+        pa.array(record.trajectory_ids, pa.string()),
+        value_set=stored["trajectory_id"].combine_chunks(),
+    )
+    missing = np.flatnonzero(~present.to_numpy(zero_copy_only=False))
+    if missing.size:
+        examples = [record.trajectory_ids[i] for i in missing[:3].tolist()]
+        raise ConsumptionError(
+            f"run {record.run_id!r} step {record.step}: {missing.size} trajectory ids are not in "
+            f"trajectories version {record.trajectories_version}, e.g. {examples}"
+        )
+
+
+def protected_versions(lake: Lake) -> list[int]:
+    """Every ``trajectories`` version a recorded step read (replay needs them): vacuum keeps them."""
+    table = lake.read(train_steps.NAME, columns=["trajectories_version"])
+    return sorted(set(table["trajectories_version"].to_pylist()))

@@ -1,0 +1,126 @@
+"""Compaction and vacuum, with every snapshot a recorded step read kept replayable.
+
+Compaction rewrites the many small files of batched appends into a few large ones (within each
+partition, keeping their order, so ``ingest_seq`` statistics still prune). It is a new Delta version;
+older versions still point at the small files, which become tombstones.
+
+Vacuum deletes tombstoned files older than the retention, and files no commit ever referenced (left
+by commits that lost a race). Replay of a step reads ``trajectories`` at the version the step recorded,
+so vacuum is told to keep the files of every ``trajectories`` version listed in ``train_steps``
+(delta-rs ``keep_versions``), whatever the retention. Two more guards:
+
+- a retention shorter than ``MaintenanceConfig.min_retention_hours`` is refused unless forced: it could
+  delete a data file that a writer has written but not yet committed, or one that a trainer is reading
+  for a step it has not recorded yet;
+- the Delta log itself is never expired (see ``sao.lake.store.TABLE_CONFIGURATION``), so old versions
+  stay loadable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sao.lake.config import MaintenanceConfig
+from sao.lake.ledger import protected_versions
+from sao.lake.store import Lake, LakeError
+from schemas import TABLES, table_spec, trajectories
+
+__all__ = ["CompactReport", "MaintenanceError", "VacuumReport", "compact", "vacuum"]
+
+
+class MaintenanceError(LakeError):
+    """A maintenance request that would break replay or a concurrent writer."""
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    """One table's compaction: files before/after and the versions around it."""
+
+    table: str
+    files_removed: int
+    files_added: int
+    version_before: int
+    version_after: int
+
+
+@dataclass(frozen=True)
+class VacuumReport:
+    """One table's vacuum.
+
+    Attributes:
+        removed: paths deleted (or that would be, on a dry run).
+        kept_versions: versions whose files were protected (``trajectories`` only).
+        retention_hours: the retention used.
+    """
+
+    table: str
+    removed: tuple[str, ...]
+    kept_versions: tuple[int, ...]
+    retention_hours: int
+    dry_run: bool
+
+
+def _tables(names: Sequence[str] | None) -> list[str]:
+    return [table_spec(n).name for n in names] if names else list(TABLES)
+
+
+def compact(
+    lake: Lake, tables: Sequence[str] | None = None, config: MaintenanceConfig | None = None
+) -> list[CompactReport]:
+    """Compact ``tables`` (all when None) towards ``config.target_file_mb`` files."""
+    config = config or MaintenanceConfig()
+    reports = []
+    for name in _tables(tables):
+        table = lake.table(name)
+        before = table.version()
+        metrics = table.optimize.compact(target_size=config.target_file_mb * 1024 * 1024)
+        reports.append(
+            CompactReport(
+                table=name,
+                files_removed=int(metrics.get("numFilesRemoved", 0)),
+                files_added=int(metrics.get("numFilesAdded", 0)),
+                version_before=before,
+                version_after=table.version(),
+            )
+        )
+    return reports
+
+
+def vacuum(
+    lake: Lake,
+    tables: Sequence[str] | None = None,
+    *,
+    retention_hours: int | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    config: MaintenanceConfig | None = None,
+) -> list[VacuumReport]:
+    """Vacuum ``tables`` (all when None), keeping every ``trajectories`` version in ``train_steps``.
+
+    Raises:
+        MaintenanceError: ``retention_hours`` below ``config.min_retention_hours`` without ``force``.
+    """
+    config = config or MaintenanceConfig()
+    retention = config.retention_hours if retention_hours is None else retention_hours
+    if retention < 0:
+        raise MaintenanceError(f"retention_hours must be >= 0, got {retention}")
+    if retention < config.min_retention_hours and not force:
+        raise MaintenanceError(
+            f"retention of {retention} h is below the minimum of {config.min_retention_hours} h: it could "
+            "delete files a running writer or trainer still needs; pass force=True (--force) only when "
+            "nothing is writing to or training from the lake"
+        )
+    reports = []
+    for name in _tables(tables):
+        keep = protected_versions(lake) if name == trajectories.NAME else []
+        table = lake.table(name)
+        removed = table.vacuum(
+            retention_hours=retention,
+            dry_run=dry_run,
+            enforce_retention_duration=False,
+            keep_versions=keep or None,
+            full=True,
+        )
+        reports.append(VacuumReport(name, tuple(removed), tuple(keep), retention, dry_run))
+    return reports

@@ -1,0 +1,384 @@
+"""Reading trajectories: the trainer's next micro-batch, pinned snapshots, and a step's exact data.
+
+The trainer asks: "trajectories of run R not yet consumed, in arrival order, with staleness at most S
+at my version v, up to N rows". Terms:
+    arrival order: ``ingest_seq`` (1, 2, 3, ... per run, increasing with the commit that stored the row;
+        see :mod:`sao.lake.writer`).
+    staleness at trainer version v: ``v - min_policy_version``. Trajectories without an action token
+        (``min_policy_version`` null) have nothing to train on and are never returned.
+    consumed: listed by a ``train_steps`` row of the run (:func:`sao.lake.ledger.record_train_step`).
+
+:class:`TrajectoryReader` answers it incrementally. Because ``ingest_seq`` only grows with commits, a row
+that is not in snapshot ``V`` will get a larger ``ingest_seq`` than every row of ``V``; so the reader keeps
+a cursor (the largest ``ingest_seq`` it has seen) and each call scans only ``ingest_seq > cursor``, which
+Delta's per-file min/max statistics prune to the newest files. Candidates (id, ``ingest_seq``,
+``min_policy_version``: a few bytes per row) wait in memory; the full rows of the chosen ones are then
+read with a predicate on their ``ingest_seq`` values. Neither step loads the table. Rows too stale for
+a call are set aside (and counted in ``skipped_stale``); they come back only if a later call allows
+older data (a lower ``trainer_version - max_staleness``), which a trainer whose version only grows
+never does.
+
+A reader hands each row out once. The trainer records the step that used them with
+:meth:`TrajectoryReader.record_step` (which writes ``train_steps`` and lets the reader forget them), or
+gives them back with :meth:`TrajectoryReader.release`. Rows handed out but never recorded (the trainer
+crashed) are offered again by the next reader, which starts from ``train_steps``: that is what makes
+consumption exactly-once across restarts.
+
+:func:`select_unconsumed` is the slow reference (a full scan of the run at one snapshot, anti-joined
+with ``train_steps``); a test holds the two equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable
+
+from sao.lake.commit import CommitResult
+from sao.lake.config import CommitConfig
+from sao.lake.ledger import consumed_ids, record_train_step
+from sao.lake.records import TrainStepRecord
+from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
+from schemas import train_steps, trajectories
+
+__all__ = [
+    "INDEX_COLUMNS",
+    "MicroBatch",
+    "TrajectoryReader",
+    "read_step_trajectories",
+    "read_trajectories",
+    "select_unconsumed",
+]
+
+INDEX_COLUMNS = ("trajectory_id", "ingest_seq", "min_policy_version")
+"""What the reader keeps per candidate row."""
+
+_INDEX_SCHEMA = pa.schema([trajectories.SCHEMA.field(name) for name in INDEX_COLUMNS])
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows handed to the trainer.
+
+    Attributes:
+        run_id: the run.
+        snapshot_version: the ``trajectories`` version read (record it as ``trajectories_version``).
+        trainer_version, max_staleness: the bounds the rows were selected with.
+        data: the rows, in ``ingest_seq`` order, with the reader's columns (declared types).
+        skipped_stale: rows set aside by this call because they are too stale.
+        skipped_no_actions: rows set aside by this call because they hold no action token.
+    """
+
+    run_id: str
+    snapshot_version: int
+    trainer_version: int
+    max_staleness: int
+    data: pa.Table
+    skipped_stale: int
+    skipped_no_actions: int
+
+    @property
+    def trajectory_ids(self) -> list[str]:
+        return self.data["trajectory_id"].to_pylist()
+
+    @property
+    def batches(self) -> list[pa.RecordBatch]:
+        """The rows as Arrow record batches."""
+        return self.data.to_batches()
+
+    def __len__(self) -> int:
+        return self.data.num_rows
+
+
+def _run_predicate(run_id: str) -> str:
+    if not is_valid_run_id(run_id):
+        raise ValueError(f"run_id {run_id!r} is not a valid run id")
+    return f"run_id = {sql_literal(run_id)}"
+
+
+def _check_bounds(trainer_version: int, max_staleness: int, max_rows: int) -> None:
+    if trainer_version < 0:
+        raise ValueError(f"trainer_version must be >= 0, got {trainer_version}")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+
+
+def _split_stale(index: pa.Table, oldest_version: int) -> tuple[pa.Table, pa.Table, int]:
+    """(fresh rows, stale rows, count without actions): fresh means an action token and
+    ``min_policy_version >= oldest_version`` (= trainer_version - max_staleness)."""
+    no_actions = index["min_policy_version"].is_null()
+    stale = pc.less(index["min_policy_version"], oldest_version).fill_null(False)
+    fresh = pc.invert(pc.or_(no_actions, stale))
+    return index.filter(fresh), index.filter(stale), pc.sum(no_actions).as_py() or 0
+
+
+class TrajectoryReader:
+    """Incremental reader of one run's unconsumed trajectories (see the module docstring).
+
+    Args:
+        lake: the lake.
+        run_id: the run to read.
+        columns: columns of :attr:`MicroBatch.data` (all when None); ``trajectory_id`` and
+            ``ingest_seq`` are always included.
+    """
+
+    def __init__(self, lake: Lake, run_id: str, *, columns: Sequence[str] | None = None) -> None:
+        self.lake = lake
+        self.run_id = run_id
+        self._predicate = _run_predicate(run_id)
+        names = list(columns) if columns is not None else list(trajectories.SCHEMA.names)
+        for required in ("ingest_seq", "trajectory_id"):
+            if required not in names:
+                names.insert(0, required)
+        self.columns = names
+        self._table: DeltaTable | None = None
+        self._consumed: pa.Array | None = None
+        self._cursor = 0
+        self._pending = _INDEX_SCHEMA.empty_table()
+        self._stale = _INDEX_SCHEMA.empty_table()
+        self._oldest_version: int | None = None
+        self._handed_out: dict[str, tuple[int, int | None]] = {}
+
+    @property
+    def snapshot_version(self) -> int | None:
+        """The ``trajectories`` version of the last call (None before the first)."""
+        return None if self._table is None else self._table.version()
+
+    @property
+    def pending(self) -> int:
+        """Candidates seen and not yet handed out (staleness not yet applied)."""
+        return self._pending.num_rows
+
+    def next_micro_batch(
+        self, trainer_version: int, max_staleness: int, max_rows: int, *, version: int | None = None
+    ) -> MicroBatch:
+        """Up to ``max_rows`` unconsumed rows, oldest ``ingest_seq`` first, with staleness at most
+        ``max_staleness`` at ``trainer_version``, read from snapshot ``version`` (latest when None).
+
+        Raises:
+            ValueError: bad bounds, or a snapshot older than the previous call's.
+        """
+        _check_bounds(trainer_version, max_staleness, max_rows)
+        table = self._pin(version)
+        self._scan_new_rows(table)
+        oldest = trainer_version - max_staleness
+        if (
+            self._oldest_version is not None
+            and oldest < self._oldest_version
+            and self._stale.num_rows
+        ):
+            back, self._stale, _ = _split_stale(self._stale, oldest)  # older data allowed again
+            self._pending = pa.concat_tables([self._pending, back]).sort_by("ingest_seq")
+        self._oldest_version = oldest
+        fresh, stale, no_actions = _split_stale(self._pending, oldest)
+        chosen = fresh.slice(0, max_rows)
+        data = self._fetch(table, chosen)
+        self._pending = fresh.slice(max_rows)
+        self._stale = pa.concat_tables([self._stale, stale])
+        for row in chosen.to_pylist():
+            self._handed_out[row["trajectory_id"]] = (row["ingest_seq"], row["min_policy_version"])
+        return MicroBatch(
+            run_id=self.run_id,
+            snapshot_version=table.version(),
+            trainer_version=trainer_version,
+            max_staleness=max_staleness,
+            data=data,
+            skipped_stale=stale.num_rows,
+            skipped_no_actions=no_actions,
+        )
+
+    def record_step(
+        self, record: TrainStepRecord, config: CommitConfig | None = None
+    ) -> CommitResult:
+        """Record a trainer step in ``train_steps`` (:func:`sao.lake.ledger.record_train_step`) and
+        forget its rows here: they are consumed and can no longer be released."""
+        result = record_train_step(self.lake, record, config)
+        for trajectory_id in record.trajectory_ids:
+            self._handed_out.pop(trajectory_id, None)
+        return result
+
+    def release(self, trajectory_ids: Iterable[str]) -> None:
+        """Offer handed-out rows again (their step was abandoned before it was recorded)."""
+        returned = []
+        for trajectory_id in trajectory_ids:
+            if trajectory_id not in self._handed_out:
+                raise KeyError(f"{trajectory_id!r} was not handed out by this reader")
+            seq, min_version = self._handed_out.pop(trajectory_id)
+            returned.append(
+                {
+                    "trajectory_id": trajectory_id,
+                    "ingest_seq": seq,
+                    "min_policy_version": min_version,
+                }
+            )
+        if returned:
+            merged = pa.concat_tables(
+                [self._pending, pa.Table.from_pylist(returned, schema=_INDEX_SCHEMA)]
+            )
+            self._pending = merged.sort_by("ingest_seq")
+
+    def _pin(self, version: int | None) -> DeltaTable:
+        if self._table is None:
+            self._table = self.lake.table(trajectories.NAME, version=version)
+            return self._table
+        current = self._table.version()
+        if version is None:
+            self._table.update_incremental()
+        elif version < current:
+            raise ValueError(
+                f"snapshot {version} is older than the previous call's snapshot {current}"
+            )
+        elif version > current:
+            self._table.load_as_version(version)
+        return self._table
+
+    def _scan_new_rows(self, table: DeltaTable) -> None:
+        if self._consumed is None:
+            self._consumed = consumed_ids(self.lake, self.run_id)
+        predicate = f"{self._predicate} AND ingest_seq > {self._cursor}"
+        new = self.lake.read_from(
+            table, trajectories.NAME, columns=list(INDEX_COLUMNS), predicate=predicate
+        )
+        if new.num_rows == 0:
+            return
+        self._cursor = int(pc.max(new["ingest_seq"]).as_py())
+        if len(self._consumed):
+            new = new.filter(pc.invert(pc.is_in(new["trajectory_id"], value_set=self._consumed)))
+        self._pending = pa.concat_tables([self._pending, new.sort_by("ingest_seq")])
+
+    def _fetch(self, table: DeltaTable, chosen: pa.Table) -> pa.Table:
+        schema = pa.schema([trajectories.SCHEMA.field(c) for c in self.columns])
+        if chosen.num_rows == 0:
+            return schema.empty_table()
+        seqs = chosen["ingest_seq"].to_numpy()
+        listed = ", ".join(str(s) for s in seqs.tolist())
+        predicate = (
+            f"{self._predicate} AND ingest_seq >= {int(seqs.min())} AND ingest_seq <= {int(seqs.max())} "
+            f"AND ingest_seq IN ({listed})"
+        )
+        data = self.lake.read_from(
+            table, trajectories.NAME, columns=self.columns, predicate=predicate
+        )
+        if data.num_rows != chosen.num_rows:
+            raise LakeError(
+                f"run {self.run_id!r}: expected {chosen.num_rows} rows at version {table.version()}, "
+                f"read {data.num_rows} (was a row deleted?)"
+            )
+        return data.sort_by("ingest_seq")
+
+
+def select_unconsumed(
+    lake: Lake,
+    run_id: str,
+    trainer_version: int,
+    max_staleness: int,
+    max_rows: int,
+    *,
+    version: int | None = None,
+    exclude: Iterable[str] = (),
+) -> pa.Table:
+    """Reference answer to the trainer's query: the index columns (``INDEX_COLUMNS``) of up to
+    ``max_rows`` rows of ``run_id`` at ``version``, oldest ``ingest_seq`` first, not consumed by a
+    ``train_steps`` row, not in ``exclude``, holding an action token, with staleness <= ``max_staleness``.
+    Scans the whole run: use :class:`TrajectoryReader` in training."""
+    _check_bounds(trainer_version, max_staleness, max_rows)
+    index = lake.read(
+        trajectories.NAME,
+        version=version,
+        columns=list(INDEX_COLUMNS),
+        predicate=_run_predicate(run_id),
+    )
+    taken = pa.concat_arrays([consumed_ids(lake, run_id), pa.array(list(exclude), pa.string())])
+    index = index.filter(pc.invert(pc.is_in(index["trajectory_id"], value_set=taken)))
+    fresh, _, _ = _split_stale(index, trainer_version - max_staleness)
+    return fresh.sort_by("ingest_seq").slice(0, max_rows)
+
+
+def read_trajectories(
+    lake: Lake,
+    *,
+    version: int | None = None,
+    run_id: str | None = None,
+    trajectory_ids: Sequence[str] | None = None,
+    columns: Sequence[str] | None = None,
+) -> pa.Table:
+    """Trajectories at snapshot ``version`` (time travel), optionally of one run and a list of ids.
+
+    Rows come in the order of ``trajectory_ids`` when given (else by run and ``ingest_seq``). With ids,
+    only the index columns of the run are scanned to find them, then just those rows are read (a
+    predicate on ``ingest_seq``): the cost follows the number of ids, not the size of the table.
+
+    Raises:
+        LakeError: an id in ``trajectory_ids`` is not in the snapshot, or (without ``run_id``) is in
+            several runs.
+    """
+    table = lake.table(trajectories.NAME, version=version)
+    predicate = _run_predicate(run_id) if run_id is not None else None
+    names = list(columns) if columns is not None else list(trajectories.SCHEMA.names)
+    extra = [c for c in ("trajectory_id", "run_id", "ingest_seq") if c not in names]
+    if trajectory_ids is None:
+        data = lake.read_from(table, trajectories.NAME, columns=names + extra, predicate=predicate)
+        return data.sort_by([("run_id", "ascending"), ("ingest_seq", "ascending")]).select(names)
+    wanted = list(trajectory_ids)
+    if not wanted:
+        return pa.schema([trajectories.SCHEMA.field(c) for c in names]).empty_table()
+    index = lake.read_from(
+        table,
+        trajectories.NAME,
+        columns=["run_id", "trajectory_id", "ingest_seq"],
+        predicate=predicate,
+    )
+    index = index.filter(pc.is_in(index["trajectory_id"], value_set=pa.array(wanted, pa.string())))
+    found = index["trajectory_id"].to_pylist()
+    if len(set(found)) != len(found):
+        raise LakeError("some trajectory ids are in several runs; pass run_id")
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise LakeError(
+            f"{len(missing)} trajectory ids are not in version {table.version()}, e.g. {missing[:3]}"
+        )
+    data = lake.read_from(
+        table, trajectories.NAME, columns=names + extra, predicate=_rows_predicate(index)
+    )
+    position = {
+        trajectory_id: i for i, trajectory_id in enumerate(data["trajectory_id"].to_pylist())
+    }
+    order = np.array([position[i] for i in wanted], dtype=np.int64)
+    return data.take(order).select(names)
+
+
+def _rows_predicate(index: pa.Table) -> str:
+    """A delta-rs predicate selecting exactly the rows of ``index`` (run_id, ingest_seq)."""
+    clauses = []
+    for group in index.group_by("run_id").aggregate([("ingest_seq", "list")]).to_pylist():
+        seqs = sorted(group["ingest_seq_list"])
+        listed = ", ".join(str(s) for s in seqs)
+        clauses.append(
+            f"({_run_predicate(group['run_id'])} AND ingest_seq >= {seqs[0]} "
+            f"AND ingest_seq <= {seqs[-1]} AND ingest_seq IN ({listed}))"
+        )
+    return " OR ".join(clauses)
+
+
+def read_step_trajectories(
+    lake: Lake, run_id: str, step: int, *, columns: Sequence[str] | None = None
+) -> pa.Table:
+    """The exact rows step ``step`` of ``run_id`` consumed, in the order it listed them, read from the
+    ``trajectories`` snapshot it recorded (what a replay of the step needs)."""
+    predicate = f"{_run_predicate(run_id)} AND step = {int(step)}"
+    rows = lake.read(
+        train_steps.NAME, columns=["trajectories_version", "trajectory_ids"], predicate=predicate
+    )
+    if rows.num_rows != 1:
+        raise LakeError(f"run {run_id!r} has no recorded step {step}")
+    version = rows["trajectories_version"][0].as_py()
+    ids = rows["trajectory_ids"][0].as_py()
+    return read_trajectories(
+        lake, version=version, run_id=run_id, trajectory_ids=ids, columns=columns
+    )

@@ -1,0 +1,232 @@
+"""The lake: a root URI holding one Delta table per spec in :mod:`schemas`.
+
+The same code serves a local folder and ``s3://...``: every read and write goes through delta-rs with
+the lake's ``storage_options``. Tables are created from their specs, idempotently (two processes may
+open a new lake at once), with the log kept forever so every recorded snapshot stays readable: Delta's
+default log retention (30 days) would otherwise let a checkpoint delete the commits an old
+``train_steps`` row points to.
+
+Opening a lake compares each table's schema with its spec: nullable fields that a newer schema version
+appends are added in place (old rows read null); any other difference raises
+:class:`SchemaMismatchError` naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable
+from deltalake.exceptions import DeltaError
+
+from sao.lake.config import LakeConfig
+from schemas import TABLES, TableSpec, plain, table_spec
+from schemas.trajectories import RUN_ID_PATTERN
+
+__all__ = [
+    "TABLE_CONFIGURATION",
+    "Lake",
+    "LakeError",
+    "LakeNotFoundError",
+    "SchemaMismatchError",
+    "is_valid_run_id",
+    "sql_literal",
+]
+
+TABLE_CONFIGURATION: dict[str, str | None] = {
+    # Keep every commit file: replay reads old versions, which needs their log entries.
+    "delta.enableExpiredLogCleanup": "false",
+    "delta.logRetentionDuration": "interval 36500 days",
+}
+
+
+class LakeError(Exception):
+    """Base class of the lake's errors."""
+
+
+class LakeNotFoundError(LakeError):
+    """The root holds no lake (or is missing tables) and the caller asked not to create one."""
+
+
+class SchemaMismatchError(LakeError):
+    """A table's stored schema differs from its spec in a way that cannot be migrated."""
+
+
+def sql_literal(value: str) -> str:
+    """``value`` as a SQL string literal (single quotes doubled) for delta-rs predicates."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def is_valid_run_id(run_id: str) -> bool:
+    """Run ids name partition folders: see ``schemas.trajectories.RUN_ID_PATTERN``."""
+    return isinstance(run_id, str) and re.fullmatch(RUN_ID_PATTERN, run_id) is not None
+
+
+class Lake:
+    """A set of Delta tables under one root.
+
+    Use :meth:`open`. ``table(name)`` returns a fresh ``DeltaTable`` at the latest (or a pinned)
+    version; names are checked against :data:`schemas.TABLES`, so no path from user input can leave
+    the root.
+    """
+
+    def __init__(self, root: str, storage_options: Mapping[str, str] | None = None) -> None:
+        self.root = _normalise_root(root)
+        self.storage_options: dict[str, str] = dict(storage_options or {})
+
+    @classmethod
+    def open(
+        cls,
+        config: LakeConfig | str,
+        *,
+        storage_options: Mapping[str, str] | None = None,
+        create: bool = True,
+    ) -> Lake:
+        """Open the lake at ``config.root``, creating missing tables when ``create`` (else raise
+        :class:`LakeNotFoundError`), and check every table's schema against its spec."""
+        if isinstance(config, str):
+            config = LakeConfig(root=config, storage_options=dict(storage_options or {}))
+        elif storage_options is not None:
+            raise TypeError("pass storage_options inside LakeConfig, not both")
+        lake = cls(config.root, config.storage_options)
+        for spec in TABLES.values():
+            lake._ensure_table(spec, create=create)
+        return lake
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.root
+
+    def table_uri(self, name: str) -> str:
+        """URI of table ``name`` (validated against the known tables)."""
+        spec = table_spec(name)
+        return f"{self.root}/{spec.name}"
+
+    def table(self, name: str, version: int | None = None) -> DeltaTable:
+        """A ``DeltaTable`` for ``name`` at ``version`` (latest when None)."""
+        return DeltaTable(
+            self.table_uri(name), version=version, storage_options=self.storage_options
+        )
+
+    def version(self, name: str) -> int:
+        """Latest Delta version of table ``name``."""
+        return self.table(name).version()
+
+    def read(
+        self,
+        name: str,
+        *,
+        version: int | None = None,
+        columns: list[str] | None = None,
+        predicate: str | None = None,
+    ) -> pa.Table:
+        """Read table ``name`` (a projection and a delta-rs SQL predicate are pushed down), cast to the
+        spec's schema: strings come back as ``string``, not DataFusion's ``string_view``."""
+        return self.read_from(self.table(name, version), name, columns=columns, predicate=predicate)
+
+    def read_from(
+        self,
+        table: DeltaTable,
+        name: str,
+        *,
+        columns: list[str] | None = None,
+        predicate: str | None = None,
+    ) -> pa.Table:
+        """Like :meth:`read` on an already loaded ``table`` (keeps its pinned version)."""
+        schema = table_spec(name).schema
+        if columns is not None:
+            unknown = [c for c in columns if c not in schema.names]
+            if unknown:
+                raise KeyError(f"table {name} has no column(s) {unknown}")
+            schema = pa.schema([schema.field(c) for c in columns])
+        try:
+            data = pa.table(table.scan(columns=list(schema.names), predicate=predicate).read_all())
+        except Exception as error:  # delta-rs raises plain Exception from the Arrow C stream
+            raise LakeError(
+                f"reading table {name} at version {table.version()} failed (a file vacuumed away, or "
+                f"a bad predicate {predicate!r}?): {error}"
+            ) from error
+        return data.select(schema.names).cast(schema)
+
+    def _ensure_table(self, spec: TableSpec, *, create: bool) -> None:
+        uri = self.table_uri(spec.name)
+        if not DeltaTable.is_deltatable(uri, storage_options=self.storage_options):
+            if not create:
+                raise LakeNotFoundError(f"no Delta table {spec.name!r} at {uri}")
+            self._create(spec, uri)
+        self._check_schema(spec, self.table(spec.name))
+
+    def _create(self, spec: TableSpec, uri: str) -> None:
+        if self.is_local:
+            Path(uri).mkdir(parents=True, exist_ok=True)
+        try:
+            DeltaTable.create(
+                uri,
+                spec.schema,
+                mode="ignore",
+                partition_by=list(spec.partition_by) or None,
+                name=spec.name,
+                description=f"{spec.description} (schema version {spec.schema_version})",
+                configuration=TABLE_CONFIGURATION,
+                storage_options=self.storage_options,
+                # Only version 0 may create the table: a racing creator fails instead of committing a
+                # second CREATE as version 1.
+                commit_properties=CommitProperties(max_commit_retries=0),
+            )
+        except DeltaError:
+            # Another process created it between our check and our commit: fine if it exists now.
+            if not DeltaTable.is_deltatable(uri, storage_options=self.storage_options):
+                raise
+
+    def _check_schema(self, spec: TableSpec, table: DeltaTable) -> None:
+        found = plain(pa.schema(table.schema().to_arrow()))
+        expected = plain(spec.schema)
+        for index, want in enumerate(expected):
+            if index >= len(found):
+                missing = [f for f in spec.schema][index:]
+                self._migrate(spec, table, missing)
+                return
+            have = found.field(index)
+            if not have.equals(want):
+                raise SchemaMismatchError(
+                    f"table {spec.name}: column {index} is {_describe(have)} but schema version "
+                    f"{spec.schema_version} declares {_describe(want)}"
+                )
+        if len(found) > len(expected):
+            extra = found.names[len(expected) :]
+            raise SchemaMismatchError(
+                f"table {spec.name}: columns {extra} are not in schema version {spec.schema_version} "
+                "(was the table written by a newer sao?)"
+            )
+
+    def _migrate(self, spec: TableSpec, table: DeltaTable, missing: list[pa.Field]) -> None:
+        """Append the nullable fields a newer schema version added."""
+        required = [f.name for f in missing if not f.nullable]
+        if required:
+            raise SchemaMismatchError(
+                f"table {spec.name}: schema version {spec.schema_version} adds non-nullable "
+                f"column(s) {required}; only nullable columns can be added to existing rows"
+            )
+        from deltalake.schema import Field as DeltaField
+
+        table.alter.add_columns([DeltaField.from_arrow(f) for f in missing])
+        table.alter.set_table_description(
+            f"{spec.description} (schema version {spec.schema_version})"
+        )
+
+
+def _describe(field: pa.Field) -> str:
+    return f"{field.name}: {field.type}{'' if field.nullable else ' not null'}"
+
+
+def _normalise_root(root: str) -> str:
+    if not root:
+        raise ValueError("the lake root is empty")
+    if "://" in root:
+        scheme = root.split("://", 1)[0]
+        if scheme == "file":
+            return str(Path(root[len("file://") :]).resolve())
+        return root.rstrip("/")
+    return str(Path(root).expanduser().resolve())

@@ -1,0 +1,239 @@
+"""The ``trajectories`` table: one row per trajectory, everything SAO.md section 6 asks a trajectory to
+record. It is the data path of training: rollout workers append, the trainer reads micro-batches.
+
+Notation:
+    n: number of completion tokens (every token after the prompt: action and observation tokens).
+    A token position ``t`` is in ``[0, n)``; a segment covers the half-open range ``[start, end)``.
+
+Invariants (checked on write by ``sao.lake.validate``; a row that breaks one goes to ``quarantine``):
+    - ``action_mask``, ``logprobs`` (and ``token_rewards`` when present) have n entries each;
+    - ``segments`` are in token order and tile ``[0, n)`` without gap or overlap; the action segments
+      are exactly the positions where ``action_mask`` is true;
+    - ``logprobs`` are finite and <= 0 at action positions and exactly 0.0 at observation positions;
+    - policy versions are >= 0 and not ahead of the newest version registered for the run in
+      ``policy_versions``; observation segments carry no version.
+
+Columns set by the lake writer, not by the producer: see :data:`WRITER_FIELDS`.
+
+Schema evolution: bump :data:`SCHEMA_VERSION` and append new fields at the end as nullable; opening a
+lake adds such fields to an older table (old rows read null) and refuses any other difference. The first
+planned addition (version 2) is ``routed_experts``: for MoE policies, the expert ids the router chose per
+action token, stored compactly as ``list<binary>`` (one entry per action token, ``layers * top_k`` uint8
+ids each), null for dense policies and for rows written before it existed.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import pyarrow as pa
+
+from schemas._spec import TIMESTAMP, TableSpec, doc_field, list_of
+
+__all__ = [
+    "NAME",
+    "PARTITION_BY",
+    "RECORD_SCHEMA",
+    "RUN_ID_PATTERN",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "SPEC",
+    "WRITER_FIELDS",
+    "LogprobKind",
+    "SegmentKind",
+    "TerminationReason",
+]
+
+NAME = "trajectories"
+SCHEMA_VERSION = 1
+
+RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+"""What a run id must match in full: it names a partition folder and appears in SQL predicates."""
+PARTITION_BY = ("run_id",)
+
+
+class TerminationReason(enum.StrEnum):
+    """Why a trajectory ended. Only ``stop`` ends with value 0; the budget reasons bootstrap."""
+
+    STOP = "stop"  # natural end: stop token or answer given
+    LENGTH = "length"  # token budget exhausted
+    TURNS = "turns"  # turn budget exhausted
+    TIMEOUT = "timeout"  # wall-clock budget exhausted
+    CANCELLED = "cancelled"  # cancelled by the driver (shutdown, weight refresh policy, ...)
+    ERROR = "error"  # the engine, a tool or the environment failed
+
+
+class LogprobKind(enum.StrEnum):
+    """Which distribution the engine's log-probabilities come from (the trainer must match it)."""
+
+    SAMPLING = "sampling"  # after temperature / top-k / top-p: what the sampler drew from
+    RAW = "raw"  # the model's own distribution
+
+
+class SegmentKind(enum.StrEnum):
+    """Who produced a run of completion tokens."""
+
+    ACTION = "action"  # sampled by the policy
+    OBSERVATION = "observation"  # inserted by a tool or the environment
+
+
+SEGMENT_TYPE = pa.struct(
+    [
+        doc_field("kind", pa.string(), False, "'action' (sampled by the policy) or 'observation'."),
+        doc_field(
+            "policy_version",
+            pa.int64(),
+            True,
+            "Policy version that sampled every token of an action segment; null for observations.",
+        ),
+        doc_field("start", pa.int32(), False, "First completion-token position of the segment."),
+        doc_field("end", pa.int32(), False, "One past the last position (half-open [start, end))."),
+    ]
+)
+
+SAMPLING_TYPE = pa.struct(
+    [
+        doc_field("temperature", pa.float64(), False, "Sampling temperature (0 = greedy)."),
+        doc_field("top_p", pa.float64(), False, "Nucleus mass in (0, 1]; 1 disables it."),
+        doc_field("top_k", pa.int32(), True, "Top-k cut-off; null when disabled."),
+        doc_field("max_tokens", pa.int32(), False, "Token budget the engine was given per turn."),
+        doc_field("seed", pa.int64(), True, "Sampler seed; null when the engine drew its own."),
+    ]
+)
+
+TIMINGS_TYPE = pa.struct(
+    [
+        doc_field("created_at", TIMESTAMP, False, "When the rollout was dispatched."),
+        doc_field("started_at", TIMESTAMP, False, "When the engine started generating."),
+        doc_field("finished_at", TIMESTAMP, False, "When the trajectory ended (any reason)."),
+        doc_field("generation_s", pa.float64(), False, "Seconds spent generating in the engine."),
+        doc_field("tool_s", pa.float64(), False, "Seconds spent in tools and the environment."),
+    ]
+)
+
+_PRODUCER_FIELDS = [
+    doc_field(
+        "trajectory_id", pa.string(), False, "Unique id (a UUID); the idempotency key within a run."
+    ),
+    doc_field(
+        "run_id",
+        pa.string(),
+        False,
+        "Training run; [A-Za-z0-9._-], at most 128 characters. Partition.",
+    ),
+    doc_field("task_id", pa.string(), False, "Task (prompt) id within the environment."),
+    doc_field("env_name", pa.string(), False, "Environment that scored the trajectory."),
+    doc_field(
+        "prompt_ids", list_of(pa.int32()), False, "Prompt token ids (chat template applied)."
+    ),
+    doc_field(
+        "completion_ids",
+        list_of(pa.int32()),
+        False,
+        "The n token ids after the prompt: actions and observations.",
+    ),
+    doc_field(
+        "action_mask",
+        list_of(pa.bool_()),
+        False,
+        "n flags: true where the policy sampled the token.",
+    ),
+    doc_field(
+        "logprobs",
+        list_of(pa.float32()),
+        False,
+        "n engine log-probabilities of the sampled tokens at generation time (log pi_behave); "
+        "exactly 0.0 at observation positions.",
+    ),
+    doc_field(
+        "logprob_kind", pa.string(), False, "'sampling' or 'raw': the distribution of logprobs."
+    ),
+    doc_field(
+        "segments",
+        list_of(SEGMENT_TYPE),
+        False,
+        "Action / observation runs tiling [0, n) in order.",
+    ),
+    doc_field(
+        "min_policy_version",
+        pa.int64(),
+        True,
+        "Oldest policy version among the action segments (staleness at trainer version v is "
+        "v - min_policy_version); null when there is no action token.",
+    ),
+    doc_field(
+        "max_policy_version", pa.int64(), True, "Newest policy version among the action segments."
+    ),
+    doc_field(
+        "num_action_tokens",
+        pa.int32(),
+        False,
+        "Number of action tokens (true entries of action_mask).",
+    ),
+    doc_field(
+        "reward",
+        pa.float64(),
+        False,
+        "Trajectory reward, placed on the last action token by the trainer.",
+    ),
+    doc_field(
+        "token_rewards",
+        list_of(pa.float32()),
+        True,
+        "Optional n per-token rewards from environments with step rewards; null when only `reward`.",
+    ),
+    doc_field(
+        "termination_reason",
+        pa.string(),
+        False,
+        "stop, length, turns, timeout, cancelled or error.",
+    ),
+    doc_field(
+        "num_turns", pa.int32(), False, "Number of action segments the agent loop ran (turns)."
+    ),
+    doc_field("sampling", SAMPLING_TYPE, False, "Sampling settings of the engine."),
+    doc_field(
+        "tokenizer_version", pa.string(), False, "Tokenizer identity (name and revision or hash)."
+    ),
+    doc_field("chat_template_version", pa.string(), False, "Chat template identity (hash)."),
+    doc_field("engine_name", pa.string(), False, "Rollout engine: 'torch' or 'vllm'."),
+    doc_field("engine_version", pa.string(), False, "Version of the engine package."),
+    doc_field("worker_id", pa.string(), False, "Rollout replica that generated the trajectory."),
+    doc_field("timings", TIMINGS_TYPE, False, "Rollout timings."),
+]
+
+_WRITER_FIELDS = [
+    doc_field("arrived_at", TIMESTAMP, False, "When the lake writer received the record."),
+    doc_field(
+        "ingested_at", TIMESTAMP, False, "When the commit that stored the row was attempted."
+    ),
+    doc_field("writer_id", pa.string(), False, "The lake writer instance that stored the row."),
+    doc_field(
+        "ingest_seq",
+        pa.int64(),
+        False,
+        "Arrival order within the run: 1, 2, 3, ... without gaps, increasing with the Delta commit "
+        "that stored the row (rows of one commit keep the order they were received in).",
+    ),
+    doc_field(
+        "schema_version", pa.int32(), False, "Version of this schema the row was written with."
+    ),
+]
+
+RECORD_SCHEMA = pa.schema(_PRODUCER_FIELDS)
+"""The columns a producer (rollout worker) provides: ``TrajectoryRecord.to_row()`` has these keys."""
+
+SCHEMA = pa.schema(_PRODUCER_FIELDS + _WRITER_FIELDS)
+"""The full table schema."""
+
+WRITER_FIELDS = tuple(f.name for f in _WRITER_FIELDS)
+"""Columns the lake writer sets when it stores a row."""
+
+SPEC = TableSpec(
+    name=NAME,
+    schema=SCHEMA,
+    schema_version=SCHEMA_VERSION,
+    partition_by=PARTITION_BY,
+    description="Every trajectory: tokens, action mask, engine log-probabilities, segment versions, "
+    "reward, termination reason, sampling settings, timings.",
+)

@@ -1,0 +1,95 @@
+"""policy_versions and train_steps: ordered, idempotent, and a trajectory consumed at most once."""
+
+from __future__ import annotations
+
+import pytest
+
+from sao.lake.config import WriterConfig
+from sao.lake.ledger import (
+    ConsumptionError,
+    LedgerError,
+    consumed_ids,
+    newest_policy_version,
+    protected_versions,
+    record_train_step,
+    register_policy_version,
+)
+from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
+from sao.lake.synthetic import make_trajectories
+from sao.lake.writer import TrajectoryWriter
+from tests.lake.conftest import RUN
+
+
+def _version(
+    version: int, parent: int | None, run_id: str = RUN, uri: str | None = None
+) -> PolicyVersionRecord:
+    return PolicyVersionRecord(
+        run_id,
+        version,
+        uri or f"ckpt/{version}",
+        f"sha256:{version}",
+        parent_version=parent,
+        step=None if parent is None else parent,
+    )
+
+
+def test_policy_versions_are_registered_in_order(lake):
+    # the fixture registered 0 and 1
+    assert newest_policy_version(lake, RUN) == 1
+    assert newest_policy_version(lake, "other-run") is None
+    assert register_policy_version(lake, _version(1, 0)).version is None  # identical again: no-op
+    with pytest.raises(LedgerError, match="next version is 2"):
+        register_policy_version(lake, _version(3, 2))
+    with pytest.raises(LedgerError, match="must have parent_version 1"):
+        register_policy_version(lake, _version(2, 0))
+    with pytest.raises(LedgerError, match="already has policy version 1"):
+        register_policy_version(lake, _version(1, 0, uri="elsewhere"))
+    register_policy_version(lake, _version(0, None, run_id="other-run"))
+    assert newest_policy_version(lake, "other-run") == 0
+
+
+def _stored_ids(lake, count: int = 6) -> list[str]:
+    records = make_trajectories(count, seed=21, num_tokens=12)
+    with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
+        writer.add_many(records)
+    return [r.trajectory_id for r in records]
+
+
+def _step(number: int, ids, version: int, run_id: str = RUN) -> TrainStepRecord:
+    now = utc_now()
+    return TrainStepRecord(
+        run_id, number, 1, 2, version, tuple(ids), now, now, {"actor/kept_frac": 1.0}
+    )
+
+
+def test_a_trajectory_is_consumed_at_most_once(lake):
+    ids = _stored_ids(lake)
+    version = lake.version("trajectories")
+    record_train_step(lake, _step(0, ids[:3], version))
+    assert (
+        record_train_step(lake, _step(0, ids[:3], version)).version is None
+    )  # a restart re-records
+    with pytest.raises(ConsumptionError, match="consumed by an earlier step"):
+        record_train_step(lake, _step(1, ids[2:5], version))
+    with pytest.raises(ConsumptionError, match="twice"):
+        record_train_step(lake, _step(1, [ids[4], ids[4]], version))
+    with pytest.raises(LedgerError, match="already has a different step 0"):
+        record_train_step(lake, _step(0, ids[3:5], version))
+    record_train_step(lake, _step(1, ids[3:5], version))
+    with pytest.raises(LedgerError, match="not after the last recorded step 1"):
+        record_train_step(lake, _step(-1, ids[5:], version))
+    assert sorted(consumed_ids(lake, RUN).to_pylist()) == sorted(ids[:5])
+    assert protected_versions(lake) == [version]
+
+
+def test_a_step_must_read_ids_present_in_its_snapshot(local_lake):
+    ids = _stored_ids(local_lake, 3)
+    version = local_lake.version("trajectories")
+    with pytest.raises(ConsumptionError, match="not in trajectories version"):
+        record_train_step(local_lake, _step(0, [*ids, "never-written"], version))
+    with pytest.raises(ConsumptionError, match="not in trajectories version"):
+        record_train_step(
+            local_lake, _step(0, ids, version, run_id="other-run")
+        )  # right ids, wrong run
+    with pytest.raises(LedgerError, match="newest version is"):
+        record_train_step(local_lake, _step(0, ids, version + 5))

@@ -1,0 +1,190 @@
+"""The trainer's query: unconsumed, in arrival order, within staleness, exactly once across restarts."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from sao.lake.config import WriterConfig
+from sao.lake.ledger import record_train_step
+from sao.lake.reader import (
+    TrajectoryReader,
+    read_step_trajectories,
+    read_trajectories,
+    select_unconsumed,
+)
+from sao.lake.records import Segment, TrainStepRecord, TrajectoryRecord, utc_now
+from sao.lake.store import LakeError
+from sao.lake.synthetic import make_trajectories
+from sao.lake.writer import TrajectoryWriter
+from schemas.trajectories import SegmentKind
+from tests.lake.conftest import RUN
+
+MANUAL = WriterConfig(flush_rows=10_000, background_flush=False)
+
+
+def write(lake, records: list[TrajectoryRecord]) -> None:
+    with TrajectoryWriter(lake, MANUAL) as writer:
+        writer.add_many(records)
+
+
+def step(run_id: str, number: int, batch, ids=None) -> TrainStepRecord:
+    now = utc_now()
+    listed = batch.trajectory_ids if ids is None else ids
+    return TrainStepRecord(
+        run_id, number, number, number + 1, batch.snapshot_version, tuple(listed), now, now
+    )
+
+
+def test_micro_batches_come_in_arrival_order_and_each_row_once(lake):
+    records = make_trajectories(25, seed=1, num_tokens=16)
+    write(lake, records[:10])
+    write(lake, records[10:])
+    reader = TrajectoryReader(lake, RUN, columns=["completion_ids"])
+    first = reader.next_micro_batch(trainer_version=0, max_staleness=4, max_rows=8)
+    second = reader.next_micro_batch(trainer_version=0, max_staleness=4, max_rows=8)
+    assert first.data["ingest_seq"].to_pylist() == list(range(1, 9))
+    assert second.data["ingest_seq"].to_pylist() == list(range(9, 17))
+    assert first.trajectory_ids == [r.trajectory_id for r in records[:8]]
+    assert first.data.column_names == ["trajectory_id", "ingest_seq", "completion_ids"]
+    assert first.data["completion_ids"].to_pylist()[0] == records[0].completion_ids.tolist()
+    assert sum(len(b) for b in first.batches) == 8
+    rest = reader.next_micro_batch(trainer_version=0, max_staleness=4, max_rows=100)
+    assert len(rest) == 9 and len(reader.next_micro_batch(0, 4, 100)) == 0
+
+
+def test_staleness_is_trainer_version_minus_the_oldest_sampling_version(local_lake):
+    # versions (0, 1): min version 0; (1,): min version 1; an error trajectory without actions
+    old = make_trajectories(3, seed=2, num_tokens=16, turns=2, policy_versions=(0, 1))
+    new = make_trajectories(3, seed=3, num_tokens=16, policy_versions=(1,))
+    empty = dataclasses.replace(
+        new[0],
+        trajectory_id="no-actions",
+        action_mask=[False] * 16,
+        logprobs=[0.0] * 16,
+        segments=(Segment(SegmentKind.OBSERVATION, 0, 16, None),),
+    )
+    write(local_lake, [old[0], new[0], empty, old[1], new[1]])
+    reader = TrajectoryReader(local_lake, RUN)
+    batch = reader.next_micro_batch(trainer_version=2, max_staleness=1, max_rows=10)
+    assert batch.trajectory_ids == [new[0].trajectory_id, new[1].trajectory_id]  # staleness 1 <= 1
+    assert (batch.skipped_stale, batch.skipped_no_actions) == (2, 1)  # staleness 2 > 1; no actions
+    write(local_lake, [old[2], new[2]])
+    later = reader.next_micro_batch(2, 1, 10)
+    assert later.trajectory_ids == [new[2].trajectory_id] and later.skipped_stale == 1
+    allowing_older = reader.next_micro_batch(2, 2, 10)  # set-aside rows come back, in arrival order
+    assert allowing_older.trajectory_ids == [
+        old[0].trajectory_id,
+        old[1].trajectory_id,
+        old[2].trajectory_id,
+    ]
+
+
+def test_consumption_is_exactly_once_across_a_restart(lake):
+    records = make_trajectories(12, seed=4, num_tokens=16)
+    write(lake, records)
+    reader = TrajectoryReader(lake, RUN)
+    used = reader.next_micro_batch(0, 2, 4)
+    reader.record_step(step(RUN, 0, used))
+    with pytest.raises(KeyError, match="not handed out"):  # consumed rows cannot be given back
+        reader.release(used.trajectory_ids[:1])
+    lost = reader.next_micro_batch(0, 2, 4)  # handed out, the trainer dies before recording it
+    restarted = TrajectoryReader(lake, RUN)
+    again = restarted.next_micro_batch(0, 2, 100)
+    assert again.trajectory_ids == [r.trajectory_id for r in records[4:]]
+    assert set(lost.trajectory_ids) <= set(again.trajectory_ids)
+    assert not set(used.trajectory_ids) & set(again.trajectory_ids)
+
+
+def test_release_offers_abandoned_rows_again_in_order(local_lake):
+    write(local_lake, make_trajectories(6, seed=5, num_tokens=16))
+    reader = TrajectoryReader(local_lake, RUN)
+    first = reader.next_micro_batch(0, 1, 3)
+    reader.release(first.trajectory_ids[1:])
+    assert reader.next_micro_batch(0, 1, 3).data["ingest_seq"].to_pylist() == [2, 3, 4]
+    with pytest.raises(KeyError, match="not handed out"):
+        reader.release(["nope"])
+
+
+def test_pinned_snapshot_and_monotone_bounds(local_lake):
+    records = make_trajectories(6, seed=6, num_tokens=16)
+    write(local_lake, records[:3])
+    pinned = local_lake.version("trajectories")
+    write(local_lake, records[3:])
+    reader = TrajectoryReader(local_lake, RUN)
+    batch = reader.next_micro_batch(1, 1, 10, version=pinned)
+    assert batch.snapshot_version == pinned and len(batch) == 3
+    assert len(reader.next_micro_batch(1, 1, 10)) == 3
+    with pytest.raises(ValueError, match="older than the previous"):
+        reader.next_micro_batch(1, 1, 10, version=pinned)
+    with pytest.raises(ValueError, match="max_rows"):
+        reader.next_micro_batch(1, 1, 0)
+
+
+def test_incremental_reader_equals_the_full_scan_reference(local_lake):
+    """Random appends, steps, staleness and batch sizes: the reader returns what the reference returns."""
+    rng = random.Random(7)
+    reader = TrajectoryReader(local_lake, RUN, columns=["trajectory_id"])
+    handed_out: list[str] = []
+    trainer_version, step_number, seed = 0, 0, 100
+    for _ in range(16):
+        if rng.random() < 0.7:
+            versions = (rng.choice([0, 1]),)
+            write(
+                local_lake,
+                make_trajectories(
+                    rng.randint(1, 8), seed=seed, num_tokens=12, policy_versions=versions
+                ),
+            )
+            seed += 1
+        trainer_version = max(0, trainer_version + rng.choice([-1, 0, 1, 1]))
+        staleness, rows = rng.choice([0, 1, 2]), rng.randint(1, 6)
+        version = local_lake.version("trajectories")
+        expected = select_unconsumed(
+            local_lake, RUN, trainer_version, staleness, rows, version=version, exclude=handed_out
+        )
+        batch = reader.next_micro_batch(trainer_version, staleness, rows, version=version)
+        assert batch.trajectory_ids == expected["trajectory_id"].to_pylist()
+        handed_out += batch.trajectory_ids
+        if batch.trajectory_ids and rng.random() < 0.5:
+            record_train_step(local_lake, step(RUN, step_number, batch))
+            step_number += 1
+
+
+def test_read_step_trajectories_returns_the_recorded_rows_in_order(lake):
+    records = make_trajectories(8, seed=8, num_tokens=16)
+    write(lake, records[:5])
+    batch = TrajectoryReader(lake, RUN).next_micro_batch(0, 1, 5)
+    order = list(reversed(batch.trajectory_ids))
+    record_train_step(lake, step(RUN, 0, batch, ids=order))
+    write(lake, records[5:])
+    replay = read_step_trajectories(lake, RUN, 0, columns=["trajectory_id", "reward"])
+    assert replay["trajectory_id"].to_pylist() == order
+    with pytest.raises(LakeError, match="no recorded step 9"):
+        read_step_trajectories(lake, RUN, 9)
+    with pytest.raises(LakeError, match="not in version"):
+        read_trajectories(
+            lake, version=batch.snapshot_version, trajectory_ids=[records[7].trajectory_id]
+        )
+
+
+def test_read_trajectories_by_ids_across_runs(local_lake):
+    from sao.lake.ledger import register_policy_version
+    from sao.lake.records import PolicyVersionRecord
+
+    register_policy_version(local_lake, PolicyVersionRecord("run-1", 0, "ckpt/0", "sha256:0"))
+    first = make_trajectories(4, seed=9, num_tokens=12)
+    second = make_trajectories(4, seed=10, num_tokens=12, run_id="run-1")
+    shared = dataclasses.replace(second[0], trajectory_id=first[0].trajectory_id)
+    write(local_lake, [*first, *second[1:], shared])
+    wanted = [second[2].trajectory_id, first[3].trajectory_id, second[1].trajectory_id]
+    rows = read_trajectories(local_lake, trajectory_ids=wanted, columns=["trajectory_id", "run_id"])
+    assert rows["trajectory_id"].to_pylist() == wanted
+    assert rows["run_id"].to_pylist() == ["run-1", RUN, "run-1"]
+    assert read_trajectories(local_lake, trajectory_ids=[], columns=["reward"]).num_rows == 0
+    with pytest.raises(LakeError, match="several runs; pass run_id"):
+        read_trajectories(local_lake, trajectory_ids=[first[0].trajectory_id])
+    one = read_trajectories(local_lake, run_id="run-1", trajectory_ids=[first[0].trajectory_id])
+    assert one["completion_ids"].to_pylist() == [shared.completion_ids.tolist()]

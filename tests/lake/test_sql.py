@@ -1,0 +1,158 @@
+"""Read-only SQL over every table; modifying statements refused before they reach the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from sao.lake.config import WriterConfig
+from sao.lake.ledger import record_train_step
+from sao.lake.records import TrainStepRecord, utc_now
+from sao.lake.sql import EXAMPLE_QUERIES, ReadOnlyQueryError, check_read_only, run_sql
+from sao.lake.store import LakeError
+from sao.lake.synthetic import make_trajectories
+from sao.lake.writer import TrajectoryWriter
+from tests.lake.conftest import RUN
+from tests.lake.test_validate import CASES
+
+
+@pytest.fixture
+def filled(lake):
+    records = make_trajectories(5, seed=41, num_tokens=12)
+    with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
+        writer.add_many([*records, CASES["logprob_positive"][0]])
+    now = utc_now()
+    ids = tuple(r.trajectory_id for r in records[:2])
+    record_train_step(
+        lake,
+        TrainStepRecord(
+            RUN,
+            0,
+            1,
+            2,
+            lake.version("trajectories"),
+            ids,
+            now,
+            now,
+            {"actor/kept_frac": 0.75},
+            {"torch": 3},
+        ),
+    )
+    return lake
+
+
+QUERIES = {
+    "trajectories": (
+        "SELECT termination_reason, count(*) AS n, sum(num_action_tokens) > 0 AS has_actions "
+        "FROM trajectories GROUP BY termination_reason",
+        [{"termination_reason": "stop", "n": 5, "has_actions": True}],
+    ),
+    "quarantine": (
+        "SELECT reason, field, position FROM quarantine",
+        [{"reason": "logprob_positive", "field": "logprobs", "position": 5}],
+    ),
+    "policy_versions": (
+        "SELECT version, parent_version FROM policy_versions ORDER BY version",
+        [{"version": 0, "parent_version": None}, {"version": 1, "parent_version": 0}],
+    ),
+    "train_steps": (
+        "SELECT step, num_trajectories, metrics['actor/kept_frac'] AS kept, seeds['torch'] AS seed "
+        "FROM train_steps",
+        [{"step": 0, "num_trajectories": 2, "kept": 0.75, "seed": 3}],
+    ),
+}
+
+
+@pytest.mark.parametrize("table", sorted(QUERIES))
+def test_sql_on_each_table(filled, table):
+    query, expected = QUERIES[table]
+    assert run_sql(filled, query).to_pylist() == expected
+
+
+def test_sql_joins_a_step_to_the_snapshot_it_read(filled):
+    query = (
+        "SELECT count(*) AS n FROM (SELECT unnest(trajectory_ids) AS id FROM train_steps) AS used "
+        "JOIN trajectories t ON t.trajectory_id = used.id"
+    )
+    assert run_sql(filled, query).to_pylist() == [{"n": 2}]
+
+
+def test_sql_reads_pinned_versions(filled):
+    assert run_sql(
+        filled, "SELECT count(*) AS n FROM trajectories", versions={"trajectories": 0}
+    ).to_pylist() == [{"n": 0}]
+    with pytest.raises(KeyError, match="unknown table"):
+        run_sql(filled, "SELECT 1", versions={"nope": 1})
+
+
+def test_results_use_plain_arrow_types(filled):
+    result = run_sql(filled, "SELECT trajectory_id, segments FROM trajectories LIMIT 1")
+    assert str(result.schema.field("trajectory_id").type) == "string"
+    assert "view" not in str(result.schema)
+
+
+@pytest.mark.parametrize(
+    ("query", "kind"),
+    [
+        ("DELETE FROM trajectories", "DELETE"),
+        ("insert into quarantine select * from quarantine", "INSERT"),
+        ("UPDATE train_steps SET step = 1", "UPDATE"),
+        ("DROP TABLE trajectories", "DROP"),
+        ("COPY (SELECT * FROM trajectories) TO '/tmp/stolen.csv'", "COPY"),
+        ("CREATE VIEW v AS SELECT 1", "CREATE"),
+        ("SET datafusion.execution.batch_size = 1", "SET"),
+        ("  -- a comment first\n MERGE INTO trajectories USING x ON true", "MERGE"),
+    ],
+)
+def test_modifying_statements_are_refused_naming_their_kind(filled, query, kind):
+    with pytest.raises(ReadOnlyQueryError, match=f"refusing the statement {kind}"):
+        run_sql(filled, query)
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("SELECT 1; DROP TABLE trajectories", "one statement at a time"),
+        (
+            "WITH x AS (SELECT 1) INSERT INTO t SELECT * FROM x",
+            "refusing the statement WITH because it contains INSERT",
+        ),
+        ("SELECT * INTO copy FROM trajectories", "contains INTO"),
+        ("SELECT 'unterminated", "unterminated"),
+        ("   ", "empty"),
+    ],
+)
+def test_smuggled_modifications_are_refused(query, message):
+    with pytest.raises(ReadOnlyQueryError, match=message):
+        check_read_only(query)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "SELECT 'delete me' AS x",
+        'SELECT "update" FROM t',
+        "/* DROP */ SELECT 1;",
+        "explain select 1",
+        "WITH a AS (SELECT 1) SELECT * FROM a",
+        "DESCRIBE trajectories",
+        "VALUES (1)",
+    ],
+)
+def test_read_only_statements_pass(query):
+    check_read_only(query)
+
+
+def test_engine_errors_are_lake_errors(filled):
+    with pytest.raises(LakeError, match="query failed"):
+        run_sql(filled, "SELECT * FROM no_such_table")
+
+
+@pytest.mark.parametrize("question", sorted(EXAMPLE_QUERIES))
+def test_every_example_query_answers(filled, question):
+    assert run_sql(filled, EXAMPLE_QUERIES[question]).num_rows >= 1
+
+
+def test_the_staleness_example_by_hand(filled):
+    # step 0 started from policy version 1 and read two trajectories sampled by version 0
+    rows = run_sql(filled, EXAMPLE_QUERIES["How stale was the data each step used?"]).to_pylist()
+    assert rows == [{"run_id": RUN, "step": 0, "staleness": 1, "trajectories": 2}]
