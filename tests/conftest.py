@@ -17,3 +17,13 @@ def policy_dir(tmp_path_factory, tokenizer):
     path = tmp_path_factory.mktemp("policy") / "v0"
     save_policy(build_policy(seed=0), path, tokenizer, policy_version=0)
     return path
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance shared by the tests marked ``ray`` (started once, about 8 s)."""
+    from sao.runtime import RayConfig, init_ray, shutdown_ray
+
+    init_ray(RayConfig(num_cpus=2, namespace="sao-tests"))
+    yield
+    shutdown_ray()

@@ -73,6 +73,7 @@ class UpdateConfig:
         lr_policy, lr_critic: AdamW learning rates.
         warmup_steps_critic, warmup_steps_policy: linear warm-up of the learning rate, in optimiser steps.
         weight_decay: AdamW weight decay for both models.
+        adam_eps: AdamW epsilon for both models.
         max_grad_norm: gradient clipping (None = off).
         value_clip: PPO-style value clipping range (None = off).
         whiten_advantages: normalise policy advantages over the batch's action tokens.
@@ -98,6 +99,7 @@ class UpdateConfig:
     warmup_steps_critic: int = 10
     warmup_steps_policy: int = 0
     weight_decay: float = 0.0
+    adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
     value_clip: float | None = None
     whiten_advantages: bool = False

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from sao.lake.config import LakeConfig
-from sao.lake.ledger import record_train_step, register_policy_version
+from sao.lake.ledger import register_policy_version
 from sao.lake.reader import TrajectoryReader, read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.store import Lake
@@ -76,6 +76,8 @@ class TrainConfig:
         wait_timeout_s: longest wait for a batch to arrive before the run fails.
         poll_s: how often the reader looks for new trajectories while waiting.
         app_name: rollout app whose replicas receive new weights (None: do not publish).
+        num_workers: Ray Train workers (data parallel; gradients are summed across them).
+        cpus_per_worker: Ray CPUs per worker (fractions leave room for dataset reads and rollouts).
     """
 
     run_id: str
@@ -93,6 +95,8 @@ class TrainConfig:
     wait_timeout_s: float = 900.0
     poll_s: float = 0.1
     app_name: str | None = "rollout"
+    num_workers: int = 1
+    cpus_per_worker: float = 0.5
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -188,7 +192,8 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int):
 
 def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
                  on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
-    """The body of one training worker (see the module docstring). ``max_steps`` stops early (tests)."""
+    """The body of one training worker (see the module docstring). ``max_steps`` stops early (tests);
+    ``on_step`` runs on every worker after each committed step."""
     rank, world = _rank_world()
     torch.set_num_threads(cfg.torch_threads)
     torch.use_deterministic_algorithms(cfg.deterministic)
@@ -226,13 +231,14 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         t1 = time.perf_counter()
         metrics = learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard])
         update_s = time.perf_counter() - t1
+        metrics = _merge_worker_metrics(metrics, world)
         metrics["batch/stale_skipped"] = float(stale)
         metrics["batch/world_size"] = float(world)
         version += 1
         if rank == 0:
             t2 = time.perf_counter()
             _, digest = save_checkpoint(cfg.checkpoint_root, version, policy, tokenizer, critic, learner.state_dict())
-            record_train_step(lake, TrainStepRecord(
+            reader.record_step(TrainStepRecord(
                 run_id=cfg.run_id, step=step, policy_version_before=version - 1, policy_version_after=version,
                 trajectories_version=snapshot, trajectory_ids=tuple(ids), started_at=started_at,
                 finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
@@ -244,16 +250,40 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
                 weights_hash=digest, step=step))
             if publish is not None:
                 metrics["time/publish_s"] = publish(version, policy)
-            report = StepReport(step, version, snapshot, tuple(ids), metrics)
-            reports.append(report)
-            if on_step is not None:
-                on_step(report)
-        else:
-            reports.append(StepReport(step, version, snapshot, tuple(ids), metrics))
+        report = StepReport(step, version, snapshot, tuple(ids), metrics)
+        reports.append(report)
         if world > 1:
             dist.barrier()
+        if on_step is not None:
+            on_step(report)  # on every worker: Ray Train's report is a collective call
         step += 1
     return reports
+
+
+_SUMMED = ("batch/trajectories", "batch/action_tokens", "batch/staleness_count/", "actor/all_masked_rows",
+           "actor/loss", "critic/loss")
+
+
+def _merge_worker_metrics(metrics: dict[str, float], world: int) -> dict[str, float]:
+    """One set of step metrics from every worker's shard: counts and losses (already divided by the
+    whole batch's denominator) add up; other metrics are averaged, weighted by action tokens. Gradient
+    norms are the same on every worker (taken after the all-reduce)."""
+    if world == 1:
+        return metrics
+    gathered: list[dict[str, float]] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, metrics)
+    weights = [m.get("batch/action_tokens", 0.0) for m in gathered]
+    total = sum(weights) or 1.0
+    merged: dict[str, float] = {}
+    for key in sorted({k for m in gathered for k in m}):
+        values = [(m[key], w) for m, w in zip(gathered, weights, strict=True) if key in m]
+        if key.startswith(_SUMMED):
+            merged[key] = sum(v for v, _ in values)
+        elif key.endswith("grad_norm") or key.startswith("time/"):
+            merged[key] = max(v for v, _ in values)
+        else:
+            merged[key] = sum(v * w for v, w in values) / (sum(w for _, w in values) or total)
+    return merged
 
 
 def _ensure_version_registered(lake: Lake, cfg: TrainConfig, version: int, policy, critic, tokenizer,

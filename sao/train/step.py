@@ -115,12 +115,12 @@ class Learner:
             raise ValueError(f"algorithm {cfg.algorithm.value!r} needs a critic, got critic=None")
         self.policy_optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=cfg.lr_policy,
-            weight_decay=cfg.weight_decay)
+            weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         self.policy_scheduler = _warmup(self.policy_optimizer, cfg.warmup_steps_policy)
         if self.critic is not None:
             self.critic_optimizer = torch.optim.AdamW(
                 [p for p in self.critic.parameters() if p.requires_grad], lr=cfg.lr_critic,
-                weight_decay=cfg.weight_decay)
+                weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
             self.critic_scheduler = _warmup(self.critic_optimizer, cfg.warmup_steps_critic)
         self.running_mean = RunningMeanBaseline(cfg.running_mean_window)
         self.critic_steps = 0
