@@ -22,6 +22,7 @@ app = typer.Typer(
 # `sao bench NAME [ARGS...]` runs `benchmarks/<module>.py`'s `main(argv)`. One line per benchmark.
 BENCHMARKS: dict[str, str] = {
     "lake": "lake_ingest",
+    "rollout": "rollout",
     "sft": "sft_warmstart",
 }
 
@@ -47,9 +48,15 @@ def demo() -> None:
 
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
 )
-def bench(ctx: typer.Context, name: str = typer.Argument(..., help="Benchmark to run.")) -> None:
-    """Run a benchmark from benchmarks/ (extra arguments go to it; try `--help` after the name)."""
+def bench(ctx: typer.Context, name: str = typer.Argument("--help", help="Benchmark to run.")) -> None:
+    """Run a benchmark from benchmarks/: `sao bench NAME [ARGS]`; `sao bench NAME --help` lists its options."""
+    if name in ("--help", "-h"):
+        typer.echo("Usage: sao bench NAME [ARGS]...\n\nRun a benchmark; results go to docs/RESULTS.md.\n")
+        typer.echo("Benchmarks: " + ", ".join(sorted(BENCHMARKS)))
+        typer.echo("`sao bench NAME --help` lists a benchmark's options.")
+        raise typer.Exit(0)
     if name not in BENCHMARKS:
         known = ", ".join(sorted(BENCHMARKS)) or "none yet"
         raise fail(f"unknown benchmark {name!r}; known: {known}")

@@ -6,8 +6,8 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
 * loads the policy and tokenizer from ``RolloutConfig.policy_path`` (a Hugging Face directory);
 * decodes concurrent rollouts together in one :class:`~sao.rollout.torch_engine.TorchEngine`;
 * polls the app's weight broker and swaps newer weights in between decode steps;
-* answers ``rollout(task, run_id, trajectory_id, seed) -> TrajectoryRecord``, ``health()`` and
-  ``version()``.
+* answers ``rollout(task, run_id, trajectory_id, seed) -> TrajectoryRecord``, ``generate(prompt_ids,
+  sampling) -> Generation`` (raw, for benchmarks), ``health()`` and ``version()``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ray.serve import Application
 
 from sao.envs.base import Task
 from sao.rollout.agent import AgentConfig, AgentLoop
+from sao.rollout.engine import Generation, SamplingParams
 from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from sao.rollout.weights import WeightSubscriber, get_or_create_broker
 
@@ -91,6 +92,10 @@ class RolloutReplica:
 
     async def rollout(self, task: Task, run_id: str, trajectory_id: str, seed: int | None = None):
         return await self.agent.run(task, run_id, trajectory_id, seed)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        """One raw generation call (no agent loop): benchmarks and evaluation."""
+        return await self.engine.generate(prompt_ids, sampling)
 
     def version(self) -> int:
         return self.engine.version

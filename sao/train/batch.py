@@ -16,12 +16,13 @@ import torch
 
 from sao.algos.sampling import LogprobKind
 
-__all__ = ["NATURAL_END", "TrainBatch", "collate", "completion_positions", "split_by_token_budget"]
+__all__ = ["BOOTSTRAP_REASONS", "TrainBatch", "collate", "completion_positions", "split_by_token_budget"]
 
-# Only a natural end (``stop``) has value 0 after its last token. Budget ends (length, turns, timeout)
-# bootstrap with V(s_end); so do ``cancelled`` and ``error`` ends: their sampled tokens are valid
-# actions of the behaviour policy and the return after them is unknown, exactly as after a budget end.
-NATURAL_END = "stop"
+# Ends after which the return is bootstrapped with V(s_end) by default (SAO.md: only a natural end
+# has value 0). ``cancelled`` and ``error`` ends are included: their sampled tokens are valid actions of
+# the behaviour policy and the return after them is unknown, exactly as after a budget end.
+# ``UpdateConfig.bootstrap_reasons`` chooses per run.
+BOOTSTRAP_REASONS = ("length", "turns", "timeout", "cancelled", "error")
 
 
 class TrainBatch(NamedTuple):
@@ -35,7 +36,7 @@ class TrainBatch(NamedTuple):
         action_mask: (B, T) bool, completion tokens sampled by the policy.
         logp_rollout: (B, T) float32, engine log-probabilities (0 off actions).
         rewards: (B, T) float32, the trajectory reward on its last action token.
-        bootstrap: (B,) bool, True unless the trajectory ended naturally (``stop``).
+        bootstrap: (B,) bool, True where the termination reason is one of ``bootstrap_reasons``.
         staleness: (B,) long, trainer version minus the oldest version that sampled the trajectory.
         group_ids: (B,) long, sequences sampled from the same prompt share an id (GRPO).
         scalar_rewards: (B,) float32, one reward per trajectory.
@@ -84,7 +85,8 @@ class TrainBatch(NamedTuple):
         return TrainBatch(**fields)
 
 
-def collate(rows: Sequence[Mapping], trainer_version: int) -> TrainBatch:
+def collate(rows: Sequence[Mapping], trainer_version: int,
+            bootstrap_reasons: Sequence[str] = BOOTSTRAP_REASONS) -> TrainBatch:
     """Pad trajectory rows (as stored in the ``trajectories`` table) into a :class:`TrainBatch`.
 
     Each row needs ``trajectory_id``, ``task_id``, ``prompt_ids``, ``completion_ids``,
@@ -131,7 +133,7 @@ def collate(rows: Sequence[Mapping], trainer_version: int) -> TrainBatch:
         action_mask=action_mask,
         logp_rollout=logp_rollout,
         rewards=rewards,
-        bootstrap=torch.tensor([r["termination_reason"] != NATURAL_END for r in rows]),
+        bootstrap=torch.tensor([r["termination_reason"] in bootstrap_reasons for r in rows]),
         staleness=torch.tensor([trainer_version - int(r["min_policy_version"]) for r in rows], dtype=torch.long),
         group_ids=torch.tensor([group_of[str(r["task_id"])] for r in rows], dtype=torch.long),
         scalar_rewards=torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32),

@@ -80,6 +80,10 @@ class UpdateConfig:
         group_scale_by_std: GRPO divides by the group's std (False: mean baseline only).
         running_mean_window: window of the running-mean baseline (paper comparison 8).
         reward_range: (low, high) to monitor values outside it.
+        bootstrap_reasons: termination reasons after which the return is V(s_end) rather than 0. The
+            paper bootstraps budget ends; where a budget is far above what a good answer needs (the
+            math demo: 96 tokens for a 25-token answer), treating ``length`` as a failure (value 0)
+            stops an optimistic critic from rewarding answers that never end.
         token_budget: most (sequences x padded length) tokens in one micro-batch.
     """
 
@@ -106,12 +110,18 @@ class UpdateConfig:
     group_scale_by_std: bool = True
     running_mean_window: int = 8
     reward_range: tuple[float, float] = (0.0, 1.0)
+    bootstrap_reasons: tuple[str, ...] = ("length", "turns", "timeout", "cancelled", "error")
     token_budget: int = 8192
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
         object.__setattr__(self, "aggregation", LossAggregation(self.aggregation))
         object.__setattr__(self, "reward_range", tuple(self.reward_range))
+        object.__setattr__(self, "bootstrap_reasons", tuple(self.bootstrap_reasons))
+        allowed = ("length", "turns", "timeout", "cancelled", "error")
+        unknown = [r for r in self.bootstrap_reasons if r not in allowed]
+        if unknown:
+            raise ValueError(f"bootstrap_reasons {unknown} are not among {allowed} ('stop' always ends with 0)")
         check_interval(self.eps_low, self.eps_high)
         if self.critic_updates < 0:
             raise ValueError(f"critic_updates must be >= 0, got {self.critic_updates}")

@@ -11,6 +11,12 @@ Each step (one actor update):
    step happened, its trajectories are consumed), then the ``policy_versions`` row, then publishes the
    weights to the rollout replicas.
 
+Every step runs :func:`compute_update` with the torch seed ``seed + policy_version_before`` (recorded
+in the step's ``seeds``); step replay (:mod:`sao.train.replay`) calls the same function on the same rows,
+with the settings :func:`sao.train.run_config.write_run_config` stored at the checkpoint root when the
+run was prepared. With ``retention`` set, old checkpoints are pruned after each step
+(:mod:`sao.train.retention`).
+
 Resume: the last ``train_steps`` row of the run names the version to load; its checkpoint is complete
 before the row is written, so a crash anywhere loses at most the step in flight, and that step's
 trajectories are offered again (nothing consumed twice, nothing skipped). Trajectories beyond
@@ -25,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -43,10 +49,13 @@ from sao.models.tokenizer import load_tokenizer
 from sao.train.batch import collate
 from sao.train.checkpoint import load_checkpoint, save_checkpoint, weights_hash
 from sao.train.config import UpdateConfig
+from sao.train.retention import RetentionConfig, apply_retention
+from sao.train.run_config import RolloutSettings, write_run_config
 from sao.train.step import Learner
 from schemas import train_steps
 
-__all__ = ["StepReport", "TrainConfig", "last_committed_step", "prepare_run", "run_training", "train_worker"]
+__all__ = ["StepReport", "TrainConfig", "compute_update", "last_committed_step", "prepare_run", "run_training",
+           "train_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +87,9 @@ class TrainConfig:
         app_name: rollout app whose replicas receive new weights (None: do not publish).
         num_workers: Ray Train workers (data parallel; gradients are summed across them).
         cpus_per_worker: Ray CPUs per worker (fractions leave room for dataset reads and rollouts).
+        rollout: what the rollouts used that trajectories do not record (task file, environment
+            options, turn budget), stored for trajectory replay.
+        retention: which old checkpoints to prune after each step (None: keep every part of every one).
     """
 
     run_id: str
@@ -97,6 +109,8 @@ class TrainConfig:
     app_name: str | None = "rollout"
     num_workers: int = 1
     cpus_per_worker: float = 0.5
+    rollout: RolloutSettings = RolloutSettings()
+    retention: RetentionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -146,7 +160,7 @@ def _load_models(cfg: TrainConfig, version: int):
     """Policy, critic and trainer state at ``version`` (version 0 may come from the SFT directory)."""
     root = Path(cfg.checkpoint_root)
     try:
-        checkpoint = load_checkpoint(root, version, with_critic=cfg.update.uses_critic)
+        checkpoint = load_checkpoint(root, version, with_critic=cfg.update.uses_critic, require_state=True)
         return checkpoint.policy, checkpoint.critic, checkpoint.trainer_state
     except FileNotFoundError:
         if version != 0:
@@ -190,6 +204,18 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int):
         time.sleep(cfg.poll_s)
 
 
+def compute_update(learner: Learner, rows: Sequence[Mapping], version: int, rank: int = 0,
+                   world: int = 1) -> dict[str, float]:
+    """One step's update: ``rows`` are the step's whole batch in recorded order, ``version`` the
+    trainer's version before it; this worker trains on its shard (rows ``rank::world``). Step replay
+    calls this too, so a replayed step computes exactly what the loop computed."""
+    full = collate(rows, trainer_version=version, bootstrap_reasons=learner.config.bootstrap_reasons)
+    sequence_advantages = learner.sequence_advantages(full.scalar_rewards, full.group_ids)
+    shard = list(range(rank, len(rows), world))
+    batch = full.select(shard)
+    return learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard])
+
+
 def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
                  on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
     """The body of one training worker (see the module docstring). ``max_steps`` stops early (tests);
@@ -208,6 +234,7 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         learner.load_state_dict(trainer_state)
     publish = _publisher(cfg) if rank == 0 else None
     if rank == 0:
+        write_run_config(cfg)
         _ensure_version_registered(lake, cfg, version, policy, critic, tokenizer, learner, step - 1)
         if publish is not None and version > 0:
             publish(version, policy)  # replicas may be behind after a restart
@@ -215,6 +242,7 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
     reports: list[StepReport] = []
     while step < cfg.total_steps and (max_steps is None or len(reports) < max_steps):
         started_at = utc_now()
+        torch.manual_seed(cfg.seed + version)  # recorded in the step's seeds
         t0 = time.perf_counter()
         selection = None
         if rank == 0:
@@ -224,12 +252,8 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         read_s = time.perf_counter() - t0
         rows = read_trajectories(lake, version=snapshot, run_id=cfg.run_id, trajectory_ids=ids,
                                  columns=TRAIN_COLUMNS).to_pylist()
-        full = collate(rows, trainer_version=version)
-        sequence_advantages = learner.sequence_advantages(full.scalar_rewards, full.group_ids)
-        shard = list(range(rank, len(rows), world))
-        batch = full.select(shard)
         t1 = time.perf_counter()
-        metrics = learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard])
+        metrics = compute_update(learner, rows, version, rank, world)
         update_s = time.perf_counter() - t1
         metrics = _merge_worker_metrics(metrics, world)
         metrics["batch/stale_skipped"] = float(stale)
@@ -248,6 +272,8 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
                 run_id=cfg.run_id, version=version, parent_version=version - 1,
                 checkpoint_uri=str(Path(cfg.checkpoint_root, f"v{version:06d}").resolve()),
                 weights_hash=digest, step=step))
+            if cfg.retention is not None:
+                apply_retention(lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
             if publish is not None:
                 metrics["time/publish_s"] = publish(version, policy)
         report = StepReport(step, version, snapshot, tuple(ids), metrics)
@@ -304,6 +330,7 @@ def prepare_run(cfg: TrainConfig) -> int:
     ``policy_versions`` row (version 0 from ``policy_path`` for a new run); returns that version.
     Rollouts of a run may start only after this (the lake refuses versions not yet registered)."""
     lake = Lake.open(cfg.lake)
+    write_run_config(cfg)
     resumed = last_committed_step(lake, cfg.run_id)
     step, version = (0, 0) if resumed is None else (resumed[0] + 1, resumed[1])
     policy, critic, state = _load_models(cfg, version)

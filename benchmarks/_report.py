@@ -1,0 +1,64 @@
+"""Shared by the benchmarks: the machine's description and the sections of docs/RESULTS.md.
+
+Each benchmark owns one section of ``docs/RESULTS.md`` between ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->`` markers and replaces only that section, so benchmarks can run in any order.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+__all__ = ["machine", "update_section", "write_json"]
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory, platform and the versions that decide the figures."""
+    memory_gib = None
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    memory_gib = round(int(line.split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    for package in ("torch", "transformers", "ray", "deltalake", "pyarrow", "prefect"):
+        try:
+            info[package] = __import__(package).__version__
+        except ImportError:
+            continue
+    return info
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    return (f"Machine: {info['cpus']} CPU cores, {info['memory_gib']} GiB memory, {info['platform']}; "
+            f"Python {info['python']}, torch {info.get('torch')}, ray {info.get('ray')}. Date: {info['date']}.")
+
+
+def update_section(path: Path, name: str, markdown: str) -> None:
+    """Replace (or append) the section ``name`` of the results file with ``markdown``."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.exists() else "# Results\n"
+    if begin in text and end in text:
+        text = text.split(begin)[0] + block + text.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

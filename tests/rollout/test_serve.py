@@ -1,0 +1,72 @@
+"""The Ray Serve rollout app: two replicas roll math_tool tasks into the lake while weights change."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from sao.envs.math_tool import MathToolConfig, generate_tasks
+from sao.lake.config import LakeConfig, WriterConfig
+from sao.lake.ledger import register_policy_version
+from sao.lake.records import PolicyVersionRecord
+from sao.lake.store import Lake
+from sao.lake.writer import TrajectoryWriter
+from sao.models.policy import build_policy
+from sao.rollout.agent import AgentConfig
+from sao.rollout.driver import DriverConfig, RolloutDriver
+from sao.rollout.serve import RolloutConfig, start_rollout_app
+from sao.rollout.weights import get_or_create_broker, publish_weights
+from sao.train.checkpoint import weights_hash
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_two_replicas_roll_out_into_the_lake_across_a_weight_update(tmp_path, policy_dir, ray_session):
+    from ray import serve
+
+    lake = Lake.open(LakeConfig(root=str(tmp_path / "lake")))
+    register_policy_version(lake, PolicyVersionRecord("serve-run", 0, str(policy_dir), "h0"))
+    app = RolloutConfig(policy_path=str(policy_dir), app_name="rollout-test", num_replicas=2,
+                        agent=AgentConfig(max_tokens=48, max_turns=2))
+    handle = start_rollout_app(app)
+    try:
+        tasks = generate_tasks(MathToolConfig(num_train=40, num_heldout=0))
+        writer = TrajectoryWriter(lake, WriterConfig(flush_rows=8, flush_seconds=0.2))
+        driver = RolloutDriver(handle, writer, "serve-run", DriverConfig(max_in_flight=8, max_staleness=None))
+        new_policy = build_policy(seed=7)
+        register_policy_version(lake, PolicyVersionRecord("serve-run", 1, "mem://v1", weights_hash(new_policy),
+                                                          parent_version=0, step=0))
+        broker = get_or_create_broker("rollout-test")
+        published = threading.Event()
+
+        def publish_when_half_done(record):
+            if driver.stats.finished >= 16 and not published.is_set():
+                published.set()
+                threading.Thread(target=publish_weights, args=(broker, 1, new_policy.state_dict())).start()
+
+        driver.on_record = publish_when_half_done
+        stats = asyncio.run(driver.run(tasks))
+        writer.close()
+        assert stats.finished == stats.launched == 40
+        stored = lake.read("trajectories", predicate="run_id = 'serve-run'")
+        assert stored.num_rows == 40
+        assert lake.read("quarantine").num_rows == 0
+        workers = set(stored.column("worker_id").to_pylist())
+        assert len(workers) == 2  # both replicas served
+        versions = set(stored.column("max_policy_version").to_pylist())
+        assert versions == {0, 1}, versions  # the later rollouts ran on the published weights
+        deadline = time.monotonic() + 30
+        while ray_get(broker.publish_latency.remote(1, 2)) is None:
+            assert time.monotonic() < deadline, "replicas did not acknowledge version 1"
+            time.sleep(0.1)
+        health = [handle.health.remote().result() for _ in range(6)]
+        assert {h["version"] for h in health} == {1}
+    finally:
+        serve.delete("rollout-test")
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
