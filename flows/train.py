@@ -1,0 +1,125 @@
+"""Prefect flow ``train``: warm start, asynchronous SAO training, evaluation, report.
+
+Each stage is a task calling a function of :mod:`sao.runs`; the flow's parameters are typed, so the
+Prefect UI shows them as a form. Re-running the flow with the same ``run_id`` resumes the run (every
+stage is idempotent: the warm start is reused, training continues from the last committed step).
+
+While training runs, the flow run shows a progress artifact (steps done) and a table artifact with the
+latest metrics; at the end, a markdown artifact with accuracy before / after and the learning curve.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextvars
+import dataclasses
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from sao import runs
+from sao.config import RunSettings
+from sao.train.config import Algorithm
+from sao.train.loop import StepReport
+
+_DEFAULTS = RunSettings()
+
+
+def artifact_key(run_id: str, what: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    slug = "".join(c if c.isalnum() else "-" for c in run_id.lower()).strip("-") or "run"
+    return f"{slug}-{what}"
+
+
+@task(name="warm-start")
+def warm_start(settings: RunSettings) -> str:
+    logger = get_run_logger()
+    path = runs.warm_start(settings, on_log=lambda point: logger.info("SFT %s", point))
+    logger.info("version-0 policy: %s", path)
+    return str(path)
+
+
+@task(name="evaluate")
+def evaluate(settings: RunSettings, version: int) -> runs.Evaluation:
+    result = runs.evaluate(settings, version)
+    get_run_logger().info("version %d: held-out accuracy %.3f ± %.3f", version, result.accuracy, result.stderr)
+    return result
+
+
+METRICS_SHOWN = ("batch/reward_mean", "actor/kept_frac", "batch/staleness_mean", "critic/loss",
+                 "critic/value_mean", "actor/grad_norm")
+
+
+@task(name="train-async")
+def train_async(settings: RunSettings, policy_path: str) -> dict:
+    logger = get_run_logger()
+    progress = create_progress_artifact(0.0, key=artifact_key(settings.run_id, "progress"),
+                                        description=f"actor updates of run {settings.run_id}")
+    context = contextvars.copy_context()  # the step watcher runs in its own thread
+
+    def publish(report: StepReport) -> None:
+        done = 100.0 * (report.step + 1) / max(settings.steps, 1)
+        update_progress_artifact(progress, min(done, 100.0))
+        logger.info("step %d -> version %d: reward %.3f, kept %.3f, staleness %.2f", report.step, report.version,
+                    report.metrics.get("batch/reward_mean", 0.0), report.metrics.get("actor/kept_frac", 0.0),
+                    report.metrics.get("batch/staleness_mean", 0.0))
+        if report.step % 10 == 0 or report.step + 1 == settings.steps:
+            rows = [{"metric": k, "value": round(report.metrics[k], 4)} for k in METRICS_SHOWN if k in report.metrics]
+            create_table_artifact(rows, key=artifact_key(settings.run_id, "metrics"),
+                                  description=f"metrics of step {report.step} (policy version {report.version})")
+
+    result = runs.train_async(settings, policy_path, on_step=lambda report: context.run(publish, report))
+    return {"steps": result.steps, "version": result.version, "trajectories": result.driver.finished,
+            "wall_s": round(result.wall_s, 1)}
+
+
+@task(name="report")
+def report(settings: RunSettings, evaluations: list[runs.Evaluation], trained: dict) -> str:
+    plots, summary = runs.summarize(settings, evaluations)
+    images = "\n".join(_inline_png(p) for p in plots if p.name == "learning_curve.png")
+    markdown = f"{summary}\n\nTrained {trained['steps']} steps in {trained['wall_s']} s.\n\n{images}"
+    create_markdown_artifact(markdown, key=artifact_key(settings.run_id, "report"),
+                             description=f"run {settings.run_id}: accuracy and learning curve")
+    return summary
+
+
+def _inline_png(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f"![{path.stem}](data:image/png;base64,{data})"
+
+
+@flow(name="train", log_prints=True)
+def train(
+    run_id: str = _DEFAULTS.run_id,
+    steps: int = _DEFAULTS.steps,
+    algorithm: Algorithm = _DEFAULTS.algorithm,
+    batch_size: int = _DEFAULTS.batch_size,
+    max_staleness: int = _DEFAULTS.max_staleness,
+    lr_policy: float = _DEFAULTS.lr_policy,
+    num_replicas: int = _DEFAULTS.num_replicas,
+    trainer_workers: int = _DEFAULTS.trainer_workers,
+    eval_tasks: int = _DEFAULTS.eval_tasks,
+    workdir: str = _DEFAULTS.workdir,
+    lake_root: str = _DEFAULTS.lake_root,
+    ray_address: str | None = _DEFAULTS.ray_address,
+    seed: int = _DEFAULTS.seed,
+) -> dict:
+    """Warm-start, train asynchronously with SAO (or a baseline), evaluate before and after, report."""
+    settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
+                           max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
+                           trainer_workers=trainer_workers, eval_tasks=eval_tasks, workdir=workdir,
+                           lake_root=lake_root, ray_address=ray_address, seed=seed)
+    policy_path = warm_start(settings)
+    before = evaluate(settings, 0)
+    trained = train_async(settings, policy_path)
+    after = evaluate(settings, trained["version"])
+    summary = report(settings, [before, after], trained)
+    return {"run_id": run_id, "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
+            "version": trained["version"], "trajectories": trained["trajectories"], "summary": summary,
+            "settings": dataclasses.asdict(settings)}

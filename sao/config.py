@@ -1,0 +1,103 @@
+"""What a user sets for a training run: one typed place for the defaults that the CLI, the Prefect
+flows and the demo share. Component settings live beside their components (``UpdateConfig``,
+``TrainConfig``, ``AgentConfig``, ``LakeConfig``, ``RayConfig``); :class:`RunSettings` picks the few a
+run needs and builds them, so each default is written once.
+
+Defaults run on a laptop (2 cores): the math_tool task, the tiny policy, a local Ray, a ``./lake``
+folder, run files under ``./runs/<run_id>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from sao.lake.config import LakeConfig
+from sao.rollout.agent import AgentConfig
+from sao.runtime import RayConfig
+from sao.train.config import Algorithm, UpdateConfig
+
+__all__ = ["RunSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """A training run.
+
+    Attributes:
+        run_id: names the run in every table; re-running with the same id resumes it.
+        workdir: run files go to ``<workdir>/<run_id>/`` (SFT policy, checkpoints, plots).
+        lake_root: the lake: a folder or an ``s3://bucket/prefix`` URI.
+        storage_options: object-store options for an ``s3://`` lake (credentials come from the
+            environment or the provider's chain when omitted; they are never written to the lake).
+        ray_address: None starts a local Ray; ``"auto"`` or ``"ray://host:10001"`` joins a cluster.
+        algorithm: ``sao`` or a baseline (``grpo``, ``grpo_dis``, ``ppo_async``, ``running_mean``).
+        steps: actor updates.
+        batch_size: trajectories per update.
+        max_staleness: versions a trajectory may lag when trained on.
+        lr_policy: policy learning rate.
+        bootstrap_reasons: ends bootstrapped with V(s_end); the math demo treats running out of
+            tokens or turns as failure (its budgets are four times what an answer needs).
+        num_replicas: Serve rollout replicas.
+        trainer_workers: Ray Train workers.
+        max_in_flight: trajectories generated at once.
+        eval_tasks: held-out tasks for the accuracy before and after.
+        sft_seed: seed of the SFT warm start.
+        seed: seed of the run (task order, sampling, torch).
+    """
+
+    run_id: str = "demo"
+    workdir: str = "runs"
+    lake_root: str = "lake"
+    storage_options: dict[str, str] = dataclasses.field(default_factory=dict)
+    ray_address: str | None = None
+    algorithm: Algorithm = Algorithm.SAO
+    steps: int = 150
+    batch_size: int = 32
+    max_staleness: int = 2
+    lr_policy: float = 4e-4
+    bootstrap_reasons: tuple[str, ...] = ("timeout", "cancelled", "error")
+    num_replicas: int = 2
+    trainer_workers: int = 1
+    max_in_flight: int = 64
+    eval_tasks: int = 300
+    sft_seed: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+        object.__setattr__(self, "bootstrap_reasons", tuple(self.bootstrap_reasons))
+        for name in ("steps", "batch_size", "num_replicas", "trainer_workers", "max_in_flight", "eval_tasks"):
+            if getattr(self, name) < 1 and name != "steps":
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.workdir) / self.run_id
+
+    @property
+    def sft_dir(self) -> Path:
+        return self.run_dir / "sft"
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.run_dir / "plots"
+
+    def lake(self) -> LakeConfig:
+        return LakeConfig(root=self.lake_root, storage_options=dict(self.storage_options))
+
+    def ray(self) -> RayConfig:
+        return RayConfig(address=self.ray_address)
+
+    def update(self) -> UpdateConfig:
+        return UpdateConfig(algorithm=self.algorithm, lr_policy=self.lr_policy,
+                            bootstrap_reasons=self.bootstrap_reasons)
+
+    def agent(self) -> AgentConfig:
+        return AgentConfig(max_tokens=96, max_turns=4)

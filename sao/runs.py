@@ -1,0 +1,109 @@
+"""The stages of a training run, as plain functions: the Prefect flows and the CLI call these.
+
+    warm_start      SFT on math_tool demonstrations -> the run's version-0 policy (skipped if present)
+    train_async     the asynchronous pipeline (:func:`sao.pipeline.run_pipeline`) for the run's steps
+    evaluate        sampled accuracy (temperature 1) of a version on held-out tasks
+    summarize       plots from the lake and a short text summary
+
+Every stage is idempotent for a run id: re-running a run resumes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from sao.config import RunSettings
+from sao.envs.base import Split, Task
+from sao.envs.math_tool import MathToolConfig, generate_tasks
+from sao.lake.store import Lake
+from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
+from sao.train.checkpoint import checkpoint_dir
+from sao.train.loop import StepReport, TrainConfig
+
+__all__ = ["Evaluation", "evaluate", "math_tasks", "pipeline_config", "policy_dir", "summarize", "train_async",
+           "warm_start"]
+
+log = logging.getLogger(__name__)
+
+
+def math_tasks(split: Split | str) -> list[Task]:
+    """The math_tool tasks of one split, as the SFT warm start generated them (default config)."""
+    return [t for t in generate_tasks(MathToolConfig()) if t.split is Split(split)]
+
+
+def warm_start(settings: RunSettings, on_log: Callable | None = None) -> Path:
+    """The run's version-0 policy directory: SFT warm start unless it already exists."""
+    from sao.models.policy import read_policy_metadata
+    from sao.train.sft import SFTConfig, sft_warm_start
+
+    path = settings.sft_dir
+    if (path / "config.json").exists() and read_policy_metadata(path) is not None:
+        log.info("warm start: reusing %s", path)
+        return path
+    return sft_warm_start(SFTConfig(seed=settings.sft_seed), path, on_log=on_log).path
+
+
+def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineConfig:
+    train = TrainConfig(
+        run_id=settings.run_id, lake=settings.lake(), checkpoint_root=str(settings.checkpoint_root),
+        policy_path=str(policy_path), update=settings.update(), batch_size=settings.batch_size,
+        max_staleness=settings.max_staleness, total_steps=settings.steps, seed=settings.seed,
+        num_workers=settings.trainer_workers,
+    )
+    return PipelineConfig(train=train, ray=settings.ray(), num_replicas=settings.num_replicas,
+                          agent=settings.agent(), max_in_flight=settings.max_in_flight, seed=settings.seed)
+
+
+def train_async(settings: RunSettings, policy_path: str | Path,
+                on_step: Callable[[StepReport], None] | None = None) -> PipelineResult:
+    """Run (or resume) the asynchronous training of ``settings`` from ``policy_path`` (version 0)."""
+    return run_pipeline(pipeline_config(settings, policy_path), math_tasks(Split.TRAIN), on_step=on_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    version: int
+    accuracy: float
+    stderr: float
+    num_tasks: int
+
+
+def policy_dir(settings: RunSettings, version: int) -> Path:
+    """Where version ``version`` of the run's policy lives (version 0: the warm start, until the
+    run's first checkpoint exists)."""
+    path = checkpoint_dir(settings.checkpoint_root, version) / "policy"
+    if version == 0 and not path.exists():
+        return settings.sft_dir
+    return path
+
+
+def evaluate(settings: RunSettings, version: int) -> Evaluation:
+    """Sampled accuracy (temperature 1, the policy's own distribution) of ``version`` on held-out tasks."""
+    from sao.models.policy import load_policy
+    from sao.models.tokenizer import load_tokenizer
+    from sao.train.evaluate import EvalConfig, evaluate_math
+
+    path = policy_dir(settings, version)
+    result = evaluate_math(load_policy(path), load_tokenizer(path), math_tasks(Split.HELDOUT),
+                           EvalConfig(num_tasks=settings.eval_tasks, seed=settings.seed))
+    return Evaluation(version, result.accuracy, result.stderr, result.num_tasks)
+
+
+def summarize(settings: RunSettings, evaluations: list[Evaluation]) -> tuple[list[Path], str]:
+    """Plots of the run (from the lake) and a markdown summary."""
+    from sao.report import plot_run
+
+    lake = Lake.open(settings.lake())
+    plots = plot_run(lake, settings.run_id, settings.plots_dir, [(e.version, e.accuracy) for e in evaluations])
+    counts = lake.read("trajectories", columns=["termination_reason"],
+                       predicate=f"run_id = '{settings.run_id}'").column(0).to_pylist()
+    lines = [f"# Run `{settings.run_id}` ({settings.algorithm.value})", "",
+             "| policy version | held-out accuracy (T=1) |", "|---:|---:|"]
+    lines += [f"| {e.version} | {e.accuracy:.3f} ± {e.stderr:.3f} ({e.num_tasks} tasks) |" for e in evaluations]
+    lines += ["", f"Trajectories stored: {len(counts)} "
+              + "(" + ", ".join(f"{r}: {counts.count(r)}" for r in sorted(set(counts))) + ")",
+              f"Lake: `{settings.lake_root}`; plots: `{settings.plots_dir}`."]
+    return plots, "\n".join(lines)

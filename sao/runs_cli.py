@@ -1,0 +1,100 @@
+"""`sao train` and `sao demo`: run the Prefect flow ``train`` (ephemeral Prefect when no server is
+configured), with progress in the terminal and a summary at the end."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import typer
+
+from sao.config import RunSettings
+from sao.train.config import Algorithm
+
+_DEFAULTS = RunSettings()
+
+SQL_TO_TRY = (
+    ("Why did trajectories end?",
+     "SELECT termination_reason, count(*) AS n, avg(reward) AS reward FROM trajectories GROUP BY 1"),
+    ("Which policy versions sampled one trajectory's tokens?",
+     "SELECT trajectory_id, unnest(segments)['policy_version'] AS version FROM trajectories LIMIT 8"),
+    ("What did DIS keep per step, and how stale was the data?",
+     "SELECT step, metrics['actor/kept_frac'] AS kept, metrics['batch/staleness_mean'] AS staleness "
+     "FROM train_steps ORDER BY step DESC LIMIT 5"),
+)
+
+
+def _prefect_environment() -> None:
+    """Quiet, patient defaults for Prefect's ephemeral mode on a small machine."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+
+
+def run_flow(settings: RunSettings) -> dict:
+    _prefect_environment()
+    from flows.train import train as train_flow
+
+    return train_flow(run_id=settings.run_id, steps=settings.steps, algorithm=settings.algorithm,
+                      batch_size=settings.batch_size, max_staleness=settings.max_staleness,
+                      lr_policy=settings.lr_policy, num_replicas=settings.num_replicas,
+                      trainer_workers=settings.trainer_workers, eval_tasks=settings.eval_tasks,
+                      workdir=settings.workdir, lake_root=settings.lake_root, ray_address=settings.ray_address,
+                      seed=settings.seed)
+
+
+def _print_summary(result: dict, settings: RunSettings, wall_s: float) -> None:
+    typer.echo("")
+    typer.echo(result["summary"])
+    typer.echo(f"\nAccuracy on held-out tasks: {result['accuracy_before']:.3f} (version 0) -> "
+               f"{result['accuracy_after']:.3f} (version {result['version']}); {wall_s / 60:.1f} min in all.")
+    typer.echo("\nSQL to try:")
+    for question, query in SQL_TO_TRY:
+        typer.echo(f"  # {question}\n  sao sql --lake {settings.lake_root} \"{query}\"")
+    typer.echo(f"\nReplay a step on its frozen data:  sao replay --lake {settings.lake_root} "
+               f"--run {settings.run_id} --step 0")
+
+
+def train(
+    run_id: str = typer.Option(_DEFAULTS.run_id, help="Run id; an existing run resumes."),
+    steps: int = typer.Option(_DEFAULTS.steps, min=0, help="Actor updates in all."),
+    algorithm: Algorithm = typer.Option(_DEFAULTS.algorithm.value, help="sao or a baseline."),
+    batch_size: int = typer.Option(_DEFAULTS.batch_size, min=1, help="Trajectories per update."),
+    max_staleness: int = typer.Option(_DEFAULTS.max_staleness, min=0, help="Most versions a trajectory may lag."),
+    lr_policy: float = typer.Option(_DEFAULTS.lr_policy, min=0.0, help="Policy learning rate."),
+    num_replicas: int = typer.Option(_DEFAULTS.num_replicas, min=1, help="Serve rollout replicas."),
+    trainer_workers: int = typer.Option(_DEFAULTS.trainer_workers, min=1, help="Ray Train workers."),
+    eval_tasks: int = typer.Option(_DEFAULTS.eval_tasks, min=1, help="Held-out tasks evaluated before/after."),
+    workdir: str = typer.Option(_DEFAULTS.workdir, help="Run files go to WORKDIR/RUN_ID."),
+    lake: str = typer.Option(_DEFAULTS.lake_root, help="Lake root: a folder or s3://bucket/prefix."),
+    ray_address: str | None = typer.Option(None, help="Join a Ray cluster (auto or ray://host:10001)."),
+    seed: int = typer.Option(_DEFAULTS.seed, help="Seed of the run."),
+) -> None:
+    """Train with SAO (or a baseline): warm start, asynchronous rollouts into the lake, Ray Train updates."""
+    from sao.cli import fail
+
+    try:
+        settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
+                               max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
+                               trainer_workers=trainer_workers, eval_tasks=eval_tasks, workdir=workdir,
+                               lake_root=lake, ray_address=ray_address, seed=seed)
+    except ValueError as error:
+        raise fail(str(error)) from None
+    from sao.lake.store import is_valid_run_id
+
+    if not is_valid_run_id(run_id):
+        raise fail(f"--run-id {run_id!r} is not a valid run id (letters, digits, '.', '_', '-'; at most 128)")
+    started = time.monotonic()
+    result = run_flow(settings)
+    _print_summary(result, settings, time.monotonic() - started)
+
+
+def demo() -> None:
+    """The end-to-end demo on embedded defaults: SFT warm start, SAO with Ray Serve rollouts into a
+    local Delta lake and Ray Train updates read from it, accuracy before and after, SQL to try."""
+    settings = RunSettings()
+    typer.echo(f"sao demo: run '{settings.run_id}' in {settings.run_dir}, lake at ./{settings.lake_root} "
+               f"({settings.steps} SAO steps of {settings.batch_size} trajectories; about 6-10 minutes on 2 cores)")
+    started = time.monotonic()
+    result = run_flow(settings)
+    _print_summary(result, settings, time.monotonic() - started)

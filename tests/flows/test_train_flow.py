@@ -1,0 +1,43 @@
+"""The Prefect flow `train`, end to end on a tiny run: warm start reused, Serve rollouts into the lake,
+Ray Train updates, evaluation, report artifacts."""
+
+import shutil
+
+import pytest
+
+from sao.lake.store import Lake
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_session, prefect_harness):
+    from prefect.client.orchestration import get_client
+
+    from flows.train import artifact_key, train
+
+    shutil.copytree(policy_dir, tmp_path / "runs" / "tiny" / "sft")  # the warm start is reused
+    result = train(run_id="tiny", steps=2, batch_size=4, eval_tasks=4, num_replicas=1,
+                   workdir=str(tmp_path / "runs"), lake_root=str(tmp_path / "lake"))
+    assert result["version"] == 2
+    assert 0.0 <= result["accuracy_before"] <= 1.0 and 0.0 <= result["accuracy_after"] <= 1.0
+    lake = Lake.open(str(tmp_path / "lake"))
+    assert lake.read("train_steps").num_rows == 2
+    assert lake.read("trajectories").num_rows >= 8
+    assert (tmp_path / "runs" / "tiny" / "plots" / "learning_curve.png").exists()
+
+    async def artifacts():
+        async with get_client() as client:
+            return await client.read_artifacts()
+
+    import asyncio
+
+    keys = {a.key for a in asyncio.run(artifacts())}
+    assert {artifact_key("tiny", "progress"), artifact_key("tiny", "report"), artifact_key("tiny", "metrics")} <= keys
