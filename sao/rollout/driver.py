@@ -49,6 +49,7 @@ class DriverConfig:
         max_staleness: versions a trajectory may lag when consumed; None turns the gate off.
         seed: base of the per-trajectory sampling seeds.
         retry_failed: relaunch a task whose replica failed (under a new trajectory id).
+        max_retries: relaunches of one task at most (its failed attempts stay as ``error`` records).
         version_poll_s: how often the trainer's version is re-read while the gate is closed.
     """
 
@@ -57,6 +58,7 @@ class DriverConfig:
     max_staleness: int | None = 4
     seed: int = 0
     retry_failed: bool = True
+    max_retries: int = 2
     version_poll_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -118,17 +120,20 @@ class RolloutDriver:
         """Roll out tasks until ``tasks`` is exhausted, ``limit`` trajectories finished, or ``stop``."""
         started = time.monotonic()
         source: Iterator[Task] = iter(tasks)
-        retry: collections.deque[Task] = collections.deque()
-        running: dict[asyncio.Future, tuple[Task, float]] = {}
+        retry: collections.deque[tuple[Task, int]] = collections.deque()
+        running: dict[asyncio.Future, tuple[Task, int, float]] = {}
         exhausted = False
         index = 0
         pending_sink: list[asyncio.Future] = []
         while True:
             stopping = (stop is not None and stop.is_set()) or (limit is not None and self.stats.launched >= limit)
-            if not stopping and not exhausted:
+            if not stopping and (retry or not exhausted):
                 free = await self._capacity() - len(running)
                 while free > 0 and (limit is None or self.stats.launched < limit):
-                    task = retry.popleft() if retry else next(source, None)
+                    if retry:
+                        task, attempt = retry.popleft()
+                    else:
+                        task, attempt = next(source, None), 0
                     if task is None:
                         exhausted = True
                         break
@@ -136,13 +141,13 @@ class RolloutDriver:
                     seed = self.config.seed * 1_000_003 + index
                     index += 1
                     future = asyncio.ensure_future(self._call(task, trajectory_id, seed))
-                    running[future] = (task, time.monotonic())
+                    running[future] = (task, attempt, time.monotonic())
                     self.stats.launched += 1
                     if self.gate is not None:
                         self.gate.start()
                     free -= 1
             if not running:
-                if exhausted or stopping:
+                if (exhausted and not retry) or stopping:
                     break
                 await asyncio.sleep(self.config.version_poll_s)  # gate closed: wait for the trainer
                 continue
@@ -150,12 +155,12 @@ class RolloutDriver:
                                          return_when=asyncio.FIRST_COMPLETED)
             records = []
             for future in done:
-                task, began = running.pop(future)
+                task, attempt, began = running.pop(future)
                 self.stats.slot_busy_s += time.monotonic() - began
                 record, failed = future.result()
                 records.append(record)
-                if failed and self.config.retry_failed and not stopping:
-                    retry.append(task)
+                if failed and self.config.retry_failed and attempt < self.config.max_retries and not stopping:
+                    retry.append((task, attempt + 1))
                     self.stats.retried += 1
             if records:
                 self.stats.finished += len(records)

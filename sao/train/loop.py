@@ -274,8 +274,8 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
                 weights_hash=digest, step=step))
             if cfg.retention is not None:
                 apply_retention(lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
-            if publish is not None:
-                metrics["time/publish_s"] = publish(version, policy)
+            if publish is not None:  # after the commit: not in the step's row, only in its report
+                metrics = {**metrics, "time/publish_s": publish(version, policy)}
         report = StepReport(step, version, snapshot, tuple(ids), metrics)
         reports.append(report)
         if world > 1:

@@ -1,0 +1,105 @@
+"""The rollout driver with an in-process stand-in for the Serve handle: every task ends in one record,
+failed replicas become error records and retries, the staleness gate holds generation back."""
+
+import asyncio
+
+from sao.envs.math_tool import MathToolConfig, generate_tasks
+from sao.lake.records import SamplingParams, Segment, Timings, TrajectoryRecord, utc_now
+from sao.rollout.driver import DriverConfig, RolloutDriver
+
+TASKS = generate_tasks(MathToolConfig(num_train=30, num_heldout=0))
+
+
+def record(task, run_id, trajectory_id):
+    now = utc_now()
+    return TrajectoryRecord(
+        trajectory_id=trajectory_id, run_id=run_id, task_id=task.task_id, env_name=task.env, prompt_ids=[1, 2],
+        completion_ids=[5], action_mask=[True], logprobs=[-0.5], logprob_kind="sampling",
+        segments=(Segment("action", 0, 1, 0),), reward=1.0,
+        termination_reason="stop", num_turns=1,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=None, max_tokens=8, seed=None),
+        tokenizer_version="t", chat_template_version="c", engine_name="torch", engine_version="x",
+        worker_id="w", timings=Timings(now, now, now, 0.0, 0.0))
+
+
+class Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeApp:
+    """Answers ``rollout.remote`` like a Serve handle; fails the calls listed in ``fail_on``."""
+
+    def __init__(self, fail_on=()):
+        self.calls = 0
+        self.fail_on = set(fail_on)
+        self.active = 0
+        self.peak = 0
+
+        async def rollout(task, run_id, trajectory_id, seed):
+            self.calls += 1
+            call = self.calls
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            await asyncio.sleep(0.001)
+            self.active -= 1
+            if call in self.fail_on:
+                raise RuntimeError("replica died")
+            return record(task, run_id, trajectory_id)
+
+        self.rollout = Method(rollout)
+
+
+class ListSink:
+    def __init__(self):
+        self.records = []
+        self.flushed = 0
+
+    def add_many(self, records):
+        self.records.extend(records)
+
+    def flush(self):
+        self.flushed += 1
+
+
+def test_every_task_ends_in_exactly_one_record_and_failures_are_retried():
+    app, sink = FakeApp(fail_on={3, 7}), ListSink()
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=4, max_staleness=None))
+    stats = asyncio.run(driver.run(TASKS[:10]))
+    ids = [r.trajectory_id for r in sink.records]
+    assert len(ids) == len(set(ids)) == stats.finished == stats.launched == 12  # 10 tasks + 2 retries
+    assert stats.retried == 2 and stats.by_reason == {"stop": 10, "error": 2}
+    errors = [r for r in sink.records if r.termination_reason == "error"]
+    assert {r.task_id for r in errors} <= {t.task_id for t in TASKS[:10]}
+    assert sink.flushed == 1 and app.peak <= 4
+
+
+def test_a_task_that_always_fails_is_retried_a_bounded_number_of_times():
+    app, sink = FakeApp(fail_on=set(range(1, 100))), ListSink()
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=2, max_staleness=None, max_retries=2))
+    stats = asyncio.run(driver.run(TASKS[:3]))
+    assert stats.finished == 9 and stats.retried == 6  # 3 tasks x (1 try + 2 retries), all error records
+    assert stats.by_reason == {"error": 9}
+
+
+def test_the_staleness_gate_holds_generation_until_the_trainer_moves():
+    app, sink = FakeApp(), ListSink()
+    version = {"v": 0}
+
+    async def trainer_version():
+        return version["v"]
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=1,
+                                                        version_poll_s=0.01), trainer_version=trainer_version)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=20))
+        await asyncio.sleep(0.3)
+        held = driver.stats.launched
+        version["v"] = 3
+        stats = await asyncio.wait_for(job, timeout=10)
+        return held, stats
+
+    held, stats = asyncio.run(run())
+    assert held == 8  # (0 + 1 + 1) * 4 started before the trainer moved
+    assert stats.finished == 20
