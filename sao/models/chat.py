@@ -6,13 +6,20 @@ A trajectory is ``prompt | action | observation | action | ... | action``:
     action       <tool_call>{code}</tool_call>                     sampled; ends at a stop id
     observation  <|im_end|>\\n<|im_start|>tool\\n<tool_response>{output}</tool_response><|im_end|>\\n
                  <|im_start|>assistant\\n                                        inserted, action_mask 0
-    action       <answer>{number}</answer><|im_end|>                 sampled; the natural end
+    action       <answer>{number}</answer>                           sampled; the natural end
 
 An action segment ends when the policy samples one of :attr:`ChatTokens.stop_token_ids`:
-``</tool_call>`` (a tool call: the environment answers with an observation) or ``<|im_end|>`` (the turn,
-and the episode, is over). The observation closes the assistant turn itself (the ``<|im_end|>`` after
-``</tool_call>`` is inserted, never sampled), so the concatenation of the segments equals the chat
-template's rendering of the same conversation, token for token (tested).
+``</tool_call>`` (a tool call: the environment answers with an observation), ``</answer>`` (a final
+answer: the episode is over) or ``<|im_end|>`` (the turn, and the episode, is over). The observation
+closes the assistant turn itself (the ``<|im_end|>`` after ``</tool_call>`` is inserted, never
+sampled), so the concatenation of the segments equals the chat template's rendering of the same
+conversation, token for token (tested), up to the ``<|im_end|>`` that would follow a final answer.
+
+Why the answer tag stops generation: the episode's outcome is decided once ``</answer>`` is sampled, so
+nothing after it can change the reward. Measured in RL runs without it: a policy that answered
+correctly then failed to sample ``<|im_end|>`` and ran to the token budget got reward 0, and the
+negative advantages on such long tails fed back into longer tails (reward collapsed from 0.7 to 0.2 in
+a few steps at policy lr 3e-4-4e-4). Demonstrations still end with ``</answer><|im_end|>``.
 
 Tool output is encoded with special tokens split into ordinary text, so a program that prints
 ``<|im_end|>`` cannot forge a turn boundary.
@@ -109,9 +116,10 @@ class ChatTokens:
         return cls(**{field: vocab[token] for field, token in names.items()})
 
     @property
-    def stop_token_ids(self) -> tuple[int, int]:
-        """Ids that end an action segment: ``</tool_call>`` (tool call) and ``<|im_end|>`` (end of turn)."""
-        return (self.tool_call_end_id, self.im_end_id)
+    def stop_token_ids(self) -> tuple[int, int, int]:
+        """Ids that end an action segment: ``</tool_call>`` (tool call), ``<|im_end|>`` (end of turn)
+        and ``</answer>`` (final answer; see the module docstring)."""
+        return (self.tool_call_end_id, self.im_end_id, self.answer_end_id)
 
 
 class ToolCall(NamedTuple):

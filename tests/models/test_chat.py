@@ -43,10 +43,11 @@ CONVERSATION = [
 ]
 
 
-def test_stop_ids_end_tool_calls_and_turns(tokenizer, chat):
+def test_stop_ids_end_tool_calls_answers_and_turns(tokenizer, chat):
     assert chat.stop_token_ids == (
         tokenizer.convert_tokens_to_ids("</tool_call>"),
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tokenizer.convert_tokens_to_ids("</answer>"),
     )
     assert chat.pad_id == tokenizer.pad_token_id
     assert chat.im_end_id == tokenizer.eos_token_id

@@ -97,10 +97,10 @@ def test_episode_layout_prompt_actions_and_observations(tokenizer, tasks):
     prompt = prompt_ids(tokenizer, [{"role": "user", "content": task.prompt}])
     call = tokenizer.encode(f"<tool_call>{task.solution}</tool_call>", add_special_tokens=False)
     observation = observation_ids(tokenizer, task.answer)
-    answer = tokenizer.encode(f"<answer>{task.answer}</answer><|im_end|>", add_special_tokens=False)
+    answer = tokenizer.encode(f"<answer>{task.answer}</answer>", add_special_tokens=False)  # </answer> stops
     assert list(episode.token_ids) == prompt + call + observation + answer
     assert list(episode.action_mask) == [0] * len(prompt) + [1] * len(call) + [0] * len(observation) + [1] * len(answer)
-    assert episode.token_ids[-1] == chat.im_end_id
+    assert episode.token_ids[-1] == chat.answer_end_id
     assert episode.termination is Termination.STOP and episode.reward == 1.0
 
 
