@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 
@@ -53,11 +54,16 @@ class TorchEngineConfig:
         recompute_kv_on_update: recompute in-flight requests' KV caches when weights change (exact
             per-version log-probabilities) instead of keeping the stale cache.
         threads: torch intra-op threads for the engine thread (None = torch's default).
+        admit_batch: while requests are decoding, waiting ones join in groups of at least this many
+            (or all that fit), since every join costs a prefill and a copy of the batch's KV cache ...
+        admit_wait_s: ... unless the oldest has waited this long. An idle engine admits at once.
     """
 
     max_batch: int = 64
     recompute_kv_on_update: bool = True
     threads: int | None = None
+    admit_batch: int = 8
+    admit_wait_s: float = 0.02
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,6 +77,7 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     spans: list[list[int]] = dataclasses.field(default_factory=list)  # [version, start, end]
     cancelled: bool = False
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
 
     def append(self, token: int, logprob: float, version: int) -> None:
         n = len(self.tokens)
@@ -264,7 +271,9 @@ class TorchEngine:
                     return
                 weights, self._pending_weights = self._pending_weights, None
                 room = self.config.max_batch - len(self._rows)
-                admitted, self._pending = self._pending[:room], self._pending[room:]
+                admitted: list[_Request] = []
+                if self._admit_now(room):
+                    admitted, self._pending = self._pending[:room], self._pending[room:]
             try:
                 with torch.inference_mode():
                     if weights is not None:
@@ -278,6 +287,16 @@ class TorchEngine:
                 for request in self._rows + admitted:
                     request.finish(FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
                 self._reset_batch()
+
+    def _admit_now(self, room: int) -> bool:
+        """Whether waiting requests join the batch in this iteration (see ``admit_batch``)."""
+        if not self._pending or room <= 0:
+            return False
+        if not self._rows:
+            return True
+        cfg = self.config
+        enough = len(self._pending) >= min(cfg.admit_batch, room)
+        return enough or time.monotonic() - self._pending[0].submitted >= cfg.admit_wait_s
 
     def _apply_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(dict(weights), strict=True)

@@ -41,9 +41,15 @@ def test_two_replicas_roll_out_into_the_lake_across_a_weight_update(tmp_path, po
         published = threading.Event()
 
         def publish_when_half_done(record):
+            # Called on the driver's loop: launching waits until both replicas run version 1, while
+            # the rollouts already in flight go on (some straddle the swap).
             if driver.stats.finished >= 16 and not published.is_set():
                 published.set()
-                threading.Thread(target=publish_weights, args=(broker, 1, new_policy.state_dict())).start()
+                publish_weights(broker, 1, new_policy.state_dict())
+                deadline = time.monotonic() + 60
+                while ray_get(broker.publish_latency.remote(1, 2)) is None:
+                    assert time.monotonic() < deadline, "replicas did not acknowledge version 1"
+                    time.sleep(0.02)
 
         driver.on_record = publish_when_half_done
         stats = asyncio.run(driver.run(tasks))
@@ -56,10 +62,6 @@ def test_two_replicas_roll_out_into_the_lake_across_a_weight_update(tmp_path, po
         assert len(workers) == 2  # both replicas served
         versions = set(stored.column("max_policy_version").to_pylist())
         assert versions == {0, 1}, versions  # the later rollouts ran on the published weights
-        deadline = time.monotonic() + 30
-        while ray_get(broker.publish_latency.remote(1, 2)) is None:
-            assert time.monotonic() < deadline, "replicas did not acknowledge version 1"
-            time.sleep(0.1)
         health = [handle.health.remote().result() for _ in range(6)]
         assert {h["version"] for h in health} == {1}
     finally:
