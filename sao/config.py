@@ -55,7 +55,7 @@ class RunSettings:
     steps: int = 150
     batch_size: int = 32
     max_staleness: int = 2
-    lr_policy: float = 4e-4
+    lr_policy: float = 2e-4
     bootstrap_reasons: tuple[str, ...] = ("timeout", "cancelled", "error")
     num_replicas: int = 2
     trainer_workers: int = 1
