@@ -6,6 +6,11 @@ Layout under a run's checkpoint root::
     v000000/critic/          critic backbone + value head (absent for algorithms without a critic)
     v000000/trainer_state.pt optimiser and scheduler states, the running-mean window, RNG states
     v000000/COMPLETE         written last: a directory without it is an interrupted save
+    v000000/PRUNED           written by retention (:mod:`sao.train.retention`) before it deletes parts
+                             of a complete checkpoint: the JSON list of what is gone
+
+A pruned checkpoint keeps its policy weights unless ``PRUNED`` lists ``policy``; loading a part it
+lists raises :class:`CheckpointPrunedError` (never a silent fresh optimiser).
 
 ``weights_hash`` is a SHA-256 over the policy's tensors (names sorted, dtype, shape and bytes): two
 checkpoints with the same hash hold bit-identical weights, which is what step replay compares.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -25,12 +31,33 @@ from transformers.utils import logging as hf_logging
 from sao.models.critic import Critic, load_critic, save_critic
 from sao.models.policy import load_policy, save_policy
 
-__all__ = ["Checkpoint", "checkpoint_dir", "latest_complete", "load_checkpoint", "save_checkpoint", "weights_hash"]
+__all__ = [
+    "PRUNABLE_PARTS",
+    "Checkpoint",
+    "CheckpointPrunedError",
+    "checkpoint_dir",
+    "complete_versions",
+    "has_full_state",
+    "latest_complete",
+    "load_checkpoint",
+    "prune_checkpoint",
+    "pruned_parts",
+    "replace_critic",
+    "save_checkpoint",
+    "weights_hash",
+]
 
 hf_logging.disable_progress_bar()  # a checkpoint per version: no progress bar per save and load
 
 _COMPLETE = "COMPLETE"
+_PRUNED = "PRUNED"
 _STATE = "trainer_state.pt"
+# What retention may delete, and the path of each part inside a version's directory.
+PRUNABLE_PARTS: dict[str, str] = {"policy": "policy", "critic": "critic", "trainer_state": _STATE}
+
+
+class CheckpointPrunedError(RuntimeError):
+    """A part of a checkpoint that retention deleted was asked for."""
 
 
 def weights_hash(model: torch.nn.Module) -> str:
@@ -58,6 +85,7 @@ class Checkpoint:
     policy: torch.nn.Module
     critic: Critic | None
     trainer_state: dict | None
+    pruned: tuple[str, ...] = ()
 
 
 def save_checkpoint(root: str | Path, version: int, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
@@ -76,21 +104,103 @@ def save_checkpoint(root: str | Path, version: int, policy: torch.nn.Module, tok
     return path, weights_hash(policy)
 
 
-def load_checkpoint(root: str | Path, version: int, *, with_critic: bool = True) -> Checkpoint:
-    """Load version ``version``; raises ``FileNotFoundError`` naming what is missing."""
+def pruned_parts(root: str | Path, version: int) -> tuple[str, ...]:
+    """Parts of version ``version`` that retention deleted (empty for an intact checkpoint)."""
+    marker = checkpoint_dir(root, version) / _PRUNED
+    return tuple(json.loads(marker.read_text())) if marker.exists() else ()
+
+
+def load_checkpoint(root: str | Path, version: int, *, with_critic: bool = True, with_state: bool = True,
+                    require_state: bool = False) -> Checkpoint:
+    """Load version ``version``; raises ``FileNotFoundError`` naming what is missing.
+
+    ``with_state=False`` skips the trainer state (trajectory replay needs the weights only). With
+    ``require_state``, a checkpoint whose trainer state (or, ``with_critic``, critic) retention pruned
+    raises :class:`CheckpointPrunedError` instead of loading without it (resume and step replay).
+    """
     path = checkpoint_dir(root, version)
     if not (path / _COMPLETE).exists():
         raise FileNotFoundError(f"checkpoint of version {version} at {path} is missing or incomplete")
+    pruned = pruned_parts(root, version)
+    needed = ["policy"] + (["trainer_state"] if require_state else []) + (
+        ["critic"] if require_state and with_critic else [])
+    gone = [part for part in needed if part in pruned]
+    if gone:
+        raise CheckpointPrunedError(
+            f"checkpoint of version {version} at {path}: retention deleted {gone} (PRUNED lists {list(pruned)})")
     policy = load_policy(path / "policy")
     critic = load_critic(path / "critic") if with_critic and (path / "critic").exists() else None
-    state = torch.load(path / _STATE, weights_only=False)
-    return Checkpoint(version=version, path=path, policy=policy, critic=critic, trainer_state=state["trainer"])
+    state = None
+    if with_state and (path / _STATE).exists():
+        state = torch.load(path / _STATE, weights_only=False)["trainer"]
+    return Checkpoint(version=version, path=path, policy=policy, critic=critic, trainer_state=state, pruned=pruned)
+
+
+def has_full_state(root: str | Path, version: int, *, with_critic: bool = True) -> bool:
+    """Whether version ``version`` is complete and holds what resume needs (policy, trainer state
+    and, ``with_critic``, the critic)."""
+    path = checkpoint_dir(root, version)
+    pruned = pruned_parts(root, version)
+    needed = ("policy", "trainer_state") + (("critic",) if with_critic else ())
+    return (path / _COMPLETE).exists() and not set(needed) & set(pruned)
+
+
+def prune_checkpoint(root: str | Path, version: int, parts: tuple[str, ...]) -> tuple[str, ...]:
+    """Delete ``parts`` (names of :data:`PRUNABLE_PARTS`) of complete version ``version``; returns
+    the parts deleted now. ``PRUNED`` is written before anything is deleted, so an interrupted prune
+    is never mistaken for an intact checkpoint."""
+    unknown = sorted(set(parts) - set(PRUNABLE_PARTS))
+    if unknown:
+        raise ValueError(f"unknown checkpoint parts {unknown}; known: {sorted(PRUNABLE_PARTS)}")
+    path = checkpoint_dir(root, version)
+    if not (path / _COMPLETE).exists():
+        raise FileNotFoundError(f"checkpoint of version {version} at {path} is missing or incomplete")
+    before = pruned_parts(root, version)
+    now = tuple(part for part in parts if part not in before)
+    if not now:
+        return ()
+    marker = path / _PRUNED
+    tmp = marker.with_name(_PRUNED + ".tmp")
+    tmp.write_text(json.dumps(sorted(set(before) | set(now))) + "\n")
+    tmp.replace(marker)
+    for part in now:
+        target = path / PRUNABLE_PARTS[part]
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    return now
+
+
+def replace_critic(root: str | Path, version: int, critic: Critic) -> Path:
+    """Write ``critic`` as the critic of complete version ``version`` (value pretraining writes the
+    version-0 critic); the old one is swapped out only once the new one is fully written."""
+    path = checkpoint_dir(root, version)
+    if not (path / _COMPLETE).exists():
+        raise FileNotFoundError(f"checkpoint of version {version} at {path} is missing or incomplete")
+    fresh, old = path / "critic.new", path / "critic.old"
+    for leftover in (fresh, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    save_critic(critic, fresh)
+    if (path / "critic").exists():
+        (path / "critic").rename(old)
+    fresh.rename(path / "critic")
+    if old.exists():
+        shutil.rmtree(old)
+    return path / "critic"
+
+
+def complete_versions(root: str | Path) -> list[int]:
+    """Versions with a complete checkpoint under ``root``, ascending."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    return sorted(int(p.name[1:]) for p in root.iterdir()
+                  if p.name.startswith("v") and p.name[1:].isdigit() and (p / _COMPLETE).exists())
 
 
 def latest_complete(root: str | Path) -> int | None:
     """Newest version with a complete checkpoint under ``root`` (None when there is none)."""
-    root = Path(root)
-    if not root.exists():
-        return None
-    versions = [int(p.name[1:]) for p in root.iterdir() if p.name.startswith("v") and (p / _COMPLETE).exists()]
-    return max(versions) if versions else None
+    versions = complete_versions(root)
+    return versions[-1] if versions else None

@@ -241,6 +241,20 @@ class Learner:
         }
         return metrics
 
+    def critic_update(self, batch: TrainBatch, returns: torch.Tensor | None = None,
+                      steps: int | None = None) -> dict[str, float]:
+        """``steps`` (default K) critic optimiser steps on ``batch`` and no actor step: value
+        pretraining (:mod:`sao.train.pretrain`). ``returns`` (B, T) are the targets; None uses the
+        critic's own ``lam_critic`` returns, as :meth:`update` does."""
+        metrics: dict[str, float] = {}
+        if returns is None:
+            _, returns, metrics = self.advantages(batch)
+        if returns is None:
+            raise ValueError(f"algorithm {self.config.algorithm.value!r} has no critic to update")
+        for _ in range(self.config.critic_updates if steps is None else steps):
+            metrics |= self._critic_step(batch, returns)
+        return metrics
+
     def _actor_step(self, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
         cfg = self.config
         self.policy.train()

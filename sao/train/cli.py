@@ -1,0 +1,132 @@
+"""``sao replay``: re-run recorded steps, or re-check a recorded trajectory (registered by ``sao.cli``).
+
+    sao replay --run R --step N             one step, bit for bit on CPU
+    sao replay --run R --steps N:M          steps N to M, both included, continuing in memory
+    sao replay --trajectory ID [--run R]    log-probabilities per segment, observations, reward, end
+
+Exit codes: 0 everything matches; 1 a mismatch (the report says which step, metric or segment);
+2 a usage error (unknown run, step or trajectory, missing run configuration, bad arguments).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from sao.lake.cli import DEFAULT_ROOT, LakeOption, StorageOption, _open
+
+__all__ = ["replay"]
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    from sao.cli import fail
+
+    first, sep, last = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        bounds = int(first), int(last)
+    except ValueError:
+        raise fail(f"--steps needs N:M (two step numbers, both included), got {text!r}") from None
+    if bounds[0] < 0 or bounds[1] < bounds[0]:
+        raise fail(f"--steps {text}: need 0 <= N <= M")
+    return bounds
+
+
+def _short(digest: str | None) -> str:
+    return "-" if digest is None else digest[:12]
+
+
+def _print_steps(report) -> None:  # report: StepReplayReport
+    typer.echo(f"run {report.run_id}: replay of steps {report.first}..{report.last} from the checkpoint of version "
+               f"{report.start_version} (rows via {report.source}, loaded in {report.load_s:.2f} s)")
+    if not report.start_ok:
+        typer.echo(f"  MISMATCH start checkpoint v{report.start_version}: weights hash "
+                   f"{_short(report.start_hash_loaded)}, recorded {_short(report.start_hash_recorded)}")
+    for step in report.steps:
+        verdict = "match" if step.ok else "MISMATCH"
+        note = " (lead-in: replayed to reach the requested steps)" if step.lead_in else ""
+        typer.echo(f"  step {step.step} v{step.policy_version_before}->v{step.policy_version_after} "
+                   f"{step.num_trajectories} trajectories, snapshot {step.trajectories_version}: {verdict}{note}; "
+                   f"weights {_short(step.replayed_hash)} (recorded {_short(step.recorded_hash)}), "
+                   f"{step.metrics_compared - len(step.metric_mismatches)}/{step.metrics_compared} metrics equal, "
+                   f"{step.seconds:.2f} s")
+        for mismatch in step.metric_mismatches:
+            typer.echo(f"    {mismatch.name}: recorded {mismatch.recorded!r}, replayed {mismatch.replayed!r}")
+        if step.recorded_world_size > 1:
+            typer.echo(f"    note: recorded with {step.recorded_world_size} workers; a one-process replay "
+                       "matches within float tolerance only (try --metric-tolerance)")
+
+
+def _print_trajectory(report) -> None:  # report: TrajectoryReplay
+    typer.echo(f"trajectory {report.trajectory_id} of run {report.run_id}, task {report.task_id}, "
+               f"ended by {report.termination_reason}: {'match' if report.ok else 'MISMATCH'}")
+    for segment in report.segments:
+        verdict = "ok" if segment.ok else "MISMATCH"
+        if segment.kind == "action":
+            typer.echo(f"  segment {segment.index} action [{segment.start}, {segment.end}) v{segment.policy_version}: "
+                       f"max |diff| {segment.max_abs_diff:.2e} (atol {report.atol:g}) {verdict} {segment.detail}")
+        else:
+            typer.echo(f"  segment {segment.index} observation [{segment.start}, {segment.end}): {verdict} "
+                       f"{segment.detail}")
+    for check in report.checks:
+        verdict = {True: "ok", False: "MISMATCH", None: "not checkable"}[check.ok]
+        typer.echo(f"  {check.name}: {verdict} {check.detail}".rstrip())
+    typer.echo(f"  reward: recorded {report.reward_recorded}, re-scored {report.reward_rescored}")
+
+
+def replay(
+    run: Annotated[str | None, typer.Option("--run", help="Run id (needed with --step / --steps).")] = None,
+    step: Annotated[int | None, typer.Option("--step", help="Replay this recorded step.")] = None,
+    steps: Annotated[str | None, typer.Option("--steps", help="Replay steps N:M, both included.")] = None,
+    trajectory: Annotated[str | None, typer.Option("--trajectory", help="Replay this trajectory id.")] = None,
+    lake: LakeOption = DEFAULT_ROOT,
+    storage_option: StorageOption = None,
+    checkpoints: Annotated[str | None, typer.Option(
+        "--checkpoints", help="The run's checkpoint root (default: where policy_versions says).")] = None,
+    tasks: Annotated[str | None, typer.Option(
+        "--tasks", help="Task file for --trajectory (default: the one the run configuration records).")] = None,
+    atol: Annotated[float, typer.Option("--atol", help="Log-probability agreement threshold.")] = 1e-5,
+    metric_tolerance: Annotated[float, typer.Option(
+        "--metric-tolerance", help="Relative/absolute metric tolerance (0: exactly equal).")] = 0.0,
+    use_ray: Annotated[bool, typer.Option(
+        "--ray", help="Read a range's snapshot with Ray Data on a local Ray instance.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Replay recorded training steps (bit for bit on CPU), or re-check one recorded trajectory."""
+    from sao.cli import fail
+    from sao.train.replay import ReplayError, RowSource, replay_steps
+    from sao.train.trajectory_replay import replay_trajectory
+
+    modes = [name for name, value in (("--step", step), ("--steps", steps), ("--trajectory", trajectory))
+             if value is not None]
+    if len(modes) != 1:
+        raise fail("give exactly one of --step N, --steps N:M or --trajectory ID"
+                   + (f" (got {', '.join(modes)})" if modes else ""))
+    if trajectory is None and run is None:
+        raise fail(f"{modes[0]} needs --run")
+    opened = _open(lake, storage_option)
+    try:
+        if trajectory is not None:
+            report = replay_trajectory(opened, trajectory, run_id=run, checkpoint_root=checkpoints, tasks_path=tasks,
+                                       atol=atol)
+            printer = _print_trajectory
+        else:
+            first, last = (step, step) if step is not None else _parse_range(steps)
+            if use_ray:
+                from sao.runtime import init_ray
+
+                init_ray()
+            report = replay_steps(opened, run, first, last, checkpoint_root=checkpoints,
+                                  source=RowSource.RAY_DATA if use_ray else RowSource.LAKE,
+                                  metric_tolerance=metric_tolerance)
+            printer = _print_steps
+    except ReplayError as error:
+        raise fail(str(error)) from None
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        printer(report)
+    raise typer.Exit(0 if report.ok else 1)

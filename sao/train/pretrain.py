@@ -1,0 +1,304 @@
+"""Value pretraining (SAO.md section 3): fit the critic on trajectories of the initial policy before RL.
+
+``pretrain_value(cfg, PretrainConfig(...))``:
+
+1. **Data**: the trajectories of ``data_run_id`` (the run itself by default) sampled entirely by policy
+   version 0 (``max_policy_version = 0``), read from one pinned ``trajectories`` snapshot with
+   ``ray.data.read_delta(table_uri, version=...)``, filtered to the run, ordered by arrival
+   (``ingest_seq``) and cut to the first ``num_samples``; the newest ``heldout_fraction`` of them are held
+   out. (The paper used about 6k samples; the default here is laptop-sized.)
+2. **Training** on Ray Train workers (``TorchTrainer`` with ``datasets=``; each worker streams its
+   shard, ``resources_per_worker={"CPU": cpus_per_worker}`` leaves CPUs for the read tasks), one critic
+   optimiser step per batch of ``batch_size`` trajectories, ``epochs`` passes, through the same
+   :meth:`sao.train.step.Learner.critic_update` as RL (frozen attention, ``lr_critic`` with warm-up,
+   gradient clipping, gradients summed across workers, token denominators of the whole batch).
+3. **Output**: the fitted critic replaces the critic of the run's version-0 checkpoint
+   (:func:`sao.train.checkpoint.replace_critic`), which is what the training loop loads for version
+   0 (``_load_models``) and what replay of step 0 starts from; so pretraining must run after
+   ``prepare_run`` and before the first step (refused otherwise). ``sao_pretrain.json`` beside it
+   records the data, the settings and the figures.
+
+Targets (:class:`ValueTarget`), a choice the paper leaves open:
+
+- ``monte_carlo`` (default): the observed return of each action token, ``sum_k gamma^k r_{t+k}`` over
+  the following action tokens, with no bootstrap, budget ends included. That is skip-observation GAE
+  with values 0 and lambda 1 (computed by the same function), the paper's lam_critic = 1. It is
+  VAPO's value pretraining, and the natural choice here: the critic being pretrained is untrained,
+  so bootstrapping budget ends from it would regress onto its own noise.
+- ``lambda_return``: the critic's own ``lam_critic`` returns, recomputed before every step exactly as
+  in RL (bootstrapped with V(s_end) on the ends ``UpdateConfig.bootstrap_reasons`` names).
+
+Figures: on the held-out trajectories, before and after, the value loss ``0.5 * (V - R)^2`` averaged
+over action tokens and the explained variance ``1 - Var(R - V) / Var(R)`` (None when the returns do
+not vary), both against the Monte-Carlo return (a fixed target that does not move with the critic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from sao.algos.advantages import skip_observation_gae
+from sao.lake.store import Lake
+from sao.train.batch import TrainBatch, collate, split_by_token_budget
+from sao.train.checkpoint import checkpoint_dir, load_checkpoint, replace_critic
+from sao.train.config import UpdateConfig
+from sao.train.loop import TRAIN_COLUMNS, TrainConfig, prepare_run
+from sao.train.step import Learner, critic_values
+from schemas import trajectories
+
+__all__ = [
+    "REPORT_FILE",
+    "PretrainConfig",
+    "PretrainReport",
+    "ValueTarget",
+    "fit_critic",
+    "monte_carlo_returns",
+    "pretrain_value",
+    "select_samples",
+    "value_metrics",
+]
+
+REPORT_FILE = "sao_pretrain.json"
+
+
+class ValueTarget(enum.StrEnum):
+    """What the critic regresses onto (see the module docstring)."""
+
+    MONTE_CARLO = "monte_carlo"
+    LAMBDA_RETURN = "lambda_return"
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    """Value pretraining.
+
+    Attributes:
+        num_samples: trajectories of version 0 to use, train and held-out together (paper: about 6k).
+        heldout_fraction: share of them held out for the before/after figures (at least one).
+        epochs: passes over the training trajectories.
+        batch_size: trajectories per critic optimiser step (across all workers).
+        lr: critic learning rate (None: ``UpdateConfig.lr_critic``; warm-up and clipping as in RL).
+        target: the regression target.
+        data_run_id: run whose trajectories to use (None: the run being pretrained).
+        trajectories_version: the ``trajectories`` snapshot to read (None: the latest at the start).
+        num_workers: Ray Train workers (data parallel).
+        cpus_per_worker: Ray CPUs per worker (a fraction leaves CPUs for Ray Data's read tasks).
+    """
+
+    num_samples: int = 512
+    heldout_fraction: float = 0.2
+    epochs: int = 3
+    batch_size: int = 16
+    lr: float | None = None
+    target: ValueTarget = ValueTarget.MONTE_CARLO
+    data_run_id: str | None = None
+    trajectories_version: int | None = None
+    num_workers: int = 1
+    cpus_per_worker: float = 0.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target", ValueTarget(self.target))
+        if self.num_samples < 2:
+            raise ValueError(f"PretrainConfig.num_samples must be >= 2 (train and held-out), got {self.num_samples}")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"PretrainConfig.heldout_fraction must lie in (0, 1), got {self.heldout_fraction}")
+        for name in ("epochs", "batch_size", "num_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PretrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"PretrainConfig.lr must be > 0 or None, got {self.lr}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainReport:
+    """What one value pretraining did (also written as ``sao_pretrain.json`` beside the critic)."""
+
+    run_id: str
+    data_run_id: str
+    trajectories_version: int
+    num_train: int
+    num_heldout: int
+    epochs: int
+    optimizer_steps: int
+    target: str
+    loss_before: float
+    loss_after: float
+    explained_variance_before: float | None
+    explained_variance_after: float | None
+    critic_path: str
+    seconds: float
+
+
+# ----- the core: no Ray ---------------------------------------------------------------------------
+
+
+def monte_carlo_returns(batch: TrainBatch, gamma: float) -> torch.Tensor:
+    """(B, T) observed return of each action token (no bootstrap), 0 elsewhere: skip-observation GAE
+    with values 0 and lambda 1."""
+    zeros = torch.zeros_like(batch.rewards)
+    _, returns = skip_observation_gae(batch.rewards, zeros, batch.action_mask, torch.zeros(zeros.shape[0]), gamma, 1.0)
+    return returns
+
+
+def _collate(rows: Sequence[Mapping], update: UpdateConfig) -> TrainBatch:
+    return collate(rows, trainer_version=0, bootstrap_reasons=update.bootstrap_reasons)
+
+
+@torch.no_grad()
+def value_metrics(critic: torch.nn.Module, rows: Sequence[Mapping], update: UpdateConfig
+                  ) -> tuple[float, float | None]:
+    """(value loss, explained variance) of ``critic`` on ``rows`` against Monte-Carlo returns, over
+    every action token (micro-batches by ``update.token_budget``)."""
+    batch = _collate(rows, update)
+    returns = monte_carlo_returns(batch, update.gamma).double()
+    values = torch.zeros_like(returns)
+    for index in split_by_token_budget(batch, update.token_budget):
+        micro = batch.select(index)
+        micro_values, _ = critic_values(critic, micro)
+        values[index, : micro_values.shape[1]] = micro_values.double()
+    mask = batch.action_mask
+    target, predicted = returns[mask], values[mask]
+    loss = float(0.5 * (predicted - target).square().mean())
+    spread = float(target.var(unbiased=False))
+    explained = None if spread <= 1e-12 else 1.0 - float((target - predicted).var(unbiased=False)) / spread
+    return loss, explained
+
+
+def fit_critic(learner: Learner, batches: Callable[[int], Iterable[Sequence[Mapping]]], epochs: int,
+               target: ValueTarget) -> tuple[int, dict[str, float]]:
+    """Run ``epochs`` passes of one critic step per batch (``batches(epoch)`` yields lists of rows);
+    returns (optimiser steps, the last step's metrics)."""
+    steps, metrics = 0, {}
+    for epoch in range(epochs):
+        for rows in batches(epoch):
+            batch = _collate(rows, learner.config)
+            returns = monte_carlo_returns(batch, learner.config.gamma) if target is ValueTarget.MONTE_CARLO else None
+            metrics = learner.critic_update(batch, returns=returns, steps=1)
+            steps += 1
+    return steps, metrics
+
+
+# ----- Ray Data: the pinned snapshot ---------------------------------------------------------------
+
+
+def select_samples(lake: Lake, run_id: str, pcfg: PretrainConfig):
+    """(train dataset, held-out dataset, snapshot version): the first ``num_samples`` version-0
+    trajectories of ``run_id`` by arrival, read with Ray Data at one pinned snapshot; the newest
+    ``heldout_fraction`` held out. Ray must be initialised."""
+    import ray.data
+
+    version = lake.version(trajectories.NAME) if pcfg.trajectories_version is None else pcfg.trajectories_version
+    columns = ["run_id", "ingest_seq", "max_policy_version", *[c for c in TRAIN_COLUMNS if c != "ingest_seq"]]
+    dataset = ray.data.read_delta(lake.table_uri(trajectories.NAME), version=version,
+                                  storage_options=dict(lake.storage_options) or None, columns=columns)
+
+    def of_version_zero(batch: pa.Table) -> pa.Table:
+        keep = pc.and_(pc.equal(batch["run_id"], run_id), pc.equal(batch["max_policy_version"], 0))
+        return batch.filter(pc.fill_null(keep, False))
+
+    chosen = (dataset.map_batches(of_version_zero, batch_format="pyarrow").sort("ingest_seq")
+              .limit(pcfg.num_samples).select_columns(list(TRAIN_COLUMNS)).materialize())
+    count = chosen.count()
+    if count < 2:
+        raise ValueError(f"value pretraining needs at least 2 trajectories sampled by version 0 in run {run_id!r} "
+                         f"(trajectories version {version}); found {count}")
+    heldout = min(count - 1, max(1, round(count * pcfg.heldout_fraction)))
+    train, held = chosen.split_at_indices([count - heldout])
+    return train, held, version
+
+
+# ----- Ray Train: the workers ---------------------------------------------------------------------
+
+
+def _rows(iterator, batch_size: int | None = None) -> Iterable[list[dict]]:
+    for batch in iterator.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
+        if batch.num_rows:
+            yield batch.to_pylist()
+
+
+def _train_func(config: dict) -> None:
+    import ray.train
+
+    cfg: TrainConfig = config["train"]
+    pcfg: PretrainConfig = config["pretrain"]
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.set_num_threads(cfg.torch_threads)
+    torch.use_deterministic_algorithms(cfg.deterministic)
+    torch.manual_seed(cfg.seed)
+    started = time.perf_counter()
+    checkpoint = load_checkpoint(cfg.checkpoint_root, 0, with_critic=True, with_state=False)
+    update = cfg.update if pcfg.lr is None else dataclasses.replace(cfg.update, lr_critic=pcfg.lr)
+    learner = Learner(update, checkpoint.policy, checkpoint.critic)
+    heldout = [row for rows in _rows(ray.train.get_dataset_shard("heldout")) for row in rows]
+    loss_before, explained_before = value_metrics(learner.critic, heldout, update)
+    shard = ray.train.get_dataset_shard("train")
+    per_worker = max(1, pcfg.batch_size // world)
+
+    def batches(epoch: int) -> Iterable[list[dict]]:
+        yield from _rows(shard, per_worker)
+        ray.train.report({"epoch": epoch})  # every worker: a collective call in Ray Train
+
+    steps, _ = fit_critic(learner, batches, pcfg.epochs, pcfg.target)
+    loss_after, explained_after = value_metrics(learner.critic, heldout, update)
+    if rank == 0:
+        path = replace_critic(cfg.checkpoint_root, 0, learner.critic)
+        report = {**config["report"], "num_heldout": len(heldout), "optimizer_steps": steps,
+                  "loss_before": loss_before, "loss_after": loss_after,
+                  "explained_variance_before": explained_before, "explained_variance_after": explained_after,
+                  "critic_path": str(path.resolve()), "seconds": time.perf_counter() - started}
+        (path / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
+                   storage_path: str | None = None) -> PretrainReport:
+    """Pretrain the critic of run ``cfg.run_id`` and write it as its version-0 critic (see the module
+    docstring). Ray must be initialised (:func:`sao.runtime.init_ray`).
+
+    Raises:
+        ValueError: the algorithm has no critic, the run has already trained, or too few trajectories.
+    """
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    pcfg = pcfg or PretrainConfig()
+    if not cfg.update.uses_critic:
+        raise ValueError(f"algorithm {cfg.update.algorithm.value!r} has no critic to pretrain")
+    started = time.perf_counter()
+    if prepare_run(cfg) != 0:
+        raise ValueError(f"run {cfg.run_id!r} has trained already: value pretraining writes the version-0 critic "
+                         "and must run before the first step")
+    lake = Lake.open(cfg.lake)
+    data_run = pcfg.data_run_id or cfg.run_id
+    train, heldout, version = select_samples(lake, data_run, pcfg)
+    num_train = train.count()
+    storage = storage_path or str(Path(cfg.checkpoint_root).resolve().parent / "ray_train")
+    trainer = TorchTrainer(
+        _train_func,
+        train_loop_config={"train": cfg, "pretrain": pcfg, "report": {
+            "run_id": cfg.run_id, "data_run_id": data_run, "trajectories_version": version, "num_train": num_train,
+            "epochs": pcfg.epochs, "target": str(pcfg.target)}},
+        scaling_config=ScalingConfig(num_workers=pcfg.num_workers, use_gpu=False,
+                                     resources_per_worker={"CPU": pcfg.cpus_per_worker}),
+        run_config=RunConfig(name=f"pretrain-value-{cfg.run_id}", storage_path=storage),
+        datasets={"train": train, "heldout": heldout},
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+    )
+    trainer.fit()
+    written = json.loads((checkpoint_dir(cfg.checkpoint_root, 0) / "critic" / REPORT_FILE).read_text())
+    written["seconds"] = time.perf_counter() - started
+    report = PretrainReport(**written)
+    for name in ("loss_before", "loss_after"):
+        if not math.isfinite(getattr(report, name)):
+            raise RuntimeError(f"value pretraining of run {cfg.run_id!r} produced a non-finite {name}")
+    return report

@@ -1,0 +1,333 @@
+"""Trajectory replay: the pre-flight check of SAO.md section 6 on one stored trajectory.
+
+``replay_trajectory(lake, trajectory_id)`` (``sao replay --trajectory ID``) checks that a trajectory
+says what happened:
+
+- **log-probabilities**: for every action segment, the log-probabilities of its tokens recomputed by
+  the trainer's own function (:func:`sao.train.step.policy_logprobs`, same logprob kind and sampling
+  settings) under the policy version the segment records (that version's checkpoint), against the
+  engine's stored values: the largest absolute difference per segment, within ``atol`` (1e-5 by
+  default). A token the engine could not have sampled under that version is far outside it.
+- **observations excluded**: every observation segment has ``action_mask`` False and log-probability
+  exactly 0.0, and its tokens are exactly what the environment inserts for the preceding action
+  (``observation_ids`` of the environment's answer, re-run now).
+- **reward**: the environment re-scores the final action (math_tool: the answer checked against the
+  task's reference), which must equal the stored reward; ends the environment did not decide carry 0.
+- **termination reason against the tokens**: ``stop``: the last action token is a stop id and the
+  environment ended the episode; ``turns``: the environment's own budget ended it, or ``num_turns``
+  reached the agent's ``max_turns``; ``length``: the completion reached ``sampling.max_tokens``, or the
+  next observation would not have fitted. ``timeout``, ``cancelled`` and ``error`` are facts about the
+  clock or the machine, not the tokens: reported as not checkable (ok None), with reward 0 checked.
+- the prompt re-rendered from the task equals the stored prompt, the tokenizer and chat template hash
+  as recorded, segments tile the completion, and ``num_turns`` matches the action turns.
+
+Finding the task: the run configuration (:mod:`sao.train.run_config`) records the task file the
+rollouts drew from (``RolloutSettings.tasks_path``), the environment options and the agent's turn
+budget; ``tasks_path`` overrides the file (``--tasks``). A task id that does not resolve is a
+:class:`~sao.train.replay.ReplayError`. The environment is re-run for real (math_tool's tool calls go
+to the sandbox again); a tool whose output is not deterministic shows up as an observation mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from sao.envs import make_env
+from sao.envs.base import Task, Termination, read_tasks
+from sao.lake.reader import read_trajectories
+from sao.lake.store import Lake, LakeError
+from sao.models.chat import ChatTokens, observation_ids, prompt_ids
+from sao.models.tokenizer import chat_template_version, load_tokenizer, tokenizer_version
+from sao.train.batch import collate
+from sao.train.checkpoint import CheckpointPrunedError, checkpoint_dir, load_checkpoint
+from sao.train.replay import ReplayError, run_checkpoints, torch_settings
+from sao.train.run_config import RolloutSettings
+from sao.train.step import policy_logprobs
+
+__all__ = ["DEFAULT_ATOL", "Check", "SegmentCheck", "TrajectoryReplay", "replay_trajectory"]
+
+DEFAULT_ATOL = 1e-5
+"""Agreement threshold between recomputed and stored log-probabilities (nats)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentCheck:
+    """One segment of the completion.
+
+    Attributes:
+        kind: ``action`` or ``observation``; ``start``/``end``: its half-open token range.
+        policy_version: the version that sampled an action segment (None for observations).
+        max_abs_diff: action segments: largest |recomputed - stored| log-probability.
+        ok: within ``atol`` (actions), or excluded and equal to the environment's insert (observations).
+        detail: what is wrong, when something is.
+    """
+
+    index: int
+    kind: str
+    start: int
+    end: int
+    policy_version: int | None
+    max_abs_diff: float | None
+    ok: bool
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A named finding: ok True, False, or None (cannot be decided from the record)."""
+
+    name: str
+    ok: bool | None
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryReplay:
+    """The replay of one trajectory (see the module docstring)."""
+
+    trajectory_id: str
+    run_id: str
+    task_id: str
+    termination_reason: str
+    atol: float
+    reward_recorded: float
+    reward_rescored: float | None
+    segments: tuple[SegmentCheck, ...]
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(s.ok for s in self.segments) and all(c.ok is not False for c in self.checks)
+
+    def check(self, name: str) -> Check:
+        return next(c for c in self.checks if c.name == name)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"ok": self.ok}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Turn:
+    """One action turn: its token range, and the index of the observation segment after it."""
+
+    start: int
+    end: int
+    observation: int | None
+
+
+def _read_row(lake: Lake, trajectory_id: str, run_id: str | None) -> dict:
+    try:
+        table = read_trajectories(lake, run_id=run_id, trajectory_ids=[trajectory_id])
+    except LakeError as error:
+        where = f"run {run_id!r}" if run_id else "any run"
+        raise ReplayError(f"trajectory {trajectory_id!r} is not in {where} of the lake at {lake.root}: {error}") from None
+    return table.to_pylist()[0]
+
+
+def _resolve_task(task_id: str, rollout: RolloutSettings, tasks_path: str | Path | None) -> Task:
+    path = tasks_path or rollout.tasks_path
+    if path is None:
+        raise ReplayError(f"task {task_id!r} cannot be found: the run configuration records no task file "
+                          "(RolloutSettings.tasks_path); pass --tasks PATH")
+    if not Path(path).exists():
+        raise ReplayError(f"task file {path} does not exist")
+    tasks = {task.task_id: task for task in read_tasks(path)}
+    if task_id not in tasks:
+        raise ReplayError(f"task {task_id!r} is not in the task file {path}")
+    return tasks[task_id]
+
+
+def _turns(segments: Sequence[Mapping]) -> list[_Turn]:
+    turns: list[_Turn] = []
+    start = end = None
+    for index, segment in enumerate(segments):
+        if segment["kind"] == "action":
+            start = segment["start"] if start is None else start
+            end = segment["end"]
+        else:
+            if start is not None:
+                turns.append(_Turn(start, end, index))
+            start = end = None
+    if start is not None:
+        turns.append(_Turn(start, end, None))
+    return turns
+
+
+def _tiling_check(row: Mapping) -> Check:
+    n, mask, cursor = len(row["completion_ids"]), list(row["action_mask"]), 0
+    for index, segment in enumerate(row["segments"]):
+        if segment["start"] != cursor or segment["end"] <= segment["start"]:
+            return Check("segments", False, f"segment {index} covers [{segment['start']}, {segment['end']}), "
+                                            f"expected to start at {cursor}")
+        flags = set(mask[segment["start"]:segment["end"]])
+        if flags != {segment["kind"] == "action"}:
+            return Check("segments", False, f"segment {index} ({segment['kind']}) has action_mask values {flags}")
+        cursor = segment["end"]
+    if cursor != n:
+        return Check("segments", False, f"segments end at {cursor}, the completion has {n} tokens")
+    return Check("segments", True)
+
+
+class _Policies:
+    """Each version's policy, loaded once from its checkpoint."""
+
+    def __init__(self, root: Path | None, versions: Mapping[int, Mapping]) -> None:
+        self.root, self.versions, self.loaded = root, versions, {}
+
+    def directory(self, version: int) -> Path:
+        if self.root is not None:
+            return checkpoint_dir(self.root, version)
+        if version not in self.versions:
+            raise ReplayError(f"policy version {version} is not registered in policy_versions")
+        return Path(self.versions[version]["checkpoint_uri"])
+
+    def __call__(self, version: int) -> torch.nn.Module:
+        if version not in self.loaded:
+            path = self.directory(version)
+            try:
+                self.loaded[version] = load_checkpoint(path.parent, version, with_critic=False, with_state=False).policy
+            except (FileNotFoundError, CheckpointPrunedError) as error:
+                raise ReplayError(f"cannot load policy version {version}: {error}") from None
+        return self.loaded[version]
+
+
+def _segment_checks(row: Mapping, policies: _Policies, expected_observations: Mapping[int, list[int]],
+                    atol: float) -> list[SegmentCheck]:
+    stored = torch.tensor([0.0 if v is None else float(v) for v in row["logprobs"]], dtype=torch.float64)
+    mask = list(row["action_mask"])
+    completion = list(row["completion_ids"])
+    recomputed: dict[int, torch.Tensor] = {}
+    checks = []
+    for index, segment in enumerate(row["segments"]):
+        start, end, version = segment["start"], segment["end"], segment["policy_version"]
+        if segment["kind"] == "action":
+            if version not in recomputed:
+                with torch.no_grad():
+                    batch = collate([row], trainer_version=version)
+                    recomputed[version] = policy_logprobs(policies(version), batch)[0].double()
+            diff = float((recomputed[version][start:end] - stored[start:end]).abs().max())
+            ok = diff <= atol
+            detail = "" if ok else f"max |recomputed - stored| {diff:.3g} > {atol:g} under version {version}"
+            checks.append(SegmentCheck(index, "action", start, end, version, diff, ok, detail))
+            continue
+        problems = []
+        if any(mask[start:end]):
+            problems.append("action_mask is True on an observation token")
+        if any(float(v) != 0.0 for v in stored[start:end].tolist()):
+            problems.append("an observation token has a non-zero log-probability")
+        expected = expected_observations.get(index)
+        if expected is None:
+            problems.append("the environment inserts no observation here")
+        elif completion[start:end] != expected:
+            problems.append(f"tokens differ from the environment's insert ({end - start} stored, {len(expected)} expected)")
+        checks.append(SegmentCheck(index, "observation", start, end, None, None, not problems, "; ".join(problems)))
+    return checks
+
+
+def _simulate(row: Mapping, task: Task, tokenizer, rollout: RolloutSettings, turns: list[_Turn]):
+    """Re-run the environment on the stored actions: (prompt check, expected observation tokens by
+    segment index, the StepResult that ended the episode or None, the observation that would follow
+    the last turn or None, problems)."""
+    env = make_env(task.env, **dict(rollout.env_options.get(task.env, {})))
+    prompt = prompt_ids(tokenizer, env.reset(task))
+    prompt_check = Check("prompt", prompt == list(row["prompt_ids"]),
+                         "" if prompt == list(row["prompt_ids"]) else "the task's prompt renders to other tokens")
+    stop_ids = ChatTokens.from_tokenizer(tokenizer).stop_token_ids
+    completion, reason = list(row["completion_ids"]), row["termination_reason"]
+    expected: dict[int, list[int]] = {}
+    ended = pending = None
+    problems: list[str] = []
+    for number, turn in enumerate(turns):
+        tokens = completion[turn.start:turn.end]
+        last_is_stop = tokens[-1] in stop_ids
+        if turn.observation is None and not (reason in ("stop", "turns") or (reason == "length" and last_is_stop)):
+            break  # the agent did not hand this last action to the environment
+        result = env.step(tokenizer.decode(tokens, skip_special_tokens=False))
+        if turn.observation is not None:
+            if not last_is_stop:
+                problems.append(f"turn {number} ends with token {tokens[-1]}, not a stop id, yet an observation follows")
+            if result.done:
+                problems.append(f"the environment ends the episode after turn {number} ({result.termination}), "
+                                "yet the trajectory continues")
+            else:
+                expected[turn.observation] = observation_ids(tokenizer, result.observation)
+        elif result.done:
+            ended = result
+        else:
+            pending = observation_ids(tokenizer, result.observation)
+    return prompt_check, expected, ended, pending, problems
+
+
+def _termination_check(row: Mapping, turns: list[_Turn], ended, pending, max_turns: int | None,
+                       stop_ids: Sequence[int]) -> Check:
+    reason, n = row["termination_reason"], len(row["completion_ids"])
+    max_tokens = int(row["sampling"]["max_tokens"])
+    ends_in_observation = bool(turns) and turns[-1].observation is not None
+    last_is_stop = bool(turns) and row["completion_ids"][turns[-1].end - 1] in stop_ids
+    if reason == "stop":
+        ok = not ends_in_observation and last_is_stop and ended is not None and ended.termination == Termination.STOP
+        return Check("termination", ok, "" if ok else "a stop end needs a final stop id and the environment ending "
+                                                      "the episode with stop")
+    if reason == "turns":
+        if not ends_in_observation:
+            ok = ended is not None and ended.termination == Termination.TURNS
+            return Check("termination", ok, "" if ok else "the environment does not end the episode with turns")
+        if max_turns is None:
+            return Check("termination", None, "the agent's max_turns is not recorded in the run configuration")
+        ok = row["num_turns"] >= max_turns and n < max_tokens
+        return Check("termination", ok, "" if ok else f"{row['num_turns']} turns of {max_turns}, {n} of {max_tokens} tokens")
+    if reason == "length":
+        if ends_in_observation or not last_is_stop:
+            ok = n >= max_tokens
+            return Check("termination", ok, "" if ok else f"{n} tokens, the budget is {max_tokens}")
+        ok = ended is None and pending is not None and n + len(pending) > max_tokens
+        return Check("termination", ok, "" if ok else "the next observation would have fitted in the budget")
+    return Check("termination", None, f"a {reason} end is decided by the clock or the machine, not the tokens")
+
+
+def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = None,
+                      checkpoint_root: str | Path | None = None, tasks_path: str | Path | None = None,
+                      atol: float = DEFAULT_ATOL) -> TrajectoryReplay:
+    """Replay ``trajectory_id`` (see the module docstring).
+
+    Raises:
+        ReplayError: unknown trajectory (or run), missing run configuration, a task that does not
+            resolve, or a version whose checkpoint is gone.
+    """
+    if not atol >= 0:
+        raise ReplayError(f"atol must be >= 0, got {atol}")
+    row = _read_row(lake, trajectory_id, run_id)
+    _, cfg, versions = run_checkpoints(lake, row["run_id"], checkpoint_root)
+    policies = _Policies(Path(checkpoint_root) if checkpoint_root is not None else None, versions)
+    tokenizer = load_tokenizer(policies.directory(min(versions)) / "policy")
+    task = _resolve_task(row["task_id"], cfg.rollout, tasks_path)
+    turns = _turns(row["segments"])
+    stop_ids = ChatTokens.from_tokenizer(tokenizer).stop_token_ids
+    prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
+    rescored = float(ended.reward) if ended is not None and row["termination_reason"] in ("stop", "turns") else 0.0
+    recorded = float(row["reward"])
+    same_tokenizer = (tokenizer_version(tokenizer) == row["tokenizer_version"]
+                      and chat_template_version(tokenizer) == row["chat_template_version"])
+    num_turns_ok = row["num_turns"] == len(turns) or (
+        row["termination_reason"] in ("timeout", "cancelled", "error") and row["num_turns"] == len(turns) + 1)
+    checks = (
+        Check("tokenizer", same_tokenizer, "" if same_tokenizer else "the checkpoint's tokenizer or chat template "
+                                                                      "hashes differently from the recorded one"),
+        prompt_check,
+        _tiling_check(row),
+        Check("actions", not problems, "; ".join(problems)),
+        Check("num_turns", num_turns_ok, "" if num_turns_ok else f"{row['num_turns']} recorded, {len(turns)} action turns"),
+        Check("reward", recorded == rescored, "" if recorded == rescored else f"recorded {recorded}, re-scored {rescored}"),
+        _termination_check(row, turns, ended, pending, cfg.rollout.max_turns, stop_ids),
+    )
+    with torch_settings(cfg.torch_threads, cfg.deterministic):
+        segments = tuple(_segment_checks(row, policies, expected, atol))
+    return TrajectoryReplay(
+        trajectory_id=trajectory_id, run_id=row["run_id"], task_id=row["task_id"],
+        termination_reason=row["termination_reason"], atol=atol, reward_recorded=recorded, reward_rescored=rescored,
+        segments=segments, checks=checks,
+    )

@@ -1,0 +1,143 @@
+"""Step replay: a past step recomputed from its checkpoint and frozen snapshot equals the recorded one."""
+
+import pyarrow as pa
+import pytest
+import torch
+from deltalake import write_deltalake
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from sao.cli import app
+from sao.lake.maintenance import compact, vacuum
+from sao.lake.store import Lake
+from sao.train.checkpoint import checkpoint_dir
+from sao.train.loop import prepare_run, run_training
+from sao.train.replay import ReplayError, RowSource, replay_steps
+from sao.train.run_config import RunConfigError, read_run_config, run_config_path
+from schemas import train_steps
+from tests.train.test_loop import make_config, roll_out
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def trained(tmp_path, policy_dir, tokenizer):
+    """A run with two committed steps (versions 0 -> 1 -> 2) on eight real trajectories."""
+    cfg = make_config(tmp_path, policy_dir, total_steps=2)
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 8)
+    run_training(cfg)
+    return cfg, lake
+
+
+def cli(cfg, *args):
+    return runner.invoke(app, ["replay", "--lake", cfg.lake.root, *args])
+
+
+def test_a_past_step_replays_bit_for_bit_also_after_appends_compaction_and_vacuum(trained, policy_dir, tokenizer):
+    cfg, lake = trained
+    report = replay_steps(lake, cfg.run_id, 1)
+    assert report.ok and report.start_version == 1 and report.source is RowSource.LAKE
+    (step,) = report.steps
+    versions = {r["version"]: r["weights_hash"] for r in lake.read("policy_versions").to_pylist()}
+    assert step.replayed_hash == step.recorded_hash == versions[2]
+    assert step.metrics_compared > 15 and not step.metric_mismatches  # losses, kept fractions, values...
+    recorded = lake.read(train_steps.NAME, predicate="step = 1").to_pylist()[0]
+    before = lake.version("trajectories")
+    # More data arrives, the small files are compacted, and vacuum runs (default retention, then none).
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 6, seed=1)
+    files_before = len(lake.table("trajectories").file_uris())
+    compact(lake, ["trajectories"])
+    vacuum(lake, ["trajectories"])
+    vacuum(lake, ["trajectories"], retention_hours=0, force=True)  # recorded snapshots are still kept
+    assert lake.version("trajectories") > before >= recorded["trajectories_version"]
+    assert len(lake.table("trajectories").file_uris()) < files_before
+    for step_number in (0, 1):
+        again = replay_steps(lake, cfg.run_id, step_number)
+        assert again.ok, again
+    result = cli(cfg, "--run", cfg.run_id, "--step", "1")
+    assert result.exit_code == 0, result.output
+    assert "step 1 v1->v2 4 trajectories" in result.output and ": match" in result.output
+
+
+def test_a_range_replays_steps_in_memory_and_reports_each(trained):
+    cfg, lake = trained
+    result = cli(cfg, "--run", cfg.run_id, "--steps", "0:1", "--json")
+    assert result.exit_code == 0, result.output
+    assert '"ok": true' in result.output
+    report = replay_steps(lake, cfg.run_id, 0, 1)
+    assert [s.step for s in report.steps] == [0, 1] and report.ok and report.start_version == 0
+
+
+def test_a_tampered_checkpoint_is_reported_as_a_mismatch(trained):
+    cfg, lake = trained
+    weights = checkpoint_dir(cfg.checkpoint_root, 1) / "policy" / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(k for k in tensors if "mlp.experts" in k)[0]
+    tensors[name] = tensors[name] + 1e-3 * torch.ones_like(tensors[name])
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    report = replay_steps(lake, cfg.run_id, 1)
+    assert not report.ok and not report.start_ok
+    assert not report.steps[0].hash_ok
+    result = cli(cfg, "--run", cfg.run_id, "--step", "1")
+    assert result.exit_code == 1
+    assert "MISMATCH start checkpoint v1" in result.output and "step 1 v1->v2" in result.output
+
+
+def test_a_tampered_metric_is_reported_as_a_mismatch(trained):
+    cfg, lake = trained
+    rows = lake.read(train_steps.NAME).to_pylist()
+    for row in rows:
+        if row["step"] == 0:
+            row["metrics"] = [(k, v + 0.5 if k == "actor/kept_frac" else v) for k, v in row["metrics"]]
+    write_deltalake(lake.table_uri(train_steps.NAME), pa.Table.from_pylist(rows, schema=train_steps.SCHEMA),
+                    mode="overwrite")
+    report = replay_steps(lake, cfg.run_id, 0)
+    (step,) = report.steps
+    assert step.hash_ok and not step.ok
+    assert [m.name for m in step.metric_mismatches] == ["actor/kept_frac"]
+    result = cli(cfg, "--run", cfg.run_id, "--step", "0")
+    assert result.exit_code == 1 and "actor/kept_frac: recorded" in result.output
+
+
+def test_usage_errors_exit_2_with_a_reason(trained):
+    cfg, lake = trained
+    cases = [
+        (["--run", "nope", "--step", "0"], "unknown run 'nope'"),
+        (["--run", cfg.run_id, "--step", "7"], "has no recorded step 7"),
+        (["--run", cfg.run_id, "--steps", "1-2"], "--steps needs N:M"),
+        (["--run", cfg.run_id, "--steps", "1:0"], "need 0 <= N <= M"),
+        (["--run", cfg.run_id, "--step", "0", "--trajectory", "x"], "exactly one of"),
+        (["--step", "0"], "--step needs --run"),
+        (["--trajectory", "no-such-id"], "trajectory 'no-such-id' is not in"),
+    ]
+    for args, message in cases:
+        result = cli(cfg, *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output and "Traceback" not in result.output
+    run_config_path(cfg.checkpoint_root).unlink()
+    with pytest.raises(ReplayError, match="no run configuration"):
+        replay_steps(lake, cfg.run_id, 0)
+    assert cli(cfg, "--run", cfg.run_id, "--step", "0").exit_code == 2
+
+
+def test_the_run_configuration_round_trips_and_refuses_a_changed_resume(trained):
+    cfg, _ = trained
+    assert read_run_config(cfg.checkpoint_root) == cfg
+    changed = cfg.__class__(**{**cfg.__dict__, "update": cfg.update.__class__(lr_policy=1.0, token_budget=4096)})
+    with pytest.raises(RunConfigError, match="update"):
+        prepare_run(changed)
+    # Settings that do not change an update may differ on resume.
+    prepare_run(cfg.__class__(**{**cfg.__dict__, "total_steps": 9, "wait_timeout_s": 1.0}))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_range_replay_reads_its_snapshot_through_ray_data(trained, policy_dir, tokenizer, ray_session):
+    cfg, lake = trained
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 4, seed=2)  # rows the range did not use
+    compact(lake, ["trajectories"])
+    report = replay_steps(lake, cfg.run_id, 0, 1)  # a Ray instance is up: the range reads via Ray Data
+    assert report.source is RowSource.RAY_DATA
+    assert report.ok and [s.step for s in report.steps] == [0, 1]

@@ -1,0 +1,182 @@
+"""Trajectory replay on real torch-engine rollouts, including weights swapped mid-generation."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sao.cli import app
+from sao.envs import make_env
+from sao.envs.base import write_tasks
+from sao.envs.math_tool import MathToolConfig, generate_tasks
+from sao.lake.config import WriterConfig
+from sao.lake.reader import read_trajectories
+from sao.lake.store import Lake
+from sao.lake.writer import TrajectoryWriter
+from sao.models.chat import ChatTokens
+from sao.models.policy import build_policy, save_policy
+from sao.rollout.agent import AgentConfig, AgentLoop
+from sao.rollout.torch_engine import TorchEngine
+from sao.train.batch import collate
+from sao.train.checkpoint import load_checkpoint
+from sao.train.config import UpdateConfig
+from sao.train.loop import prepare_run, run_training
+from sao.train.replay import ReplayError
+from sao.train.run_config import RolloutSettings
+from sao.train.step import policy_logprobs
+from sao.train.trajectory_replay import replay_trajectory
+from schemas import trajectories
+from tests.train.test_loop import make_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+runner = CliRunner()
+AGENT = AgentConfig(max_tokens=96, max_turns=2)
+
+
+def tool_calling_policy_dir(path, tokenizer):
+    """A random tiny policy that often opens and closes tool calls and ends turns, so that rollouts
+    hold observations and every kind of end. A constant feature (dimension 0 of every embedding) is
+    read by the output rows of <tool_call>, </tool_call> and <|im_end|>: a logit bias that survives
+    save and load as ordinary weights."""
+    tokens = ChatTokens.from_tokenizer(tokenizer)
+    policy = build_policy(seed=0)
+    with torch.no_grad():
+        policy.model.embed_tokens.weight[:, 0] += 3.0
+        policy.lm_head.weight[:, 0] = 0.0
+        for token, bias in ((tokens.tool_call_start_id, 5.0), (tokens.tool_call_end_id, 4.0), (tokens.im_end_id, 2.0)):
+            policy.lm_head.weight[token, 0] = bias / 11.3
+    save_policy(policy, path, tokenizer, policy_version=0)
+    return path
+
+
+def rollouts(policy, version, tokenizer, tasks, run_id, swap_to=None, seed=0):
+    """Roll out ``tasks`` with the torch engine; with ``swap_to=(version, policy)``, load those weights
+    while every rollout is mid-generation (pause, load, resume), as a weight refresh does."""
+    engine = TorchEngine(policy, version=version)
+    loop = AgentLoop(engine, tokenizer, lambda task: make_env(task.env), AGENT)
+    ids = [f"{seed}-{i:03d}" for i in range(len(tasks))]
+
+    def mid_generation() -> int:
+        """Trajectories with a request in flight that has sampled at least 3 tokens."""
+        return sum(any((engine.progress(f"{tid}-{turn}") or 0) >= 3 for turn in range(AGENT.max_turns))
+                   for tid in ids)
+
+    async def main():
+        running = [asyncio.ensure_future(loop.run(t, run_id=run_id, trajectory_id=tid, seed=seed * 100 + i))
+                   for i, (t, tid) in enumerate(zip(tasks, ids, strict=True))]
+        if swap_to is not None:
+            deadline = time.monotonic() + 60
+            while mid_generation() < len(ids) // 2:
+                assert time.monotonic() < deadline and not all(r.done() for r in running), "no swap point"
+                await asyncio.sleep(0.001)
+            engine.pause()
+            engine.load_weights(swap_to[0], swap_to[1].state_dict())
+            engine.resume()
+        return await asyncio.gather(*running)
+
+    records = asyncio.run(main())
+    engine.close()
+    loop.close()
+    return records
+
+
+def write(lake, records):
+    with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
+        writer.add_many(records)
+
+
+@pytest.fixture(scope="module")
+def swapped(tmp_path_factory, tokenizer):
+    """Version 0 (a tool-calling policy) trained one step into version 1 by the loop; then rollouts
+    whose weights change from 0 to 1 mid-generation, written to the lake."""
+    tmp_path = tmp_path_factory.mktemp("swap")
+    tasks = generate_tasks(MathToolConfig(num_train=24, num_heldout=0, seed=5))
+    tasks_path = write_tasks(tmp_path / "tasks.jsonl", tasks)
+    cfg = make_config(tmp_path, tool_calling_policy_dir(tmp_path / "sft", tokenizer), total_steps=1,
+                      update=UpdateConfig(lr_policy=1e-3, token_budget=4096),
+                      rollout=RolloutSettings(tasks_path=str(tasks_path), max_turns=AGENT.max_turns))
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    v0 = load_checkpoint(cfg.checkpoint_root, 0).policy
+    first = rollouts(v0, 0, tokenizer, tasks[:8], cfg.run_id)
+    write(lake, first)
+    run_training(cfg)
+    v1 = load_checkpoint(cfg.checkpoint_root, 1).policy
+    swapped = rollouts(load_checkpoint(cfg.checkpoint_root, 0).policy, 0, tokenizer, tasks[8:], cfg.run_id,
+                       swap_to=(1, v1), seed=1)
+    write(lake, swapped)
+    return cfg, lake, first + swapped, (v0, v1)
+
+
+def versions_of(record):
+    return [s.policy_version for s in record.segments if s.kind == "action"]
+
+
+def test_trajectories_that_spanned_a_weight_update_agree_per_segment(swapped):
+    cfg, lake, records, (v0, v1) = swapped
+    spanning = [r for r in records if set(versions_of(r)) == {0, 1}]
+    within_a_turn = [r for r in spanning
+                     if any(a.kind == b.kind == "action" for a, b in zip(r.segments, r.segments[1:], strict=False))]
+    assert len(spanning) >= 4 and within_a_turn  # the swap landed mid-generation
+    for record in spanning:
+        report = replay_trajectory(lake, record.trajectory_id)
+        assert report.ok, report
+        actions = [s for s in report.segments if s.kind == "action"]
+        assert {s.policy_version for s in actions} == {0, 1}
+        assert all(s.max_abs_diff <= 1e-5 for s in actions)
+    # The check discriminates: the version-1 tokens scored under version 0 disagree far beyond 1e-5.
+    row = read_trajectories(lake, trajectory_ids=[within_a_turn[0].trajectory_id]).to_pylist()[0]
+    segment = next(s for s in row["segments"] if s["policy_version"] == 1)
+    with torch.no_grad():
+        under_v0 = policy_logprobs(v0, collate([row], trainer_version=1))[0, segment["start"]:segment["end"]]
+    stored = torch.tensor(row["logprobs"][segment["start"]:segment["end"]])
+    assert float((under_v0 - stored).abs().max()) > 1e-4
+
+
+def test_every_recorded_end_is_checked_against_the_tokens_and_the_environment(swapped):
+    cfg, lake, records, _ = swapped
+    reasons = {r.termination_reason for r in records}
+    assert {"stop", "length", "turns"} <= reasons
+    assert any(any(s.kind == "observation" for s in r.segments) for r in records)
+    for record in records:
+        report = replay_trajectory(lake, record.trajectory_id)
+        assert report.ok, report
+        assert report.check("termination").ok is True
+        assert report.reward_rescored == record.reward
+        observations = [s for s in report.segments if s.kind == "observation"]
+        assert all(s.ok for s in observations)
+
+
+def test_a_corrupted_stored_logprob_is_reported_as_a_mismatch(swapped):
+    cfg, lake, records, _ = swapped
+    source = next(r for r in records if set(versions_of(r)) == {0, 1})
+    row = read_trajectories(lake, trajectory_ids=[source.trajectory_id]).to_pylist()[0]
+    copy = {name: row[name] for name in trajectories.RECORD_SCHEMA.names}
+    segment = next(s for s in copy["segments"] if s["policy_version"] == 1)
+    position = segment["start"]
+    copy["logprobs"] = list(copy["logprobs"])
+    copy["logprobs"][position] -= 0.25  # still a valid log-probability: the lake accepts the row
+    copy["trajectory_id"] = source.trajectory_id + "-corrupt"
+    write(lake, [copy])
+    report = replay_trajectory(lake, copy["trajectory_id"], run_id=cfg.run_id)
+    assert not report.ok
+    bad = [s for s in report.segments if not s.ok]
+    assert [(s.start, s.policy_version) for s in bad] == [(segment["start"], 1)]
+    assert bad[0].max_abs_diff == pytest.approx(0.25, abs=1e-4)
+    result = runner.invoke(app, ["replay", "--lake", cfg.lake.root, "--trajectory", copy["trajectory_id"]])
+    assert result.exit_code == 1 and "MISMATCH" in result.output
+    result = runner.invoke(app, ["replay", "--lake", cfg.lake.root, "--trajectory", source.trajectory_id])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_task_that_does_not_resolve_is_a_clear_error(swapped, tmp_path):
+    cfg, lake, records, _ = swapped
+    other = write_tasks(tmp_path / "other.jsonl", generate_tasks(MathToolConfig(num_train=2, num_heldout=0, seed=9)))
+    with pytest.raises(ReplayError, match="is not in the task file"):
+        replay_trajectory(lake, records[0].trajectory_id, tasks_path=other)
+    result = runner.invoke(app, ["replay", "--lake", cfg.lake.root, "--trajectory", records[0].trajectory_id,
+                                 "--tasks", str(other)])
+    assert result.exit_code == 2 and "is not in the task file" in result.output
