@@ -32,6 +32,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
     for package in ("torch", "transformers", "ray", "deltalake", "pyarrow", "prefect"):
         try:
@@ -43,7 +44,8 @@ def machine() -> dict[str, Any]:
 
 def machine_line(info: dict[str, Any]) -> str:
     return (f"Machine: {info['cpus']} CPU cores, {info['memory_gib']} GiB memory, {info['platform']}; "
-            f"Python {info['python']}, torch {info.get('torch')}, ray {info.get('ray')}. Date: {info['date']}.")
+            f"Python {info['python']}, torch {info.get('torch')}, ray {info.get('ray')}. Date: {info['date']}; "
+            f"1-minute load average at the start {info.get('load_average_1m')}.")
 
 
 def update_section(path: Path, name: str, markdown: str) -> None:

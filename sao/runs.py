@@ -17,11 +17,13 @@ from pathlib import Path
 
 from sao.config import RunSettings
 from sao.envs.base import Split, Task
-from sao.envs.math_tool import MathToolConfig, generate_tasks
+from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
+from sao.lake.config import LakeConfig
 from sao.lake.store import Lake
 from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
 from sao.train.checkpoint import checkpoint_dir
 from sao.train.loop import StepReport, TrainConfig
+from sao.train.run_config import RolloutSettings
 
 __all__ = ["Evaluation", "evaluate", "math_tasks", "pipeline_config", "policy_dir", "summarize", "train_async",
            "warm_start"]
@@ -29,9 +31,16 @@ __all__ = ["Evaluation", "evaluate", "math_tasks", "pipeline_config", "policy_di
 log = logging.getLogger(__name__)
 
 
-def math_tasks(split: Split | str) -> list[Task]:
-    """The math_tool tasks of one split, as the SFT warm start generated them (default config)."""
-    return [t for t in generate_tasks(MathToolConfig()) if t.split is Split(split)]
+def math_tasks(split: Split | str, path: str | Path | None = None) -> list[Task]:
+    """The math_tool tasks of one split (default config, the one the SFT warm start used); with
+    ``path``, from that task file, which is written first if missing (and checked if present)."""
+    tasks = generate_tasks(MathToolConfig()) if path is None else ensure_dataset(MathToolConfig(), path)
+    return [t for t in tasks if t.split is Split(split)]
+
+
+def tasks_path(settings: RunSettings) -> Path:
+    """The run's task file (JSON Lines): what the rollouts draw from and trajectory replay re-scores."""
+    return settings.run_dir / "math_tool.jsonl"
 
 
 def warm_start(settings: RunSettings, on_log: Callable | None = None) -> Path:
@@ -46,12 +55,20 @@ def warm_start(settings: RunSettings, on_log: Callable | None = None) -> Path:
     return sft_warm_start(SFTConfig(seed=settings.sft_seed), path, on_log=on_log).path
 
 
+def _absolute_lake(lake: LakeConfig) -> LakeConfig:
+    return lake if "://" in lake.root else dataclasses.replace(lake, root=str(Path(lake.root).resolve()))
+
+
 def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineConfig:
+    """The pipeline of ``settings``. Local paths are made absolute here: Ray Train workers run in
+    their own working directory, where ``runs/...`` or ``lake`` would name nothing."""
     train = TrainConfig(
-        run_id=settings.run_id, lake=settings.lake(), checkpoint_root=str(settings.checkpoint_root),
-        policy_path=str(policy_path), update=settings.update(), batch_size=settings.batch_size,
+        run_id=settings.run_id, lake=_absolute_lake(settings.lake()),
+        checkpoint_root=str(settings.checkpoint_root.resolve()),
+        policy_path=str(Path(policy_path).resolve()), update=settings.update(), batch_size=settings.batch_size,
         max_staleness=settings.max_staleness, total_steps=settings.steps, seed=settings.seed,
         num_workers=settings.trainer_workers,
+        rollout=RolloutSettings(tasks_path=str(tasks_path(settings).resolve()), max_turns=settings.agent().max_turns),
     )
     return PipelineConfig(train=train, ray=settings.ray(), num_replicas=settings.num_replicas,
                           agent=settings.agent(), max_in_flight=settings.max_in_flight, seed=settings.seed)
@@ -60,7 +77,8 @@ def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineC
 def train_async(settings: RunSettings, policy_path: str | Path,
                 on_step: Callable[[StepReport], None] | None = None) -> PipelineResult:
     """Run (or resume) the asynchronous training of ``settings`` from ``policy_path`` (version 0)."""
-    return run_pipeline(pipeline_config(settings, policy_path), math_tasks(Split.TRAIN), on_step=on_step)
+    config = pipeline_config(settings, policy_path)
+    return run_pipeline(config, math_tasks(Split.TRAIN, config.train.rollout.tasks_path), on_step=on_step)
 
 
 @dataclasses.dataclass(frozen=True)

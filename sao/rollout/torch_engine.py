@@ -381,7 +381,9 @@ class TorchEngine:
             self._rows = [self._rows[i] for i in keep]
         self._trim()
         mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=self._mask.dtype)], dim=1)
-        out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
+        # A decode step's causal mask is just the padding mask: pass it ready-made as (B, 1, 1, L) so
+        # the model does not rebuild a 4D mask from the 2D one at every step.
+        out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask.bool()[:, None, None, :],
                          position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=self._cache, use_cache=True)
         self._mask = mask
         self._next_logits = out.logits[:, -1].float()
