@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint install install-dev clean
+.PHONY: demo test lint install install-dev clean ui
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ install-dev: $(VENV)/.installed-dev
 
 demo: install
 	$(VENV)/bin/sao demo
+
+# The Prefect UI on http://127.0.0.1:4200 with the flows served (sao/ui_cli.py); Ctrl-C stops it.
+ui: install
+	$(VENV)/bin/sao ui
 
 lint: install-dev
 	$(VENV)/bin/ruff check .

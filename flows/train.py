@@ -45,7 +45,7 @@ def warm_start(settings: RunSettings) -> str:
     return str(path)
 
 
-@task(name="evaluate")
+@task(name="evaluate", retries=1, retry_delay_seconds=5)  # reads a checkpoint only
 def evaluate(settings: RunSettings, version: int) -> runs.Evaluation:
     result = runs.evaluate(settings, version)
     get_run_logger().info("version %d: held-out accuracy %.3f ± %.3f", version, result.accuracy, result.stderr)

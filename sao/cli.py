@@ -22,6 +22,7 @@ app = typer.Typer(
 # `sao bench NAME [ARGS...]` runs `benchmarks/<module>.py`'s `main(argv)`. One line per benchmark.
 BENCHMARKS: dict[str, str] = {
     "lake": "lake_ingest",
+    "learning": "learning",
     "rollout": "rollout",
     "sft": "sft_warmstart",
 }
@@ -31,19 +32,6 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``message`` to stderr and return an Exit to raise (usage errors exit with 2)."""
     typer.echo(f"sao: error: {message}", err=True)
     return typer.Exit(code)
-
-
-@app.command()
-def demo() -> None:
-    """Run the end-to-end demo on embedded defaults (not built yet)."""
-    typer.echo(
-        "sao demo will: build the tiny Qwen3-MoE policy and tokenizer, SFT warm-start it on math_tool,\n"
-        "pretrain the critic, run SAO with Ray Serve rollouts into a local Delta lake and Ray Train\n"
-        "updates read from it, then print accuracy before/after and SQL queries to try.\n"
-        "It is not built yet: the parts land issue by issue (see README.md).",
-        err=True,
-    )
-    raise typer.Exit(1)
 
 
 @app.command(
@@ -65,12 +53,26 @@ def bench(ctx: typer.Context, name: str = typer.Argument("--help", help="Benchma
     raise typer.Exit(code or 0)
 
 
+# Training runs: `sao train` and `sao demo` (sao/runs_cli.py), both through the Prefect flow `train`.
+from sao.runs_cli import demo, train  # noqa: E402
+
+app.command()(train)
+app.command()(demo)
+
 # The lake: `sao sql "<query>"` and `sao lake tables|versions|counts|examples|compact|vacuum`
 # (sao/lake/cli.py).
 from sao.lake.cli import lake_app, sql  # noqa: E402
 
 app.command()(sql)
 app.add_typer(lake_app, name="lake")
+
+# `sao replay --run R --step N | --steps N:M` and `sao replay --trajectory ID` (sao/train/cli.py).
+from sao.train.cli import replay  # noqa: E402
+
+app.command()(replay)
+from sao.ui_cli import ui  # noqa: E402  - `sao ui`: local Prefect server + served flows (sao/ui_cli.py)
+
+app.command()(ui)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -58,7 +58,7 @@ def _print_summary(result: dict, settings: RunSettings, wall_s: float) -> None:
 def train(
     run_id: str = typer.Option(_DEFAULTS.run_id, help="Run id; an existing run resumes."),
     steps: int = typer.Option(_DEFAULTS.steps, min=0, help="Actor updates in all."),
-    algorithm: Algorithm = typer.Option(_DEFAULTS.algorithm.value, help="sao or a baseline."),
+    algorithm: Algorithm = typer.Option(_DEFAULTS.algorithm.value, help="sao or a baseline."),  # noqa: B008
     batch_size: int = typer.Option(_DEFAULTS.batch_size, min=1, help="Trajectories per update."),
     max_staleness: int = typer.Option(_DEFAULTS.max_staleness, min=0, help="Most versions a trajectory may lag."),
     lr_policy: float = typer.Option(_DEFAULTS.lr_policy, min=0.0, help="Policy learning rate."),

@@ -1,0 +1,49 @@
+"""Prefect flow ``evaluate``: held-out accuracy of one policy version of a run.
+
+Calls :func:`sao.runs.evaluate` (sampled accuracy at temperature 1 on held-out math_tool tasks) and
+shows the result as a table artifact. Version 0 is the run's warm start; version N its checkpoint
+after N actor updates. Evaluation only reads the checkpoint, so its task may be retried.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
+
+from flows.train import artifact_key
+from sao import runs
+from sao.config import RunSettings
+
+_DEFAULTS = RunSettings()
+
+
+@task(name="evaluate-version", retries=1, retry_delay_seconds=5)
+def evaluate_version(settings: RunSettings, version: int) -> runs.Evaluation:
+    """Sampled accuracy of ``version`` (reads the checkpoint only: safe to retry)."""
+    return runs.evaluate(settings, version)
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate(
+    run_id: str = _DEFAULTS.run_id,
+    version: int = 0,
+    eval_tasks: int = _DEFAULTS.eval_tasks,
+    workdir: str = _DEFAULTS.workdir,
+    seed: int = _DEFAULTS.seed,
+) -> dict:
+    """Held-out accuracy (temperature 1) of policy ``version`` of run ``run_id`` under ``workdir``."""
+    settings = RunSettings(run_id=run_id, eval_tasks=eval_tasks, workdir=workdir, seed=seed)
+    path = runs.policy_dir(settings, version)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"run {run_id!r} has no policy version {version} at {path}: version 0 is the warm start "
+            f"({settings.sft_dir}), version N the checkpoint after N steps ({settings.checkpoint_root}); "
+            "check run_id, version and workdir")
+    result = evaluate_version(settings, version)
+    get_run_logger().info("run %s version %d: held-out accuracy %.3f ± %.3f on %d tasks", run_id, version,
+                          result.accuracy, result.stderr, result.num_tasks)
+    row = {"run_id": run_id, "version": version, "accuracy": round(result.accuracy, 4),
+           "stderr": round(result.stderr, 4), "tasks": result.num_tasks}
+    create_table_artifact([row], key=artifact_key(run_id, f"eval-v{version}"),
+                          description=f"held-out accuracy of version {version} of run {run_id}")
+    return row

@@ -1,0 +1,72 @@
+"""Prefect flow ``pretrain_value``: fit a run's version-0 critic on trajectories of its initial policy.
+
+Calls :func:`sao.train.pretrain.pretrain_value` (Ray Data reads one pinned snapshot, Ray Train fits the
+critic; see that module) after the warm start, and shows the held-out value loss and explained
+variance before and after as a table artifact. It must run before the run's first step (it writes the
+version-0 critic; a run that has trained is refused), on trajectories sampled by version 0: those of the
+run itself, or of another run from the same warm start (``data_run_id``). It writes a checkpoint, so
+its task is not retried. It prepares the run, which records the settings a replay depends on: give it
+the ``algorithm``, ``lr_policy`` and ``seed`` the ``train`` run that follows will use (the trainer
+refuses a run whose recorded settings differ).
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
+
+from flows.train import artifact_key, warm_start
+from sao import runs
+from sao.config import RunSettings
+from sao.runtime import init_ray
+from sao.train.config import Algorithm
+from sao.train.pretrain import PretrainConfig, PretrainReport, ValueTarget, pretrain_value
+
+_DEFAULTS = RunSettings()
+_PRETRAIN = PretrainConfig()
+
+
+@task(name="pretrain-value")
+def pretrain_task(settings: RunSettings, policy_path: str, pretrain: PretrainConfig) -> PretrainReport:
+    """Fit and write the version-0 critic (writes a checkpoint: not retried)."""
+    init_ray(settings.ray())
+    return pretrain_value(runs.pipeline_config(settings, policy_path).train, pretrain)
+
+
+@flow(name="pretrain_value", log_prints=True)
+def pretrain_value_flow(
+    run_id: str = _DEFAULTS.run_id,
+    data_run_id: str | None = None,
+    num_samples: int = _PRETRAIN.num_samples,
+    heldout_fraction: float = _PRETRAIN.heldout_fraction,
+    epochs: int = _PRETRAIN.epochs,
+    batch_size: int = _PRETRAIN.batch_size,
+    target: ValueTarget = _PRETRAIN.target,
+    algorithm: Algorithm = _DEFAULTS.algorithm,
+    lr_policy: float = _DEFAULTS.lr_policy,
+    seed: int = _DEFAULTS.seed,
+    workdir: str = _DEFAULTS.workdir,
+    lake_root: str = _DEFAULTS.lake_root,
+    ray_address: str | None = _DEFAULTS.ray_address,
+) -> dict:
+    """Pretrain the critic of run ``run_id`` on version-0 trajectories (of ``data_run_id`` when given)."""
+    settings = RunSettings(run_id=run_id, algorithm=algorithm, lr_policy=lr_policy, seed=seed, workdir=workdir,
+                           lake_root=lake_root, ray_address=ray_address)
+    pretrain = PretrainConfig(num_samples=num_samples, heldout_fraction=heldout_fraction, epochs=epochs,
+                              batch_size=batch_size, target=target, data_run_id=data_run_id)
+    policy_path = warm_start(settings)
+    report = pretrain_task(settings, policy_path, pretrain)
+    rows = [{"figure": "held-out value loss", "before": round(report.loss_before, 5),
+             "after": round(report.loss_after, 5)},
+            {"figure": "explained variance", "before": report.explained_variance_before,
+             "after": report.explained_variance_after}]
+    create_table_artifact(rows, key=artifact_key(run_id, "pretrain-value"),
+                          description=f"value pretraining of run {run_id}: {report.num_train} train / "
+                                      f"{report.num_heldout} held-out trajectories of run {report.data_run_id}, "
+                                      f"{report.optimizer_steps} critic steps")
+    get_run_logger().info("run %s: held-out value loss %.4f -> %.4f in %.0f s", run_id, report.loss_before,
+                          report.loss_after, report.seconds)
+    return {"run_id": run_id, "data_run_id": report.data_run_id, "num_train": report.num_train,
+            "num_heldout": report.num_heldout, "loss_before": report.loss_before, "loss_after": report.loss_after,
+            "explained_variance_before": report.explained_variance_before,
+            "explained_variance_after": report.explained_variance_after, "critic_path": report.critic_path}

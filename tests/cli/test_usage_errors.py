@@ -1,0 +1,85 @@
+"""Bad arguments are usage errors: exit code 2, the reason on one line, no traceback, and nothing started
+(no flow run, no Ray, no server)."""
+
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+import sao.runs_cli
+from sao.cli import app
+from sao.prefect_server import LOOPBACK
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "200"}  # click's error box wraps at the terminal width; the reason is one line
+
+
+@pytest.fixture(autouse=True)
+def no_flow_runs(monkeypatch):
+    """A usage error must stop `sao train` before the flow starts."""
+
+    def refuse(settings):
+        raise AssertionError(f"the flow started despite a usage error: {settings}")
+
+    monkeypatch.setattr(sao.runs_cli, "run_flow", refuse)
+
+
+def usage_error(args: list[str], reason: str) -> str:
+    result = runner.invoke(app, args, env=WIDE)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = [line for line in result.output.splitlines() if reason in line]
+    assert len(lines) == 1, f"expected the reason {reason!r} on one line:\n{result.output}"
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["train", "--run-id", "bad id!"], "--run-id 'bad id!' is not a valid run id"),
+    (["train", "--run-id", "x" * 129], "is not a valid run id"),
+    (["train", "--steps", "-1"], "Invalid value for '--steps'"),
+    (["train", "--batch-size", "0"], "Invalid value for '--batch-size'"),
+])
+def test_bad_train_arguments_exit_2_with_the_reason(args, reason):
+    usage_error(args, reason)
+
+
+def test_an_unknown_algorithm_names_the_known_ones():
+    line = usage_error(["train", "--algorithm", "ppo-sync"], "Invalid value for '--algorithm'")
+    assert "'ppo-sync'" in line and all(name in line for name in ("'sao'", "'grpo'", "'running_mean'"))
+
+
+def test_sql_on_a_missing_lake_says_where_it_looked(tmp_path):
+    line = usage_error(["sql", "--lake", str(tmp_path / "nowhere"), "SELECT 1"], "cannot open the lake at")
+    assert str(tmp_path / "nowhere") in line
+    assert not (tmp_path / "nowhere").exists()  # opening never creates an empty lake
+
+
+def test_sql_refuses_a_statement_that_writes(tmp_path):
+    usage_error(["sql", "--lake", str(tmp_path), "DROP TABLE trajectories"], "DROP")
+
+
+def test_replay_of_an_unknown_run_is_a_usage_error(tmp_path):
+    from sao.lake.store import Lake
+
+    Lake.open(str(tmp_path / "lake"))  # an empty lake: tables, no runs
+    line = usage_error(["replay", "--lake", str(tmp_path / "lake"), "--run", "nobody", "--step", "0"],
+                       "unknown run 'nobody'")
+    assert "policy_versions" in line
+
+
+def test_replay_needs_exactly_one_mode():
+    usage_error(["replay", "--run", "r"], "give exactly one of --step N, --steps N:M or --trajectory ID")
+
+
+def test_ui_on_a_busy_port_is_a_usage_error_and_starts_no_server():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind((LOOPBACK, 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        line = usage_error(["ui", "--port", str(port)], f"port {port} on 127.0.0.1 is already in use")
+    assert "--port N" in line
+
+
+def test_ui_rejects_a_port_out_of_range():
+    usage_error(["ui", "--port", "70000"], "Invalid value for '--port'")

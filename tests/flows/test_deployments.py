@@ -1,0 +1,247 @@
+"""The flows as a user meets them in the Prefect UI: ``sao ui`` starts a local server and serves the
+deployments; a run is started through the API the UI's Run button posts to, and completes with its
+artifacts. ``prefect.yaml`` deploys the same flows to a ``process`` work pool that a worker runs. Ctrl-C
+stops ``sao ui`` and its server.
+
+The fixture runs ``sao ui --port <free port>`` in a temporary folder (its own ``PREFECT_HOME``), waits
+for the server's health check and the three deployments, and stops everything by PID at teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from uuid import UUID
+
+import psutil
+import pytest
+import yaml
+
+from flows.deployments import FLOWS, SERVED_NAME
+from flows.train import artifact_key
+from sao.lake.store import Lake
+from sao.prefect_server import LOOPBACK, free_port, port_in_use, prefect_env
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"steps": 2, "batch_size": 4, "eval_tasks": 4, "num_replicas": 1}
+PREFECT_COMMANDS = {  # what README.md tells a user to run for prefect.yaml (tests/test_readme.py checks)
+    "create_pool": ("work-pool", "create", "sao-local", "--type", "process"),
+    "deploy": ("--no-prompt", "deploy", "--all"),
+    "worker": ("worker", "start", "--pool", "sao-local"),
+}
+
+
+@dataclasses.dataclass
+class UI:
+    """A running ``sao ui``: its process, its server's PID, its folder and log."""
+
+    process: subprocess.Popen
+    port: int
+    root: Path
+    log: Path
+    server_pid: int | None = None
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}/api"
+
+    def env(self) -> dict[str, str]:
+        env = prefect_env(self.api_url, home=self.root / "prefect-home")
+        env.pop("RAY_ADDRESS", None)
+        return env
+
+    def tail(self, path: Path | None = None, lines: int = 40) -> str:
+        text = (path or self.log).read_text(errors="replace") if (path or self.log).exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def call(ui: UI, coroutine_fn, *args):
+    """Run ``coroutine_fn(client, *args)`` with a Prefect client of ``ui``'s server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def main():
+        async with get_client() as client:
+            return await coroutine_fn(client, *args)
+
+    with temporary_settings(updates={PREFECT_API_URL: ui.api_url}):
+        return asyncio.run(main())
+
+
+async def _deployments(client) -> dict[str, dict]:
+    flows = {f.id: f.name for f in await client.read_flows()}
+    return {f"{flows[d.flow_id]}/{d.name}": d.model_dump(mode="json") for d in await client.read_deployments()}
+
+
+async def _run_to_completion(client, name: str, parameters: dict, timeout_s: float):
+    """What the UI's Run button does (``POST /api/deployments/{id}/create_flow_run``), then wait."""
+    deployment = await client.read_deployment_by_name(name)
+    run = await client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = await client.read_flow_run(run.id)
+        if run.state is not None and run.state.is_final():
+            return run
+        await asyncio.sleep(2)
+    return run
+
+
+async def _artifacts(client, flow_run_id: UUID) -> list:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    return await client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+
+def _stop_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ui")
+    port = free_port()
+    log = root / "sao-ui.log"
+    sao = Path(sys.executable).with_name("sao")
+    command = [str(sao)] if sao.exists() else [sys.executable, "-m", "sao.cli"]
+    handle = UI(process=None, port=port, root=root, log=log)  # type: ignore[arg-type]
+    with open(log, "wb") as out:
+        handle.process = subprocess.Popen([*command, "ui", "--port", str(port)], cwd=root, env=handle.env(),
+                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+    try:
+        wanted = {f"{name}/{SERVED_NAME}" for name in FLOWS}
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert handle.process.poll() is None, f"sao ui exited early:\n{handle.tail()}"
+            found = re.search(r"server pid (\d+) is up", log.read_text(errors="replace"))
+            if found:
+                handle.server_pid = int(found.group(1))
+                with contextlib.suppress(Exception):
+                    if wanted <= set(call(handle, _deployments)):
+                        break
+            time.sleep(1)
+        else:
+            pytest.fail(f"sao ui did not serve {sorted(wanted)} within 240 s:\n{handle.tail()}")
+        yield handle
+    finally:
+        if handle.process.poll() is None:
+            handle.process.send_signal(signal.SIGINT)
+            try:
+                handle.process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                _stop_group(handle.process.pid, signal.SIGKILL)
+                handle.process.wait(timeout=30)
+        if _alive(handle.server_pid):
+            _stop_group(handle.server_pid, signal.SIGKILL)
+
+
+def test_sao_ui_listens_on_loopback_only(ui):
+    for pid in (ui.server_pid, ui.process.pid):
+        listening = [c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == "LISTEN"]
+        assert all(address.ip == LOOPBACK for address in listening), (pid, listening)
+    assert any(c.laddr.port == ui.port for c in psutil.Process(ui.server_pid).net_connections(kind="inet"))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_the_run_button_trains_a_tiny_run_to_completion_with_artifacts(ui, policy_dir):
+    # The served run executes in sao ui's folder: relative workdir and lake resolve there.
+    shutil.copytree(policy_dir, ui.root / "runs" / "tiny" / "sft")  # the warm start is reused
+    parameters = {"run_id": "tiny", **TINY, "workdir": "runs", "lake_root": "lake"}
+    started = time.monotonic()
+    run = call(ui, _run_to_completion, f"train/{SERVED_NAME}", parameters, 540)
+    assert run.state.is_completed(), f"{run.state!r} after {time.monotonic() - started:.0f} s:\n{ui.tail()}"
+    artifacts = {a.key: a for a in call(ui, _artifacts, run.id)}
+    assert {artifact_key("tiny", what) for what in ("progress", "metrics", "report")} <= set(artifacts)
+    assert float(artifacts["tiny-progress"].data) == 100.0
+    metrics = artifacts["tiny-metrics"].data
+    rows = json.loads(metrics) if isinstance(metrics, str) else metrics
+    assert "actor/kept_frac" in {row["metric"] for row in rows}
+    report = artifacts["tiny-report"].data
+    assert "held-out accuracy" in report and "learning_curve" in report
+    lake = Lake.open(str(ui.root / "lake"), create=False)
+    assert lake.read("train_steps", predicate="run_id = 'tiny'").num_rows == 2
+    # The form the UI renders comes from the deployment's parameter schema.
+    schema = json.dumps(call(ui, _deployments)[f"train/{SERVED_NAME}"]["parameter_openapi_schema"])
+    assert all(f'"{name}"' in schema for name in ("run_id", "steps", "algorithm", "lake_root", "ray_address"))
+    assert '"grpo_dis"' in schema  # the algorithm is a choice, not free text
+
+
+def _prefect(ui: UI, *args: str, cwd: Path = REPO) -> str:
+    done = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=cwd, env=ui.env(), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.mark.timeout(600)
+def test_prefect_yaml_deploys_the_same_flows_and_a_process_worker_runs_them(ui, policy_dir):
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    entrypoints = {d["entrypoint"].replace("/", ".").replace(".py:", ":") for d in spec["deployments"]}
+    assert entrypoints == set(FLOWS.values()), "prefect.yaml and flows/deployments.py list different flows"
+    _prefect(ui, *PREFECT_COMMANDS["create_pool"])
+    _prefect(ui, *PREFECT_COMMANDS["deploy"])
+    deployments = call(ui, _deployments)
+    for name in FLOWS:
+        deployed = deployments[f"{name}/sao-local"]
+        assert deployed["work_pool_name"] == "sao-local"
+        assert deployed["parameter_openapi_schema"] == deployments[f"{name}/{SERVED_NAME}"]["parameter_openapi_schema"]
+    # A process worker picks up a run of the evaluate deployment (no Ray: a few seconds of work).
+    shutil.copytree(policy_dir, ui.root / "worker-runs" / "tiny-eval" / "sft")
+    worker_log = ui.root / "worker.log"
+    with open(worker_log, "wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "prefect", *PREFECT_COMMANDS["worker"]],
+                                  cwd=ui.root, env=ui.env(), stdin=subprocess.DEVNULL, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        parameters = {"run_id": "tiny-eval", "version": 0, "eval_tasks": 4, "workdir": str(ui.root / "worker-runs")}
+        run = call(ui, _run_to_completion, "evaluate/sao-local", parameters, 300)
+        assert run.state.is_completed(), f"{run.state!r}:\n{ui.tail(worker_log)}"
+        (table,) = [a for a in call(ui, _artifacts, run.id) if a.key == artifact_key("tiny-eval", "eval-v0")]
+        rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+        assert rows[0]["version"] == 0 and rows[0]["tasks"] == 4 and 0.0 <= rows[0]["accuracy"] <= 1.0
+    finally:
+        for _ in range(2):  # a process worker exits on the second SIGTERM
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    worker.wait(timeout=20)
+        if worker.poll() is None:
+            _stop_group(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
+
+
+def test_ctrl_c_stops_the_runner_and_the_server_by_pid(ui):
+    """Last in this module: the fixture's ``sao ui`` is stopped here."""
+    assert _alive(ui.server_pid) and port_in_use(ui.port)
+    ui.process.send_signal(signal.SIGINT)
+    assert ui.process.wait(timeout=90) == 0, ui.tail()
+    deadline = time.monotonic() + 30
+    while _alive(ui.server_pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(ui.server_pid), "the Prefect server outlived sao ui"
+    assert not port_in_use(ui.port)
+    assert "sao ui: stopped." in ui.log.read_text()

@@ -1,0 +1,155 @@
+"""Every command in README.md's fenced ``sh`` / ``bash`` blocks is exercised, so a README command that
+stops working fails here.
+
+- ``sao sql``, ``sao replay``, ``sao lake``: run as written, in a folder holding a tiny finished run
+  ``demo`` at ``./lake`` (what ``make demo`` leaves behind, in small).
+- ``sao train``: run as written with the flow replaced by a recorder: the options must parse and reach
+  the run's settings (``--lake s3://...``, ``--ray-address``), without a cluster.
+- ``export NAME=VALUE``: applied to the environment of the block's later commands.
+- ``make TARGET``: ``make -n TARGET`` must run the ``sao`` command below it, and that command has a
+  named test (:data:`COVERED_BY`), which must exist.
+- ``sao ui``: its arguments must parse; the command itself is tested by :data:`COVERED_BY`.
+- ``prefect ...``: must be one of the commands ``tests/flows/test_deployments.py`` runs.
+
+Anything else fails: a new kind of README command needs a way to be tested here.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+import sao.runs_cli
+from sao.cli import app
+from sao.lake.store import Lake
+from sao.train.loop import prepare_run, run_training
+from tests.flows.test_deployments import PREFECT_COMMANDS
+from tests.train.test_loop import make_config, roll_out
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+runner = CliRunner()
+
+MAKE_RUNS = {"demo": "sao demo", "ui": "sao ui", "test": "pytest"}
+"""What ``make -n TARGET`` must show for each target the README names."""
+
+COVERED_BY = {
+    "sao ui": "tests/flows/test_deployments.py::test_the_run_button_trains_a_tiny_run_to_completion_with_artifacts",
+    "sao demo": "tests/flows/test_train_flow.py::test_train_flow_runs_a_tiny_run_and_reports",
+    "pytest": ".ci/run",  # `make test` is what CI runs
+}
+"""The test that exercises a command too long or too global to run from here."""
+
+
+def readme_blocks() -> list[list[list[str]]]:
+    """The fenced sh/bash blocks of README.md, each a list of commands (argv lists)."""
+    blocks = re.findall(r"^```(?:sh|bash|shell)\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    return [[argv for line in block.splitlines() if (argv := shlex.split(line, comments=True))] for block in blocks]
+
+
+def _covered(command: str) -> None:
+    target = COVERED_BY[command]
+    path, _, name = target.partition("::")
+    assert (REPO / path).exists(), f"{command}: {path} is gone"
+    text = (REPO / path).read_text()
+    assert (f"def {name}(" in text) if name else ("make test" in text), f"{command}: {target} is gone"
+
+
+def _make(argv: list[str]) -> None:
+    (target,) = argv[1:]
+    assert target in MAKE_RUNS, f"README runs `make {target}`: say in MAKE_RUNS what it must run"
+    dry = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert MAKE_RUNS[target] in dry.stdout, f"make {target} no longer runs {MAKE_RUNS[target]}:\n{dry.stdout}"
+    _covered(MAKE_RUNS[target])
+
+
+def _sao(argv: list[str], recorded: list) -> None:
+    command = argv[1]
+    if command in ("sql", "replay", "lake"):
+        result = runner.invoke(app, argv[1:], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, f"{shlex.join(argv)} exited {result.exit_code}:\n{result.output}"
+        assert result.output.strip()
+        if command == "replay":
+            assert '"ok": true' in result.output or ": match" in result.output, result.output
+    elif command == "train":
+        result = runner.invoke(app, argv[1:])
+        assert result.exit_code == 0, result.output
+        settings = recorded[-1]
+        options = dict(zip(argv[2::2], argv[3::2], strict=False))
+        assert settings.run_id == options.get("--run-id", settings.run_id)
+        assert settings.lake_root == options.get("--lake", settings.lake_root)
+        assert settings.ray_address == options.get("--ray-address")
+        assert settings.workdir == options.get("--workdir", settings.workdir)
+    elif command == "ui":
+        get_command(app).commands["ui"].make_context("ui", list(argv[2:]))  # the options parse
+        _covered("sao ui")
+    else:
+        pytest.fail(f"README runs `{shlex.join(argv)}`: add a way to test `sao {command}` to tests/test_readme.py")
+
+
+def run_block(block: list[list[str]], monkeypatch, recorded: list) -> None:
+    for argv in block:
+        if argv[0] == "export":
+            for assignment in argv[1:]:
+                name, _, value = assignment.partition("=")
+                monkeypatch.setenv(name, value)
+        elif argv[0] == "make":
+            _make(argv)
+        elif argv[0] == "sao":
+            _sao(argv, recorded)
+        elif argv[0] == "prefect":
+            assert tuple(argv[1:]) in PREFECT_COMMANDS.values(), (
+                f"README runs `{shlex.join(argv)}`, which tests/flows/test_deployments.py does not")
+        else:
+            pytest.fail(f"README command `{shlex.join(argv)}` is not exercised by any test")
+
+
+@pytest.fixture(scope="module")
+def demo_folder(tmp_path_factory, policy_dir, tokenizer):
+    """A folder with ``./lake`` holding run ``demo``: two committed steps on eight real trajectories."""
+    root = tmp_path_factory.mktemp("readme")
+    cfg = make_config(root, policy_dir, run_id="demo", total_steps=2)
+    prepare_run(cfg)
+    roll_out(policy_dir, tokenizer, Lake.open(cfg.lake), cfg.run_id, 8)
+    run_training(cfg)
+    return root
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """``sao train`` records its settings instead of running the flow."""
+    calls = []
+
+    def record(settings):
+        calls.append(settings)
+        return {"summary": "(recorded)", "accuracy_before": 0.0, "accuracy_after": 0.0, "version": settings.steps}
+
+    monkeypatch.setattr(sao.runs_cli, "run_flow", record)
+    return calls
+
+
+BLOCKS = readme_blocks()
+
+
+def test_the_readme_has_the_sections_and_commands_the_issue_asks_for():
+    commands = [shlex.join(argv) for block in BLOCKS for argv in block]
+    assert commands[:2] == ["make demo", "make test"]  # the two commands first
+    assert "make ui" in commands
+    assert sum(c.startswith("sao sql ") for c in commands) >= 3
+    assert any(c.startswith("sao replay ") for c in commands)
+    assert any("--ray-address" in c and "s3://" in c for c in commands)
+    assert any(c.startswith("export PREFECT_API_URL=") for c in commands)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", BLOCKS, ids=[shlex.join(b[0])[:40] for b in BLOCKS])
+def test_readme_block(block, demo_folder, monkeypatch, recorded):
+    monkeypatch.chdir(demo_folder)
+    run_block(block, monkeypatch, recorded)
