@@ -24,8 +24,6 @@ import concurrent.futures
 import datetime as dt
 import json
 import multiprocessing
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -37,6 +35,7 @@ import deltalake
 import numpy as np
 import pyarrow as pa
 
+from benchmarks._report import machine
 from sao.lake import (
     Lake,
     LakeConfig,
@@ -296,25 +295,6 @@ def bench_query(
     return results
 
 
-def _machine() -> dict[str, Any]:
-    memory_gib = None
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemTotal:"):
-                    memory_gib = round(int(line.split()[1]) / 1024**2, 1)
-    except OSError:
-        pass
-    return {
-        "cpus": os.cpu_count(),
-        "memory_gib": memory_gib,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "deltalake": deltalake.__version__,
-        "pyarrow": pa.__version__,
-    }
-
-
 def _markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
@@ -432,7 +412,7 @@ def main(argv: list[str]) -> int:
     result = {
         "command": "sao bench lake" + (" " + " ".join(argv) if argv else ""),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine(),
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "ingest": ingest,
