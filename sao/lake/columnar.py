@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from sao.lake.records import TrajectoryRecord
+from sao.lake.records import STRING_FIELDS, TrajectoryRecord
 from schemas.trajectories import RECORD_SCHEMA
 
 __all__ = ["records_to_arrow", "records_to_arrow_reference"]
@@ -28,17 +28,7 @@ def records_to_arrow_reference(records: Sequence[TrajectoryRecord]) -> pa.Table:
 def records_to_arrow(records: Sequence[TrajectoryRecord]) -> pa.Table:
     """``records`` as a table of ``schemas.trajectories.RECORD_SCHEMA`` (one chunk)."""
     columns: dict[str, pa.Array] = {}
-    for name in (
-        "trajectory_id",
-        "run_id",
-        "task_id",
-        "env_name",
-        "tokenizer_version",
-        "chat_template_version",
-        "engine_name",
-        "engine_version",
-        "worker_id",
-    ):
+    for name in STRING_FIELDS:
         columns[name] = pa.array([getattr(r, name) for r in records], pa.string())
     columns["logprob_kind"] = pa.array([str(r.logprob_kind) for r in records], pa.string())
     columns["termination_reason"] = pa.array(

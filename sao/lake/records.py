@@ -122,6 +122,20 @@ class Timings:
         }
 
 
+# Plain string columns of a trajectory record (identity and provenance), in schema order.
+STRING_FIELDS = (
+    "trajectory_id",
+    "run_id",
+    "task_id",
+    "env_name",
+    "tokenizer_version",
+    "chat_template_version",
+    "engine_name",
+    "engine_version",
+    "worker_id",
+)
+
+
 @dataclass(frozen=True, eq=False)
 class TrajectoryRecord:
     """One finished trajectory, as a rollout worker hands it to the lake.
@@ -167,19 +181,7 @@ class TrajectoryRecord:
     token_rewards: npt.NDArray[np.float32] | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "trajectory_id",
-            "run_id",
-            "task_id",
-            "env_name",
-            "tokenizer_version",
-            "chat_template_version",
-            "engine_name",
-            "engine_version",
-            "worker_id",
-            "logprob_kind",
-            "termination_reason",
-        ):
+        for name in (*STRING_FIELDS, "logprob_kind", "termination_reason"):
             if not isinstance(getattr(self, name), str):
                 raise RecordTypeError(
                     name, f"needs a str, got {type(getattr(self, name)).__name__}"
