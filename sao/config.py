@@ -67,8 +67,8 @@ class RunSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
         object.__setattr__(self, "bootstrap_reasons", tuple(self.bootstrap_reasons))
-        for name in ("steps", "batch_size", "num_replicas", "trainer_workers", "max_in_flight", "eval_tasks"):
-            if getattr(self, name) < 1 and name != "steps":
+        for name in ("batch_size", "num_replicas", "trainer_workers", "max_in_flight", "eval_tasks"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
