@@ -10,12 +10,14 @@ folder, run files under ``./runs/<run_id>``.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from sao.lake.config import LakeConfig
 from sao.rollout.agent import AgentConfig
 from sao.runtime import RayConfig
 from sao.train.config import Algorithm, UpdateConfig
+from schemas.trajectories import RUN_ID_PATTERN
 
 __all__ = ["RunSettings"]
 
@@ -65,6 +67,9 @@ class RunSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or re.fullmatch(RUN_ID_PATTERN, self.run_id) is None:
+            # It names a folder under workdir (and a partition): '../x' or '/x' would leave both.
+            raise ValueError(f"run_id {self.run_id!r} is not a valid run id: it must match {RUN_ID_PATTERN}")
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
         object.__setattr__(self, "bootstrap_reasons", tuple(self.bootstrap_reasons))
         for name in ("batch_size", "num_replicas", "trainer_workers", "max_in_flight", "eval_tasks"):

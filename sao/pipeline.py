@@ -26,7 +26,8 @@ from pathlib import Path
 
 from sao.envs.base import Task
 from sao.lake.config import WriterConfig
-from sao.lake.store import Lake
+from sao.lake.issued import IssueLog
+from sao.lake.store import Lake, sql_literal
 from sao.lake.writer import TrajectoryWriter
 from sao.rollout.agent import AgentConfig
 from sao.rollout.driver import DriverConfig, DriverStats, RolloutDriver
@@ -130,11 +131,12 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         return max(version, await broker.latest_version.remote())
 
     writer = TrajectoryWriter(lake, cfg.writer, writer_id=f"{train.run_id}-driver")
+    issue_log = IssueLog(lake, cfg.writer, issuer_id=f"{train.run_id}-driver")
     driver = RolloutDriver(
         handle, writer, train.run_id,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
                      max_staleness=train.max_staleness, seed=cfg.seed + version),
-        trainer_version=trainer_version, initial_version=version, on_record=on_record,
+        trainer_version=trainer_version, initial_version=version, on_record=on_record, issue_log=issue_log,
     )
     stop_rollouts = threading.Event()
     driver_result: dict[str, object] = {}
@@ -178,6 +180,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         if watcher is not None:
             watcher.close()
         thread.join(timeout=max(cfg.agent.timeout_s * 2, 60.0))
+        issue_log.flush()
         writer.close()
         serve.delete(cfg.app_name)
     if "error" in driver_result:
@@ -200,7 +203,8 @@ class _StepWatcher:
         self._thread.start()
 
     def _poll(self) -> None:
-        rows = self._lake.read("train_steps", predicate=f"run_id = '{self._run_id}' AND step >= {self._next}")
+        predicate = f"run_id = {sql_literal(self._run_id)} AND step >= {self._next}"
+        rows = self._lake.read("train_steps", predicate=predicate)
         for row in sorted(rows.to_pylist(), key=lambda r: r["step"]):
             self._on_step(StepReport(row["step"], row["policy_version_after"], row["trajectories_version"],
                                      tuple(row["trajectory_ids"]), dict(row["metrics"])))

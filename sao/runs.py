@@ -19,7 +19,7 @@ from sao.config import RunSettings
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
-from sao.lake.store import Lake
+from sao.lake.store import Lake, sql_literal
 from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
 from sao.train.checkpoint import checkpoint_dir
 from sao.train.loop import StepReport, TrainConfig
@@ -117,7 +117,7 @@ def summarize(settings: RunSettings, evaluations: list[Evaluation]) -> tuple[lis
     lake = Lake.open(settings.lake())
     plots = plot_run(lake, settings.run_id, settings.plots_dir, [(e.version, e.accuracy) for e in evaluations])
     counts = lake.read("trajectories", columns=["termination_reason"],
-                       predicate=f"run_id = '{settings.run_id}'").column(0).to_pylist()
+                       predicate=f"run_id = {sql_literal(settings.run_id)}").column(0).to_pylist()
     lines = [f"# Run `{settings.run_id}` ({settings.algorithm.value})", "",
              "| policy version | held-out accuracy (T=1) |", "|---:|---:|"]
     lines += [f"| {e.version} | {e.accuracy:.3f} ± {e.stderr:.3f} ({e.num_tasks} tasks) |" for e in evaluations]

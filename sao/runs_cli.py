@@ -72,7 +72,10 @@ def train(
 ) -> None:
     """Train with SAO (or a baseline): warm start, asynchronous rollouts into the lake, Ray Train updates."""
     from sao.cli import fail
+    from sao.lake.store import is_valid_run_id
 
+    if not is_valid_run_id(run_id):
+        raise fail(f"--run-id {run_id!r} is not a valid run id (letters, digits, '.', '_', '-'; at most 128)")
     try:
         settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
                                max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
@@ -80,10 +83,6 @@ def train(
                                lake_root=lake, ray_address=ray_address, seed=seed)
     except ValueError as error:
         raise fail(str(error)) from None
-    from sao.lake.store import is_valid_run_id
-
-    if not is_valid_run_id(run_id):
-        raise fail(f"--run-id {run_id!r} is not a valid run id (letters, digits, '.', '_', '-'; at most 128)")
     started = time.monotonic()
     result = run_flow(settings)
     _print_summary(result, settings, time.monotonic() - started)

@@ -7,7 +7,7 @@ to its :class:`TableSpec`.
 
 from __future__ import annotations
 
-from schemas import policy_versions, quarantine, train_steps, trajectories
+from schemas import policy_versions, quarantine, rollout_tasks, train_steps, trajectories
 from schemas._spec import TIMESTAMP, TableSpec, doc_field, field_doc, list_of, plain
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "plain",
     "policy_versions",
     "quarantine",
+    "rollout_tasks",
     "table_spec",
     "train_steps",
     "trajectories",
@@ -27,7 +28,13 @@ __all__ = [
 
 TABLES: dict[str, TableSpec] = {
     spec.name: spec
-    for spec in (trajectories.SPEC, quarantine.SPEC, policy_versions.SPEC, train_steps.SPEC)
+    for spec in (
+        trajectories.SPEC,
+        quarantine.SPEC,
+        policy_versions.SPEC,
+        train_steps.SPEC,
+        rollout_tasks.SPEC,
+    )
 }
 
 

@@ -6,7 +6,8 @@ quarantined twice.
 
 ``payload_json`` holds the record as JSON exactly as it was delivered (``TrajectoryRecord.to_row()``
 form); non-finite floats, which JSON cannot hold, are written as the strings ``"NaN"``, ``"Infinity"``
-and ``"-Infinity"``, and timestamps as ISO 8601 strings.
+and ``"-Infinity"``, and timestamps as ISO 8601 strings. An oversized payload's JSON is cut at
+``sao.lake.config.SizeLimits.max_quarantine_payload_bytes`` and ends with ``...[truncated: N bytes]``.
 """
 
 from __future__ import annotations

@@ -9,13 +9,25 @@ Public API (what the rollout and trainer code use):
   :func:`record_train_step`) records the step in ``train_steps``, which marks its rows consumed.
 - :func:`register_policy_version`, :func:`newest_policy_version`: the checkpoint registry.
 - :func:`read_trajectories`, :func:`read_step_trajectories`: pinned snapshots and replay input.
+- :class:`IssueLog`: the driver's record of every launched rollout (``rollout_tasks``).
+- :func:`check_run` (``sao lake check``): reconcile a run, every issued, stored, consumed and
+  registered item accounted for.
 - :func:`run_sql`: read-only SQL; :func:`compact`, :func:`vacuum`: maintenance.
 """
 
 from __future__ import annotations
 
+from sao.lake.check import (
+    CheckReport,
+    Finding,
+    FindingKind,
+    StaleBacklog,
+    UnknownRunError,
+    check_run,
+)
 from sao.lake.commit import CommitConflictError, CommitResult
 from sao.lake.config import CommitConfig, LakeConfig, MaintenanceConfig, WriterConfig
+from sao.lake.issued import IssuedRollout, IssueLog
 from sao.lake.ledger import (
     ConsumptionError,
     LedgerError,
@@ -50,12 +62,17 @@ from sao.lake.writer import FlushReport, TrajectoryWriter, WriterClosedError, Wr
 from schemas.trajectories import LogprobKind, SegmentKind, TerminationReason
 
 __all__ = [
+    "CheckReport",
     "CommitConfig",
     "CommitConflictError",
     "CommitResult",
     "CompactReport",
     "ConsumptionError",
+    "Finding",
+    "FindingKind",
     "FlushReport",
+    "IssueLog",
+    "IssuedRollout",
     "Lake",
     "LakeConfig",
     "LakeError",
@@ -73,17 +90,20 @@ __all__ = [
     "SchemaMismatchError",
     "Segment",
     "SegmentKind",
+    "StaleBacklog",
     "TerminationReason",
     "Timings",
     "TrainStepRecord",
     "TrajectoryReader",
     "TrajectoryRecord",
     "TrajectoryWriter",
+    "UnknownRunError",
     "VacuumReport",
     "Violation",
     "WriterClosedError",
     "WriterConfig",
     "WriterStats",
+    "check_run",
     "compact",
     "consumed_ids",
     "newest_policy_version",

@@ -21,7 +21,8 @@ DEFAULT_RETENTION_HOURS = MaintenanceConfig().retention_hours
 
 lake_app = typer.Typer(
     name="lake",
-    help="Inspect and maintain the Delta lake (tables, versions, counts, examples, compact, vacuum).",
+    help="Inspect, check and maintain the Delta lake (tables, versions, counts, examples, check, "
+    "compact, vacuum).",
     no_args_is_help=True,
 )
 
@@ -82,7 +83,8 @@ def sql(
     ] = None,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Rows to print.")] = 50,
 ) -> None:
-    """Run read-only SQL over the lake's tables: trajectories, quarantine, policy_versions, train_steps."""
+    """Run read-only SQL over the lake's tables: trajectories, quarantine, policy_versions, train_steps,
+    rollout_tasks."""
     from sao.cli import fail
     from sao.lake.sql import ReadOnlyQueryError, check_read_only, run_sql, write_result
     from sao.lake.store import LakeError
@@ -251,3 +253,42 @@ def vacuum(
     for report in reports:
         kept = f", kept versions {list(report.kept_versions)}" if report.kept_versions else ""
         typer.echo(f"{report.table}: {verb} {len(report.removed)} files{kept}")
+
+
+@lake_app.command("check")
+def check(
+    run: Annotated[str, typer.Option("--run", help="Run id to reconcile.")],
+    lake: LakeOption = DEFAULT_ROOT,
+    storage_option: StorageOption = None,
+    max_staleness: Annotated[
+        int | None,
+        typer.Option(
+            "--max-staleness",
+            min=0,
+            help="Staleness bound to check (default: the run's stored run_config.json).",
+        ),
+    ] = None,
+    checkpoints: Annotated[
+        bool,
+        typer.Option(
+            "--checkpoints/--no-checkpoints",
+            help="Load every registered checkpoint and compare its weights hash.",
+        ),
+    ] = True,
+) -> None:
+    """Account for every rollout the run issued, every stored and consumed trajectory and every
+    checkpoint; exit 1 with the findings listed when something was lost, doubled or misused."""
+    from sao.cli import fail
+    from sao.lake.check import UnknownRunError, check_run
+
+    opened = _open(lake, storage_option)
+    try:
+        report = check_run(
+            opened, run, max_staleness=max_staleness, verify_checkpoints=checkpoints
+        )
+    except (ValueError, UnknownRunError) as error:
+        raise fail(str(error)) from None
+    for line in report.lines():
+        typer.echo(line)
+    if not report.ok:
+        raise typer.Exit(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["CommitConfig", "LakeConfig", "MaintenanceConfig", "WriterConfig"]
+__all__ = ["CommitConfig", "LakeConfig", "MaintenanceConfig", "SizeLimits", "WriterConfig"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,31 @@ class CommitConfig:
 
 
 @dataclass(frozen=True)
+class SizeLimits:
+    """The largest trajectory the writer stores; a bigger one is quarantined (rule
+    ``payload_too_large``), so one runaway producer cannot bloat the table or the trainer's batches.
+
+    Attributes:
+        max_tokens: most entries in ``prompt_ids`` and in ``completion_ids`` (the other token lists
+            must match ``completion_ids``).
+        max_segments: most segments.
+        max_string_bytes: most UTF-8 bytes in each string field (ids, names, versions).
+        max_quarantine_payload_bytes: the quarantine keeps at most this much of a rejected payload's
+            JSON; a longer one is cut there and marked (``...[truncated: N bytes]``).
+    """
+
+    max_tokens: int = 1 << 20
+    max_segments: int = 1 << 16
+    max_string_bytes: int = 4096
+    max_quarantine_payload_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_segments", "max_string_bytes", "max_quarantine_payload_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SizeLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class WriterConfig:
     """The trajectory writer's batching.
 
@@ -61,12 +86,14 @@ class WriterConfig:
             rollouts still lands; checked on every ``add`` and by a background timer.
         background_flush: run the timer thread that enforces ``flush_seconds`` between ``add`` calls.
         commit: retry policy when another writer commits first.
+        limits: the largest record stored (bigger ones are quarantined).
     """
 
     flush_rows: int = 1024
     flush_seconds: float = 2.0
     background_flush: bool = True
     commit: CommitConfig = field(default_factory=CommitConfig)
+    limits: SizeLimits = field(default_factory=SizeLimits)
 
     def __post_init__(self) -> None:
         if self.flush_rows < 1:

@@ -1,7 +1,8 @@
 """Read-only SQL over the lake, through DataFusion (``deltalake.QueryBuilder``).
 
 All tables of :data:`schemas.TABLES` are registered under their names (``trajectories``,
-``quarantine``, ``policy_versions``, ``train_steps``), at their latest versions or at pinned ones.
+``quarantine``, ``policy_versions``, ``train_steps``, ``rollout_tasks``), at their latest versions or at
+pinned ones.
 
 Read-only is enforced before the query reaches the engine, because DataFusion would happily run
 ``COPY (...) TO 'file'`` or ``CREATE VIEW``: the query must be one statement (a trailing ``;`` is fine)

@@ -35,6 +35,10 @@ __all__ = [
     "sql_literal",
 ]
 
+ADDED_TABLES = frozenset({"rollout_tasks"})
+"""Tables a later sao added: opening an existing lake without them creates them, even when the caller
+asked not to create a lake (as opening an older table adds the nullable columns a newer schema has)."""
+
 TABLE_CONFIGURATION: dict[str, str | None] = {
     # Keep every commit file: replay reads old versions, which needs their log entries.
     "delta.enableExpiredLogCleanup": "false",
@@ -92,7 +96,7 @@ class Lake:
             raise TypeError("pass storage_options inside LakeConfig, not both")
         lake = cls(config.root, config.storage_options)
         for spec in TABLES.values():
-            lake._ensure_table(spec, create=create)
+            lake._ensure_table(spec, create=create or spec.name in ADDED_TABLES)
         return lake
 
     @property

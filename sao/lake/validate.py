@@ -31,6 +31,8 @@ Rules (``Rule`` value: what must hold):
     num_turns_negative: num_turns >= 0.
     sampling_invalid: temperature >= 0, 0 < top_p <= 1, top_k null or >= 1, max_tokens >= 1.
     timings_invalid: generation_s and tool_s finite and >= 0; created_at <= started_at <= finished_at.
+    payload_too_large: within :class:`sao.lake.config.SizeLimits` (tokens per list, segments, bytes
+        per string field); reported once, for the first field over its limit.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sao.lake.records import TrajectoryRecord
+from sao.lake.config import SizeLimits
+from sao.lake.records import STRING_FIELDS, TrajectoryRecord
 from schemas.trajectories import RUN_ID_PATTERN, LogprobKind, SegmentKind, TerminationReason
 
 __all__ = ["NO_VERSION", "Rule", "Violation", "validate_record", "validate_table"]
@@ -80,6 +83,7 @@ class Rule(enum.StrEnum):
     NUM_TURNS_NEGATIVE = "num_turns_negative"
     SAMPLING_INVALID = "sampling_invalid"
     TIMINGS_INVALID = "timings_invalid"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
     TYPE = "type"  # the record could not be read as a TrajectoryRecord (wrong type, missing field)
 
 
@@ -117,14 +121,38 @@ class Violation:
 
 
 def validate_record(
-    record: TrajectoryRecord, newest_version: int | None, row: int = 0
+    record: TrajectoryRecord,
+    newest_version: int | None,
+    row: int = 0,
+    limits: SizeLimits | None = None,
 ) -> list[Violation]:
     """Every rule on one record (slow reference). ``newest_version``: newest registered version of the
-    record's run, None when none is registered."""
+    record's run, None when none is registered; ``limits``: the size limits (defaults when None)."""
     r = record.to_row()
     newest = NO_VERSION if newest_version is None else newest_version
     found = [Violation(row, rule, f, p, m) for rule, f, p, m in _reference_checks(r, newest)]
+    problem = _reference_size(r, limits or SizeLimits())
+    if problem is not None:
+        found.append(Violation(row, Rule.PAYLOAD_TOO_LARGE, problem[0], None, problem[1]))
     return sorted(found, key=Violation.sort_key)
+
+
+def _reference_size(r: dict[str, Any], limits: SizeLimits) -> tuple[str, str] | None:
+    for name in STRING_FIELDS:
+        size = len(r[name].encode("utf-8", errors="surrogatepass"))
+        if size > limits.max_string_bytes:
+            return name, _size_message(name, size, "bytes", limits.max_string_bytes, "max_string_bytes")
+    for name in ("prompt_ids", "completion_ids"):
+        if len(r[name]) > limits.max_tokens:
+            return name, _size_message(name, len(r[name]), "tokens", limits.max_tokens, "max_tokens")
+    if len(r["segments"]) > limits.max_segments:
+        count = len(r["segments"])
+        return "segments", _size_message("segments", count, "entries", limits.max_segments, "max_segments")
+    return None
+
+
+def _size_message(name: str, size: int, unit: str, limit: int, attribute: str) -> str:
+    return f"{name} has {size} {unit}, over the limit of {limit} (SizeLimits.{attribute})"
 
 
 def _reference_checks(
@@ -406,13 +434,16 @@ def _numpy(column: pa.ChunkedArray | pa.Array, fill: Any = None) -> np.ndarray:
     return array.to_numpy(zero_copy_only=False)
 
 
-def validate_table(table: pa.Table, newest_versions: npt.ArrayLike) -> list[Violation]:
+def validate_table(
+    table: pa.Table, newest_versions: npt.ArrayLike, limits: SizeLimits | None = None
+) -> list[Violation]:
     """Every rule on a batch of ``schemas.trajectories.RECORD_SCHEMA`` rows (fast path).
 
     Args:
         table: the batch (``sao.lake.columnar.records_to_arrow``).
         newest_versions: (rows,) int64, the newest registered policy version of each row's run, or
             :data:`NO_VERSION`.
+        limits: the size limits (defaults when None).
 
     Returns:
         Violations sorted by row, then rule order; rows without one are valid.
@@ -420,7 +451,7 @@ def validate_table(table: pa.Table, newest_versions: npt.ArrayLike) -> list[Viol
     newest = np.asarray(newest_versions, dtype=np.int64)
     if newest.shape != (table.num_rows,):
         raise ValueError(f"newest_versions has shape {newest.shape}, expected ({table.num_rows},)")
-    ctx = _Batch(table, newest)
+    ctx = _Batch(table, newest, limits or SizeLimits())
     found = [v for check in _CHECKS for v in check(ctx)]
     return sorted(found, key=Violation.sort_key)
 
@@ -428,8 +459,9 @@ def validate_table(table: pa.Table, newest_versions: npt.ArrayLike) -> list[Viol
 class _Batch:
     """Columns of one batch as numpy, shared by the checks."""
 
-    def __init__(self, table: pa.Table, newest: np.ndarray) -> None:
+    def __init__(self, table: pa.Table, newest: np.ndarray, limits: SizeLimits) -> None:
         self.table = table
+        self.limits = limits
         self.rows = table.num_rows
         self.newest = newest
         self.completion = _Lists.of(table["completion_ids"])
@@ -732,6 +764,29 @@ def _first_scalar_problem(
         reported |= bad
 
 
+def _check_size(b: _Batch) -> Iterator[Violation]:
+    limits = b.limits
+    checks: list[tuple[np.ndarray, Callable[[int], tuple[str, str]]]] = []
+    for name in STRING_FIELDS:
+        size = _numpy(pc.binary_length(b.table[name].cast(pa.binary())))
+        checks.append((size > limits.max_string_bytes, _size_problem(name, size, "bytes",
+                        limits.max_string_bytes, "max_string_bytes")))  # fmt: skip
+    prompt = _numpy(pc.list_value_length(b.table["prompt_ids"]).fill_null(0))
+    for name, lengths in (("prompt_ids", prompt), ("completion_ids", b.n)):
+        checks.append((lengths > limits.max_tokens, _size_problem(name, lengths, "tokens",
+                       limits.max_tokens, "max_tokens")))  # fmt: skip
+    counts = b.seg.lengths
+    checks.append((counts > limits.max_segments, _size_problem("segments", counts, "entries",
+                   limits.max_segments, "max_segments")))  # fmt: skip
+    yield from _first_scalar_problem(b.rows, Rule.PAYLOAD_TOO_LARGE, checks)
+
+
+def _size_problem(
+    name: str, sizes: np.ndarray, unit: str, limit: int, attribute: str
+) -> Callable[[int], tuple[str, str]]:
+    return lambda r: (name, _size_message(name, int(sizes[r]), unit, limit, attribute))
+
+
 _CHECKS: tuple[Callable[[_Batch], Iterator[Violation]], ...] = (
     _check_scalars,
     _check_lengths,
@@ -742,4 +797,5 @@ _CHECKS: tuple[Callable[[_Batch], Iterator[Violation]], ...] = (
     _check_rewards,
     _check_sampling,
     _check_timings,
+    _check_size,
 )

@@ -333,7 +333,7 @@ class TrajectoryWriter:
         for run_id in stale:  # at most one read of policy_versions per run and flush
             self._refresh_newest_version(run_id)
         newest = np.array([self._newest_versions[r] for r in run_ids], dtype=np.int64)
-        return validate_table(table, newest)
+        return validate_table(table, newest, self.config.limits)
 
     def _refresh_newest_version(self, run_id: str) -> None:
         newest = newest_policy_version(self.lake, run_id) if is_valid_run_id(run_id) else None
@@ -356,8 +356,9 @@ class TrajectoryWriter:
             )
             by_position.setdefault(position, []).append(moved)
         now = utc_now()
+        cap = self.config.limits.max_quarantine_payload_bytes
         rows = [
-            _quarantine_row(batch[position].payload, position, found, self.writer_id, now)
+            _quarantine_row(batch[position].payload, position, found, self.writer_id, now, cap)
             for position, found in sorted(by_position.items())
         ]
         table = pa.Table.from_pylist(rows, schema=quarantine.SCHEMA)
@@ -474,9 +475,13 @@ def _quarantine_row(
     violations: list[Violation],
     writer_id: str,
     now: dt.datetime,
+    max_payload_bytes: int,
 ) -> dict[str, Any]:
     row = payload.to_row() if isinstance(payload, TrajectoryRecord) else payload
     first = violations[0]
+    payload_json = json.dumps(json_safe(row), allow_nan=False)
+    if len(payload_json) > max_payload_bytes:  # an oversized payload: keep its head, say how big
+        payload_json = f"{payload_json[:max_payload_bytes]}...[truncated: {len(payload_json)} bytes]"
     return {
         "quarantine_id": uuid.uuid4().hex,
         "table_name": trajectories.NAME,
@@ -491,7 +496,7 @@ def _quarantine_row(
             {"reason": str(v.rule), "field": v.field, "position": v.position, "message": v.message}
             for v in violations
         ],
-        "payload_json": json.dumps(json_safe(row), allow_nan=False),
+        "payload_json": payload_json,
         "writer_id": writer_id,
         "quarantined_at": now,
         "schema_version": quarantine.SCHEMA_VERSION,

@@ -10,6 +10,10 @@ Every launched task ends in exactly one record handed to the sink (the agent loo
 ``error`` / ``cancelled`` records); a replica that dies mid-rollout surfaces as an exception from the
 handle, which the driver records as an ``error`` trajectory and, if ``retry_failed``, relaunches the
 task under a new trajectory id.
+
+With an ``issue_log`` (:class:`sao.lake.issued.IssueLog`), every launch is also recorded in the lake's
+``rollout_tasks`` table (a retry names the attempt it retries), on the sink's thread and before any of
+its records, so ``sao lake check`` can account for every issued rollout.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Protocol
 
 from sao.envs.base import Task
+from sao.lake.issued import IssuedRollout
 from sao.lake.records import TrajectoryRecord
 from sao.rollout.staleness import StalenessGate
 
-__all__ = ["DriverConfig", "DriverStats", "RolloutDriver", "TrajectorySink"]
+__all__ = ["DriverConfig", "DriverStats", "IssueSink", "RolloutDriver", "TrajectorySink"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,14 @@ class TrajectorySink(Protocol):
     def add_many(self, records: list[TrajectoryRecord]) -> None: ...
 
     def flush(self) -> None: ...
+
+
+class IssueSink(Protocol):
+    """Where launches are recorded (:class:`sao.lake.issued.IssueLog`)."""
+
+    def add_many(self, rollouts: list[IssuedRollout]) -> None: ...
+
+    def flush(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,17 +105,20 @@ class RolloutDriver:
         trainer_version: async callable returning the trainer's current policy version.
         initial_version: the version the run starts (or resumes) at.
         on_record: optional callback per finished record (progress bars, counters).
+        issue_log: optional record of every launch (the lake's ``rollout_tasks``).
     """
 
     def __init__(self, rollout, sink: TrajectorySink, run_id: str, config: DriverConfig | None = None,
                  trainer_version: Callable[[], Awaitable[int]] | None = None, initial_version: int = 0,
-                 on_record: Callable[[TrajectoryRecord], None] | None = None) -> None:
+                 on_record: Callable[[TrajectoryRecord], None] | None = None,
+                 issue_log: IssueSink | None = None) -> None:
         self.rollout = rollout
         self.sink = sink
         self.run_id = run_id
         self.config = config or DriverConfig()
         self.trainer_version = trainer_version
         self.on_record = on_record
+        self.issue_log = issue_log
         cfg = self.config
         self.gate = (StalenessGate(cfg.batch_size, cfg.max_staleness, initial_version)
                      if cfg.max_staleness is not None and trainer_version is not None else None)
@@ -120,32 +136,37 @@ class RolloutDriver:
         """Roll out tasks until ``tasks`` is exhausted, ``limit`` trajectories finished, or ``stop``."""
         started = time.monotonic()
         source: Iterator[Task] = iter(tasks)
-        retry: collections.deque[tuple[Task, int]] = collections.deque()
-        running: dict[asyncio.Future, tuple[Task, int, float]] = {}
+        retry: collections.deque[tuple[Task, int, str]] = collections.deque()
+        running: dict[asyncio.Future, tuple[Task, int, float, str]] = {}
         exhausted = False
         index = 0
         pending_sink: list[asyncio.Future] = []
+        loop = asyncio.get_running_loop()
         while True:
             stopping = (stop is not None and stop.is_set()) or (limit is not None and self.stats.launched >= limit)
             if not stopping and (retry or not exhausted):
                 free = await self._capacity() - len(running)
+                issued: list[IssuedRollout] = []
                 while free > 0 and (limit is None or self.stats.launched < limit):
                     if retry:
-                        task, attempt = retry.popleft()
+                        task, attempt, retry_of = retry.popleft()
                     else:
-                        task, attempt = next(source, None), 0
+                        task, attempt, retry_of = next(source, None), 0, None
                     if task is None:
                         exhausted = True
                         break
                     trajectory_id = uuid.uuid4().hex
                     seed = self.config.seed * 1_000_003 + index
                     index += 1
+                    issued.append(IssuedRollout(self.run_id, trajectory_id, task.task_id, task.env, attempt, retry_of))
                     future = asyncio.ensure_future(self._call(task, trajectory_id, seed))
-                    running[future] = (task, attempt, time.monotonic())
+                    running[future] = (task, attempt, time.monotonic(), trajectory_id)
                     self.stats.launched += 1
                     if self.gate is not None:
                         self.gate.start()
                     free -= 1
+                if issued and self.issue_log is not None:  # same thread as the records: logged first
+                    pending_sink.append(loop.run_in_executor(self._sink_thread, self.issue_log.add_many, issued))
             if not running:
                 if (exhausted and not retry) or stopping:
                     break
@@ -155,12 +176,12 @@ class RolloutDriver:
                                          return_when=asyncio.FIRST_COMPLETED)
             records = []
             for future in done:
-                task, attempt, began = running.pop(future)
+                task, attempt, began, trajectory_id = running.pop(future)
                 self.stats.slot_busy_s += time.monotonic() - began
                 record, failed = future.result()
                 records.append(record)
                 if failed and self.config.retry_failed and attempt < self.config.max_retries and not stopping:
-                    retry.append((task, attempt + 1))
+                    retry.append((task, attempt + 1, trajectory_id))
                     self.stats.retried += 1
             if records:
                 self.stats.finished += len(records)
@@ -168,13 +189,13 @@ class RolloutDriver:
                     self.stats.by_reason[str(record.termination_reason)] += 1
                     if self.on_record is not None:
                         self.on_record(record)
-                loop = asyncio.get_running_loop()
                 pending_sink.append(loop.run_in_executor(self._sink_thread, self.sink.add_many, records))
                 for finished in [f for f in pending_sink if f.done()]:
                     finished.result()  # a sink failure stops the run loudly
                     pending_sink.remove(finished)
-        loop = asyncio.get_running_loop()
         await asyncio.gather(*pending_sink)
+        if self.issue_log is not None:  # before the records' last flush: no record without its launch
+            await loop.run_in_executor(self._sink_thread, self.issue_log.flush)
         await loop.run_in_executor(self._sink_thread, self.sink.flush)
         self.stats.wall_s = time.monotonic() - started
         return self.stats

@@ -42,7 +42,7 @@ from sao.lake.config import LakeConfig
 from sao.lake.ledger import register_policy_version
 from sao.lake.reader import TrajectoryReader, read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
-from sao.lake.store import Lake
+from sao.lake.store import Lake, is_valid_run_id, sql_literal
 from sao.models.critic import Critic, load_critic
 from sao.models.policy import load_policy
 from sao.models.tokenizer import load_tokenizer
@@ -53,6 +53,7 @@ from sao.train.retention import RetentionConfig, apply_retention
 from sao.train.run_config import RolloutSettings, write_run_config
 from sao.train.step import Learner
 from schemas import train_steps
+from schemas.trajectories import RUN_ID_PATTERN
 
 __all__ = ["StepReport", "TrainConfig", "compute_update", "last_committed_step", "prepare_run", "run_training",
            "train_worker"]
@@ -113,6 +114,8 @@ class TrainConfig:
     retention: RetentionConfig | None = None
 
     def __post_init__(self) -> None:
+        if not is_valid_run_id(self.run_id):
+            raise ValueError(f"run_id {self.run_id!r} is not a valid run id: it must match {RUN_ID_PATTERN}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_staleness < 0:
@@ -135,7 +138,7 @@ class StepReport:
 def last_committed_step(lake: Lake, run_id: str) -> tuple[int, int] | None:
     """(step, policy_version_after) of the run's last ``train_steps`` row, or None."""
     rows = lake.read(train_steps.NAME, columns=["step", "policy_version_after"],
-                     predicate=f"run_id = '{run_id}'")
+                     predicate=f"run_id = {sql_literal(run_id)}")
     if rows.num_rows == 0:
         return None
     last = max(rows.to_pylist(), key=lambda r: r["step"])

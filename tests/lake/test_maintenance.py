@@ -62,5 +62,6 @@ def test_short_retention_is_refused_unless_forced(local_lake):
         "quarantine",
         "policy_versions",
         "train_steps",
+        "rollout_tasks",
     }
     assert all(r.dry_run for r in reports)

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sao.lake.columnar import records_to_arrow
+from sao.lake.config import SizeLimits
 from sao.lake.records import SamplingParams, Segment, Timings, TrajectoryRecord
 from sao.lake.synthetic import make_trajectories
 from sao.lake.validate import NO_VERSION, Rule, Violation, validate_record, validate_table
@@ -250,6 +251,15 @@ CASES: dict[str, tuple[TrajectoryRecord, tuple[Rule, str, int | None, str]]] = {
         with_(timings=Timings(T0, T0 - dt.timedelta(seconds=1), T0, 0.5, 0.25)),
         (Rule.TIMINGS_INVALID, "timings.started_at", None, "started_at is before created_at"),
     ),
+    "payload_too_large": (
+        with_(task_id="t" * 5000),
+        (
+            Rule.PAYLOAD_TOO_LARGE,
+            "task_id",
+            None,
+            "task_id has 5000 bytes, over the limit of 4096 (SizeLimits.max_string_bytes)",
+        ),
+    ),
 }
 
 
@@ -269,6 +279,20 @@ def test_each_rule_by_hand(name):
 def test_every_rule_has_a_hand_case():
     covered = {rule for _, (rule, *_rest) in CASES.values()} | {Rule.TYPE}
     assert covered == set(Rule)
+
+
+@pytest.mark.parametrize(
+    ("limits", "field", "message"),
+    [
+        (SizeLimits(max_tokens=5), "completion_ids", "completion_ids has 6 tokens, over the limit of 5 (SizeLimits.max_tokens)"),
+        (SizeLimits(max_tokens=1), "prompt_ids", "prompt_ids has 2 tokens, over the limit of 1 (SizeLimits.max_tokens)"),
+        (SizeLimits(max_segments=2), "segments", "segments has 3 entries, over the limit of 2 (SizeLimits.max_segments)"),
+    ],
+)  # fmt: skip
+def test_size_limits_are_configurable(limits, field, message):
+    expected = [Violation(0, Rule.PAYLOAD_TOO_LARGE, field, None, message)]
+    assert validate_record(base(), 1, limits=limits) == expected
+    assert validate_table(records_to_arrow([base()]), [1], limits) == expected
 
 
 def test_no_registered_version_makes_every_version_ahead():

@@ -103,3 +103,24 @@ def test_the_staleness_gate_holds_generation_until_the_trainer_moves():
     held, stats = asyncio.run(run())
     assert held == 8  # (0 + 1 + 1) * 4 started before the trainer moved
     assert stats.finished == 20
+
+
+class ListIssueLog:
+    def __init__(self):
+        self.rows = []
+
+    def add_many(self, rows):
+        self.rows.extend(rows)
+
+    def flush(self):
+        return 0
+
+
+def test_every_launch_is_issued_before_its_record_and_retries_name_their_attempt():
+    app, sink, issued = FakeApp(fail_on={2}), ListSink(), ListIssueLog()
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=3, max_staleness=None), issue_log=issued)
+    asyncio.run(driver.run(TASKS[:5]))
+    assert sorted(r.trajectory_id for r in issued.rows) == sorted(r.trajectory_id for r in sink.records)
+    (retry,) = [r for r in issued.rows if r.attempt == 1]
+    failed = next(r for r in sink.records if r.termination_reason == "error")
+    assert retry.retry_of == failed.trajectory_id and retry.task_id == failed.task_id

@@ -23,8 +23,15 @@ def _all_fields(fields: list[pa.Field]) -> list[tuple[str, pa.Field]]:
     return found
 
 
-def test_the_four_tables_of_the_design():
-    assert set(TABLES) == {"trajectories", "quarantine", "policy_versions", "train_steps"}
+def test_the_tables_of_the_design():
+    # The four tables of the design, and the driver's issue log (what ``sao lake check`` accounts for).
+    assert set(TABLES) == {
+        "trajectories",
+        "quarantine",
+        "policy_versions",
+        "train_steps",
+        "rollout_tasks",
+    }
     for name, spec in TABLES.items():
         assert spec.name == name
         assert spec.schema_version >= 1
@@ -120,7 +127,9 @@ def test_table_spec_refuses_an_unknown_partition_column_or_an_undocumented_field
 
 def test_table_spec_lookup_names_the_known_tables():
     assert table_spec("train_steps") is schemas.train_steps.SPEC
-    with pytest.raises(KeyError, match="policy_versions, quarantine, train_steps, trajectories"):
+    with pytest.raises(
+        KeyError, match="policy_versions, quarantine, rollout_tasks, train_steps, trajectories"
+    ):
         table_spec("../etc")
 
 
