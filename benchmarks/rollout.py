@@ -3,14 +3,17 @@ static-batch decode loop, and the latency of publishing weights to the replicas.
 
     sao bench rollout [--quick] [--concurrency 1,4,16,64] [--window-s 10]
 
-Measured side by side in one run, on the tiny policy (fp32), all with 2 torch threads:
+Measured side by side in one run, on the tiny policy (fp32), all with the same torch threads (1 by
+default: see the results' notes on 2):
 
 * ``static``: the physical reference, a KV-cached decode loop over a fixed batch of B requests (64
-  prompt tokens, 128 new tokens each), ancestral sampling, no bookkeeping.
-* ``engine``: :class:`~sao.rollout.torch_engine.TorchEngine` in this process, closed loop: C clients
+  prompt tokens, 128 new tokens each), ancestral sampling, no bookkeeping; measured at the start, the
+  middle and the end of the run, median reported.
+* ``engine``: :class:`~sao.rollout.torch_engine.TorchEngine` in a fresh process of its own, closed loop: C clients
   each submit a request, wait for it, submit the next; prompts of 32-96 tokens and budgets of 64-192
   new tokens (mean 128), so requests join and leave the batch all the time.
-* ``serve``: the same closed loop through the Ray Serve app (one replica, deployment handle calls).
+* ``serve``: the same closed loop through the Ray Serve app (one replica, deployment handle calls; the
+  replica runs its engine in a child process, :mod:`sao.rollout.engine_process`).
 
 Throughput is generated tokens per second over a window after a warm-up. Target: ``serve`` at least
 80% of ``static`` at concurrency 16 and 64. Weight publication: time from ``ray.put`` of a new state
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import multiprocessing
 import random
 import statistics
 import sys
@@ -41,7 +46,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes for the test suite")
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
     parser.add_argument("--window-s", type=float, default=10.0, help="measurement window per point")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each measurement")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each measurement")
     parser.add_argument("--publish-repeats", type=int, default=5, help="weight versions published")
     parser.add_argument("--out-json", type=Path, default=Path("docs/results/rollout.json"))
     parser.add_argument("--results-md", type=Path, default=Path("docs/RESULTS.md"))
@@ -103,19 +108,39 @@ async def closed_loop(generate, concurrency: int, window_s: float, vocab: int, w
     return counted / window_s
 
 
-def bench_engine(policy_dir: Path, levels: list[int], window_s: float, threads: int) -> dict[int, float]:
+def _measure(generate, stats, concurrency: int, window_s: float, vocab: int) -> dict[str, float]:
+    """Tokens/s of one closed loop, with the engine's mean batch and busy fraction over the same loop."""
+    before, began = stats(), time.perf_counter()
+    tokens_s = asyncio.run(closed_loop(generate, concurrency, window_s, vocab))
+    after, wall = stats(), time.perf_counter() - began
+    steps = after["decode_steps"] - before["decode_steps"]
+    busy = after["busy_s"] - before["busy_s"]
+    return {"tokens_s": tokens_s, "mean_batch": (after["decoded_rows"] - before["decoded_rows"]) / max(steps, 1),
+            "busy_fraction": busy / wall,
+            "requests_per_prefill": (after["prefilled_requests"] - before["prefilled_requests"])
+            / max(after["prefills"] - before["prefills"], 1)}
+
+
+def bench_engine(policy_dir: Path, levels: list[int], window_s: float, threads: int) -> dict[int, dict[str, float]]:
+    """The closed loop against an engine in this process (run it in a fresh process: see below)."""
+    import dataclasses
+
+    import torch
+
     from sao.models.policy import load_policy
     from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
+    torch.set_num_threads(1)  # parallel torch work in the engine thread only (TorchEngineConfig.threads)
     engine = TorchEngine(load_policy(policy_dir), config=TorchEngineConfig(threads=threads))
     try:
         vocab = engine.model.config.vocab_size
-        return {c: asyncio.run(closed_loop(engine.generate, c, window_s, vocab)) for c in levels}
+        stats = lambda: dataclasses.asdict(engine.stats())  # noqa: E731
+        return {c: _measure(engine.generate, stats, c, window_s, vocab) for c in levels}
     finally:
         engine.close()
 
 
-def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: int) -> dict[int, float]:
+def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: int) -> dict[int, dict[str, float]]:
     from ray import serve
 
     from sao.rollout.serve import RolloutConfig, start_rollout_app
@@ -128,8 +153,11 @@ def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: i
         async def generate(prompt, sampling):
             return await handle.generate.remote(prompt, sampling)
 
+        def stats() -> dict[str, float]:
+            return handle.health.remote().result()["engine_stats"]
+
         vocab = 512
-        return {c: asyncio.run(closed_loop(generate, c, window_s, vocab)) for c in levels}
+        return {c: _measure(generate, stats, c, window_s, vocab) for c in levels}
     finally:
         serve.delete("bench-rollout")
 
@@ -171,24 +199,30 @@ def _markdown(result: dict[str, Any], command: str) -> str:
         "",
         f"Command: `{command}`. {machine_line(result['machine'])} Raw data: `docs/results/rollout.json`.",
         "",
-        "Generated tokens/s of the tiny policy (2 torch threads). `static`: fixed batch, 64-token prompts, 128 "
+        f"Generated tokens/s of the tiny policy ({result['threads']} torch thread(s) in every measurement). `static`: fixed batch, 64-token prompts, 128 "
         "new tokens, no bookkeeping. `engine` / `serve`: closed loop of C clients with prompts of 32-96 "
-        "tokens and budgets of 64-192 new tokens, in this process / through the Serve app (one replica). "
+        "tokens and budgets of 64-192 new tokens, in a process of its own / through the Serve app (one replica). "
         f"Target: `serve` >= {TARGET_RATIO:.0%} of `static` at 16 and 64.",
         "",
-        "| concurrency | static | engine | serve | serve / static |",
-        "|---:|---:|---:|---:|---:|",
+        "The last columns describe the Serve replica's engine over the same loop: mean requests per decode "
+        "step, the fraction of time its thread was busy (the rest it waited for requests), and requests "
+        "admitted per prefill.",
+        "",
+        "| concurrency | static | engine | serve | engine / static | serve / static | serve: batch | busy | joins/prefill |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["concurrency"]:
         static, engine, served = (result[k][str(c)] for k in ("static", "engine", "serve"))
-        lines.append(f"| {c} | {static:,.0f} | {engine:,.0f} | {served:,.0f} | {served / static:.2f} |")
+        lines.append(f"| {c} | {static:,.0f} | {engine['tokens_s']:,.0f} | {served['tokens_s']:,.0f} | "
+                     f"{engine['tokens_s'] / static:.2f} | {served['tokens_s'] / static:.2f} | "
+                     f"{served['mean_batch']:.1f} | {served['busy_fraction']:.0%} | {served['requests_per_prefill']:.1f} |")
     pub = result["publish"]
     lines += [
         "",
         f"Weight publication ({pub['parameters']:,} parameters, {pub['bytes'] / 1e6:.1f} MB fp32, two replicas, "
         f"median of {pub['versions']} versions): `ray.put` + announce {pub['put_and_announce_s_median'] * 1e3:.0f} ms; "
         f"until both replicas run the new version {pub['reach_all_replicas_s_median'] * 1e3:.0f} ms "
-        f"(max {pub['reach_all_replicas_s_max'] * 1e3:.0f} ms; replicas poll every 20 ms and swap between decode steps).",
+        f"(max {pub['reach_all_replicas_s_max'] * 1e3:.0f} ms; each replica's request waiting at the broker returns on publication; the engine swaps between decode steps).",
     ]
     lines += ["", *result["notes"]]
     return "\n".join(lines)
@@ -208,11 +242,20 @@ def main(argv: list[str]) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="sao-bench-rollout-"))
     policy_dir = save_policy(build_policy(seed=0), workdir / "policy", build_tokenizer())
     model = build_policy(seed=0).eval()
-    print("static decode loop ...", file=sys.stderr)
-    static_loop(model, 4, 8)  # warm-up
-    static = {c: static_loop(model, c, NEW_TOKENS if not args.quick else 16) for c in args.concurrency}
+    static_runs: dict[int, list[float]] = {c: [] for c in args.concurrency}
+
+    def measure_static() -> None:  # three times over the run (start, middle, end): the machine's load moves
+        print("static decode loop ...", file=sys.stderr)
+        static_loop(model, 4, 8)  # warm-up
+        for c in args.concurrency:
+            static_runs[c].append(static_loop(model, c, NEW_TOKENS if not args.quick else 16))
+
+    measure_static()
     print("engine in process ...", file=sys.stderr)
-    engine = bench_engine(policy_dir, args.concurrency, args.window_s, args.threads)
+    # A fresh process: the static loop's OpenMP team in this main thread would slow the engine thread's.
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        engine = pool.submit(bench_engine, policy_dir, args.concurrency, args.window_s, args.threads).result()
+    measure_static()
     init_ray(RayConfig())
     try:
         print("engine through Serve ...", file=sys.stderr)
@@ -221,14 +264,17 @@ def main(argv: list[str]) -> int:
         publish = bench_publish(policy_dir, args.publish_repeats)
     finally:
         shutdown_ray()
+    measure_static()
+    static = {c: statistics.median(runs) for c, runs in static_runs.items()}
     command = "sao bench rollout" + (" " + " ".join(argv) if argv else "")
-    ratios = {c: served[c] / static[c] for c in args.concurrency}
+    ratios = {c: served[c]["tokens_s"] / static[c] for c in args.concurrency}
     misses = [c for c in (16, 64) if c in ratios and ratios[c] < TARGET_RATIO]
     notes = [f"Target met at {', '.join(str(c) for c in (16, 64) if c in ratios)}." if not misses else
              f"**Target missed** at concurrency {', '.join(map(str, misses))}: serve/static = "
              + ", ".join(f"{ratios[c]:.2f}" for c in misses) + "."]
-    result = {"machine": machine(), "command": command, "concurrency": args.concurrency,
-              "static": {str(c): v for c, v in static.items()}, "engine": {str(c): v for c, v in engine.items()},
+    result = {"machine": machine(), "command": command, "threads": args.threads, "concurrency": args.concurrency,
+              "static": {str(c): v for c, v in static.items()},
+              "static_runs": {str(c): v for c, v in static_runs.items()}, "engine": {str(c): v for c, v in engine.items()},
               "serve": {str(c): v for c, v in served.items()}, "publish": publish, "notes": notes}
     markdown = _markdown(result, command)
     print(markdown)

@@ -4,8 +4,9 @@ Build it with :func:`build_rollout_app` and run it with :func:`start_rollout_app
 proxy; the driver and the trainer talk to it through handles). Each replica:
 
 * loads the policy and tokenizer from ``RolloutConfig.policy_path`` (a Hugging Face directory);
-* decodes concurrent rollouts together in one :class:`~sao.rollout.torch_engine.TorchEngine`;
-* polls the app's weight broker and swaps newer weights in between decode steps;
+* decodes concurrent rollouts together in one :class:`~sao.rollout.torch_engine.TorchEngine`, run in a
+  child process (:mod:`sao.rollout.engine_process`) unless ``engine_process=False``;
+* waits at the app's weight broker for newer weights and swaps them in between decode steps;
 * answers ``rollout(task, run_id, trajectory_id, seed) -> TrajectoryRecord``, ``generate(prompt_ids,
   sampling) -> Generation`` (raw, for benchmarks), ``health()`` and ``version()``.
 """
@@ -13,6 +14,7 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -23,6 +25,7 @@ from ray.serve import Application
 from sao.envs.base import Task
 from sao.rollout.agent import AgentConfig, AgentLoop
 from sao.rollout.engine import Generation, SamplingParams
+from sao.rollout.engine_process import TorchEngineProcess
 from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from sao.rollout.weights import WeightSubscriber, get_or_create_broker
 
@@ -39,12 +42,17 @@ class RolloutConfig:
         initial_version: policy version of the weights at ``policy_path``.
         num_replicas: engine replicas.
         cpus_per_replica: Ray CPUs reserved per replica (fractions share cores).
-        torch_threads: intra-op threads of each replica's engine.
+        torch_threads: intra-op threads of each replica's engine (unless ``engine.threads`` sets them).
         max_ongoing_requests: rollouts one replica accepts at once (decoded together).
         engine: torch engine settings.
         agent: agent-loop budgets and sampling.
         env_options: keyword options per environment name, passed to its constructor.
-        weight_poll_s: how often a replica asks the broker for newer weights.
+        weight_wait_s: longest a replica's request to the weight broker waits for a newer version (it
+            returns as soon as one is published) before it is renewed.
+        engine_process: run the engine in a child process of the replica (it decodes about twice as
+            fast there: see :mod:`sao.rollout.engine_process`); False keeps it in the replica's process.
+        access_log: Serve's log line per request (off by default: at thousands of short generate calls a
+            second its cost is measurable, and the lake records every rollout anyway).
     """
 
     policy_path: str
@@ -57,7 +65,9 @@ class RolloutConfig:
     engine: TorchEngineConfig = TorchEngineConfig()
     agent: AgentConfig = AgentConfig()
     env_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    weight_poll_s: float = 0.02
+    weight_wait_s: float = 1.0
+    engine_process: bool = True
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -74,21 +84,30 @@ class RolloutReplica:
         from sao.models.policy import load_policy
         from sao.models.tokenizer import load_tokenizer
 
-        torch.set_num_threads(config.torch_threads)
+        # Only the engine thread runs parallel torch work here: an OpenMP team of more than one thread in
+        # this (constructor) thread as well would leave more OpenMP workers than cores, and libgomp then
+        # puts workers to sleep after every parallel region, tripling the engine's step time.
+        torch.set_num_threads(1)
         self.config = config
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (tests)
             self.replica_id = f"local-{os.getpid()}"
-        policy = load_policy(config.policy_path)
         tokenizer = load_tokenizer(config.policy_path)
-        self.engine = TorchEngine(policy, version=config.initial_version, config=config.engine)
+        engine = config.engine
+        if engine.threads is None:
+            engine = dataclasses.replace(engine, threads=config.torch_threads)
+        if config.engine_process:
+            self.engine = TorchEngineProcess(functools.partial(load_policy, config.policy_path),
+                                             version=config.initial_version, config=engine)
+        else:
+            self.engine = TorchEngine(load_policy(config.policy_path), version=config.initial_version, config=engine)
         options = config.env_options
         self.agent = AgentLoop(self.engine, tokenizer, lambda task: make_env(task.env, **options.get(task.env, {})),
                                config.agent, worker_id=self.replica_id)
         self.subscriber = WeightSubscriber(get_or_create_broker(config.app_name), self.replica_id,
                                            lambda: self.engine.version, self.engine.load_weights,
-                                           interval_s=config.weight_poll_s)
+                                           wait_s=config.weight_wait_s)
 
     async def rollout(self, task: Task, run_id: str, trajectory_id: str, seed: int | None = None):
         return await self.agent.run(task, run_id, trajectory_id, seed)
@@ -102,12 +121,13 @@ class RolloutReplica:
 
     def health(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "version": self.engine.version, "in_flight": self.engine.in_flight,
-                "weight_updates": self.engine.weight_updates_applied}
+                "weight_updates": self.engine.weight_updates_applied,
+                "engine_stats": dataclasses.asdict(self.engine.stats())}
 
     def check_health(self) -> None:
         """Serve's health probe: a replica whose engine thread died is replaced."""
-        if not self.engine._thread.is_alive():
-            raise RuntimeError("the engine thread is not running")
+        if not self.engine.healthy():
+            raise RuntimeError("the engine is not running")
 
     def __del__(self) -> None:
         for closer in (getattr(self, "subscriber", None), getattr(self, "engine", None), getattr(self, "agent", None)):
@@ -124,6 +144,7 @@ def build_rollout_app(config: RolloutConfig) -> Application:
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.cpus_per_replica},
         health_check_period_s=5,
+        logging_config={"enable_access_log": config.access_log},
     )
     return deployment.bind(config)
 

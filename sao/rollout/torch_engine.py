@@ -4,11 +4,14 @@ One background thread owns the model. Each loop iteration:
 
 1. applies queued weights, if any (the policy version changes between decode steps; in-flight
    requests continue and their next tokens start a new version span);
-2. admits waiting requests (prefilled together, left-padded, and merged into the running batch);
-3. samples one token for every running request from its next-token logits, records the token's
+2. samples one token for every running request from its next-token logits, records the token's
    log-probability under the request's distribution (``sampling`` or ``raw``), and retires requests
    that stopped, reached their budget or were cancelled;
-4. runs one decode step for the remaining requests.
+3. gives free slots of the preallocated KV cache to waiting requests;
+4. runs one forward pass over the running requests' new tokens and the joining requests' whole contexts,
+   packed into one sequence: every per-token layer runs once for all of them, and attention reads each
+   request's own slot (a join costs the compute of its prompt, not a forward pass of its own, and no
+   copy of anyone's cache).
 
 Departure from engines that keep the KV cache across a weight update (vLLM in-place reloads): after
 new weights are loaded, the cache of every in-flight request is recomputed with them (one prefill), so
@@ -16,8 +19,9 @@ a token sampled after the update is drawn from exactly pi_new(. | prefix). The r
 of every token therefore equals a teacher-forced recomputation under the version its span names. Set
 ``recompute_kv_on_update=False`` to keep the stale cache (cheaper, approximate).
 
-Sampling uses one uniform draw per token from a per-request generator (inverse CDF), so a request's
-tokens depend on its seed and prompt only, not on what else is in the batch.
+Sampling uses one uniform draw per token from a per-request generator (``random.Random`` seeded with
+the request's seed; inverse CDF), so a request's tokens depend on its seed and prompt only, not on what
+else is in the batch.
 """
 
 from __future__ import annotations
@@ -25,22 +29,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import itertools
 import logging
+import random
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.cache_utils import DynamicCache
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 
 from sao.algos.sampling import LogprobKind, sampling_logprobs
 from sao.rollout.engine import FinishReason, Generation, SamplingParams, VersionSpan
 
-__all__ = ["TorchEngine", "TorchEngineConfig"]
+__all__ = ["EngineStats", "TorchEngine", "TorchEngineConfig", "check_request"]
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +58,57 @@ class TorchEngineConfig:
         max_batch: most requests decoded together; more wait for a free slot.
         recompute_kv_on_update: recompute in-flight requests' KV caches when weights change (exact
             per-version log-probabilities) instead of keeping the stale cache.
-        threads: torch intra-op threads for the engine thread (None = torch's default).
-        admit_batch: while requests are decoding, waiting ones join in groups of at least this many
-            (or all that fit), since every join costs a prefill and a copy of the batch's KV cache ...
-        admit_wait_s: ... unless the oldest has waited this long. An idle engine admits at once.
+        threads: torch intra-op threads for the engine thread (None = torch's default). Keep other
+            threads of the process at one torch thread: with more OpenMP workers than cores (a team in
+            the engine thread and another in, say, the main thread), libgomp sleeps its workers after
+            each parallel region and small decode-step kernels run about three times slower.
+        max_prefill_tokens: most context tokens of joining requests run in one step (waiting requests
+            join the next step whenever slots are free; their contexts share the decode step's forward
+            pass, and this caps how long one step can take).
     """
 
     max_batch: int = 64
     recompute_kv_on_update: bool = True
     threads: int | None = None
-    admit_batch: int = 8
-    admit_wait_s: float = 0.02
+    max_prefill_tokens: int = 2048
+
+
+def check_request(prompt_ids: Sequence[int], sampling: SamplingParams, vocab_size: int,
+                  max_positions: int | None) -> list[int]:
+    """The prompt as a list of ints, or ``ValueError`` naming what is wrong with the request."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    if max_positions is not None and len(prompt) + sampling.max_tokens > max_positions:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
+            f"max_position_embeddings ({max_positions})"
+        )
+    return prompt
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of a torch engine (:meth:`TorchEngine.stats`).
+
+    Attributes:
+        decode_steps: forward passes of the running batch (one token per running request).
+        decoded_rows: sum over decode steps of the requests in the batch (mean batch = rows / steps).
+        prefills: forward passes that admitted requests (joins and recomputes after a weight update).
+        prefilled_requests: requests those passes admitted.
+        busy_s: seconds the engine thread spent working (weights, prefills, sampling, decode steps).
+        idle_s: seconds it waited for work (no requests, paused, or holding joins back for a group).
+    """
+
+    decode_steps: int = 0
+    decoded_rows: int = 0
+    prefills: int = 0
+    prefilled_requests: int = 0
+    busy_s: float = 0.0
+    idle_s: float = 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,7 +116,7 @@ class _Request:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
-    generator: torch.Generator
+    generator: random.Random
     future: concurrent.futures.Future[Generation]
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -112,14 +157,17 @@ class TorchEngine:
         version: the policy version of ``model``'s current weights.
         config: engine settings.
         seed: seeds requests that come without a seed of their own.
+        on_version: called (on the engine thread) with each version whose weights it starts using.
     """
 
     name = "torch"
 
     def __init__(self, model: torch.nn.Module, version: int = 0, config: TorchEngineConfig | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, on_version: Callable[[int], None] | None = None) -> None:
         self.config = config or TorchEngineConfig()
+        self._on_version = on_version
         self.model = model.eval()
+        model.set_attn_implementation(_SLOT_ATTENTION)
         self._version = version
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
@@ -128,12 +176,14 @@ class TorchEngine:
         self._stopping = False
         self._by_id: dict[str, _Request] = {}
         self._seed_rng = torch.Generator().manual_seed(seed)
-        self._steps = itertools.count()
-        # Running batch: rows, their KV cache, attention mask (B, L) and next-token logits (B, V).
+        self._stats = EngineStats()
+        # Running batch: request i holds slot i of the KV cache, its length and its next-token logits.
+        slots = self.config.max_batch
         self._rows: list[_Request] = []
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None
-        self._next_logits: torch.Tensor | None = None
+        self._kv = _SlotCache(model.config, slots, next(model.parameters()).dtype)
+        self._lengths = torch.zeros(slots, dtype=torch.long)
+        self._slot_ids = torch.arange(slots)
+        self._next_logits = torch.zeros(slots, model.config.vocab_size)
         self.weight_updates_applied = 0
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()
@@ -148,6 +198,15 @@ class TorchEngine:
     def engine_version(self) -> str:
         return f"torch-{torch.__version__}+transformers-{transformers.__version__}"
 
+    def healthy(self) -> bool:
+        """Whether the engine thread is running."""
+        return self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        """A copy of the engine's counters since it started."""
+        with self._cond:
+            return dataclasses.replace(self._stats)
+
     @property
     def in_flight(self) -> int:
         with self._cond:
@@ -156,19 +215,8 @@ class TorchEngine:
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                request_id: str | None = None) -> concurrent.futures.Future[Generation]:
         """Queue a request; the future resolves with its :class:`Generation`."""
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {vocab})")
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit is not None and len(prompt) + sampling.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
-                f"max_position_embeddings ({limit})"
-            )
+        prompt = check_request(prompt_ids, sampling, self.model.config.vocab_size,
+                               getattr(self.model.config, "max_position_embeddings", None))
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is closed")
@@ -179,7 +227,7 @@ class TorchEngine:
                 request_id=request_id or uuid.uuid4().hex,
                 prompt=prompt,
                 sampling=sampling,
-                generator=torch.Generator().manual_seed(seed),
+                generator=random.Random(seed),
                 future=concurrent.futures.Future(),
             )
             if request.request_id in self._by_id:
@@ -261,7 +309,9 @@ class TorchEngine:
     def _run(self) -> None:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
+        stats = self._stats
         while True:
+            waited = time.perf_counter()
             with self._cond:
                 self._cond.wait_for(
                     lambda: self._stopping
@@ -270,151 +320,297 @@ class TorchEngine:
                 if self._stopping:
                     return
                 weights, self._pending_weights = self._pending_weights, None
-                room = self.config.max_batch - len(self._rows)
-                admitted: list[_Request] = []
-                if self._admit_now(room):
-                    admitted, self._pending = self._pending[:room], self._pending[room:]
+            began = time.perf_counter()
+            stats.idle_s += began - waited
+            joiners: list[_Request] = []
             try:
                 with torch.inference_mode():
                     if weights is not None:
                         self._apply_weights(*weights)
-                    if admitted:
-                        self._admit(admitted)
-                    if self._rows:
-                        self._step()
+                    pending_tokens = self._sample_and_retire() if self._rows else []
+                    with self._cond:
+                        joiners = self._take_joiners()
+                    if self._rows or joiners:
+                        self._forward(pending_tokens, joiners)
             except Exception as exc:  # a broken step must not hang callers
                 log.exception("torch engine step failed")
-                for request in self._rows + admitted:
+                for request in self._rows + joiners:
                     request.finish(FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
-                self._reset_batch()
+                self._rows = []
+            stats.busy_s += time.perf_counter() - began
 
-    def _admit_now(self, room: int) -> bool:
-        """Whether waiting requests join the batch in this iteration (see ``admit_batch``)."""
-        if not self._pending or room <= 0:
-            return False
-        if not self._rows:
-            return True
-        cfg = self.config
-        enough = len(self._pending) >= min(cfg.admit_batch, room)
-        return enough or time.monotonic() - self._pending[0].submitted >= cfg.admit_wait_s
+    def _take_joiners(self) -> list[_Request]:
+        """Waiting requests that join this step: as many as there are free slots, up to the prefill budget
+        (at least one, so a context longer than the budget still runs)."""
+        room = self.config.max_batch - len(self._rows)
+        budget = self.config.max_prefill_tokens
+        taken: list[_Request] = []
+        while self._pending and len(taken) < room:
+            size = len(self._pending[0].prompt) + len(self._pending[0].tokens)
+            if taken and size > budget:
+                break
+            budget -= size
+            taken.append(self._pending.pop(0))
+        return taken
 
     def _apply_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(dict(weights), strict=True)
         with self._cond:
             self._version = version
             self.weight_updates_applied += 1
+            if self._rows and self.config.recompute_kv_on_update:
+                # Their next tokens must come from the new weights: run their contexts again, first in line.
+                self._pending[:0] = self._rows
+                self._rows = []
             self._cond.notify_all()
-        if self._rows and self.config.recompute_kv_on_update:
-            rows = self._rows
-            self._reset_batch()
-            self._admit(rows)
+        if self._on_version is not None:
+            self._on_version(version)
 
-    def _reset_batch(self) -> None:
-        self._rows, self._cache, self._mask, self._next_logits = [], None, None, None
-
-    def _admit(self, requests: list[_Request]) -> None:
-        """Prefill ``requests`` (their prompt plus tokens sampled so far) and join the batch."""
-        contexts = [r.prompt + r.tokens for r in requests]
-        width = max(len(c) for c in contexts)
-        ids = torch.zeros(len(contexts), width, dtype=torch.long)
-        mask = torch.zeros(len(contexts), width, dtype=torch.long)
-        for i, context in enumerate(contexts):
-            ids[i, width - len(context):] = torch.tensor(context)
-            mask[i, width - len(context):] = 1
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1].float()
-        if not self._rows:
-            self._rows, self._cache, self._mask, self._next_logits = list(requests), cache, mask, logits
-            return
-        self._cache, self._mask = _merge(self._cache, self._mask, cache, mask, self.model.config)
-        self._rows = self._rows + list(requests)
-        self._next_logits = torch.cat([self._next_logits, logits])
-
-    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row from ``_next_logits`` and its recorded log-probability."""
-        rows = self._rows
-        logits = self._next_logits
-        temperature = torch.tensor([r.sampling.temperature for r in rows], dtype=logits.dtype)
-        top_k = torch.tensor([r.sampling.top_k for r in rows])
-        top_p = torch.tensor([r.sampling.top_p for r in rows], dtype=logits.dtype)
-        logp = sampling_logprobs(logits, temperature, top_k, top_p)
-        probs = logp.exp()
-        uniforms = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])
-        cdf = probs.double().cumsum(-1)
-        tokens = (cdf < (uniforms * cdf[:, -1]).unsqueeze(-1)).sum(-1)
-        last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)
-        tokens = torch.minimum(tokens, last_positive)
-        recorded = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        if any(r.sampling.logprob_kind is LogprobKind.RAW for r in rows):
-            raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            is_raw = torch.tensor([r.sampling.logprob_kind is LogprobKind.RAW for r in rows])
-            recorded = torch.where(is_raw, raw, recorded)
-        return tokens, recorded
-
-    def _step(self) -> None:
+    def _sample_and_retire(self) -> list[int]:
+        """Sample one token per running request, retire the finished ones and compact the survivors into
+        slots ``0 .. n-1``; returns the survivors' new tokens (their next decode input), in slot order."""
         tokens, logprobs = self._sample()
         version = self._version
+        tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
         keep: list[int] = []
         for i, request in enumerate(self._rows):
             if request.cancelled:
                 request.finish(FinishReason.CANCELLED)
                 continue
-            token = int(tokens[i])
-            request.append(token, float(logprobs[i]), version)
+            token = tokens_list[i]
+            request.append(token, logprobs_list[i], version)
             if token in request.sampling.stop_token_ids:
                 request.finish(FinishReason.STOP)
             elif len(request.tokens) >= request.sampling.max_tokens:
                 request.finish(FinishReason.LENGTH)
             else:
                 keep.append(i)
-        if not keep:
-            self._reset_batch()
-            return
         if len(keep) < len(self._rows):
-            index = torch.tensor(keep)
-            for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[index], layer.values[index]
-            self._mask = self._mask[index]
-            tokens = tokens[index]
-            self._rows = [self._rows[i] for i in keep]
-        self._trim()
-        mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=self._mask.dtype)], dim=1)
-        # A decode step's causal mask is just the padding mask: pass it ready-made as (B, 1, 1, L) so
-        # the model does not rebuild a 4D mask from the 2D one at every step.
-        out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask.bool()[:, None, None, :],
-                         position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=self._cache, use_cache=True)
-        self._mask = mask
-        self._next_logits = out.logits[:, -1].float()
-        next(self._steps)
+            self._compact(keep, tokens_list)
+        return tokens_list[: len(self._rows)]
 
-    def _trim(self) -> None:
-        """Drop leading cache columns that are padding in every row."""
-        used = self._mask.any(dim=0)
-        first = int(used.long().argmax())
-        if first > 0:
-            self._mask = self._mask[:, first:]
-            for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+    def _forward(self, pending_tokens: list[int], joiners: list[_Request]) -> None:
+        """One forward pass over every running request's new token and every joiner's whole context,
+        packed into one sequence (see :func:`_slot_attention`); leaves next-token logits for all rows."""
+        n = len(self._rows)
+        positions = self._lengths[:n].clone()
+        slots = self._slot_ids[: n + len(joiners)]
+        if joiners:
+            contexts = [r.prompt + r.tokens for r in joiners]
+            sizes = torch.tensor([len(c) for c in contexts], dtype=torch.long)
+            starts = torch.cumsum(sizes, 0) - sizes  # offset of each joiner's first token after the decode part
+            ids = torch.tensor(pending_tokens + [t for c in contexts for t in c])
+            token_slots = torch.cat([slots[:n], slots[n:].repeat_interleave(sizes)])
+            token_positions = torch.cat([positions, torch.arange(int(sizes.sum())) - starts.repeat_interleave(sizes)])
+            last = torch.cat([slots[:n], n + starts + sizes - 1])
+        else:  # decode only: one token per row
+            sizes = starts = self._slot_ids[:0]
+            ids, token_slots, token_positions, last = torch.tensor(pending_tokens), slots, positions, slots
+        layout = _SlotLayout.build(n, positions, sizes, starts)
+        self._kv.reserve(layout.width)
+        self._kv.bind(token_slots, token_positions)
+        out = self.model(input_ids=ids.unsqueeze(0), position_ids=token_positions.unsqueeze(0), past_key_values=self._kv,
+                         use_cache=True, logits_to_keep=last, sao_slot_layout=layout)
+        self._lengths[:n] += 1
+        if joiners:
+            self._lengths[n : n + len(joiners)] = sizes
+        self._next_logits[: n + len(joiners)] = out.logits[0]
+        self._rows = self._rows + joiners
+        stats = self._stats
+        if n:
+            stats.decode_steps += 1
+            stats.decoded_rows += n
+        if joiners:
+            stats.prefills += 1
+            stats.prefilled_requests += len(joiners)
+
+    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per running row from its next-token logits and its recorded log-probability."""
+        rows = self._rows
+        logits = self._next_logits[: len(rows)]
+        settings = {(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) for r in rows}
+        if len(settings) == 1:  # the usual case: Python scalars, no per-row tensors
+            logp = sampling_logprobs(logits, *settings.pop())
+        else:
+            temperature = torch.tensor([r.sampling.temperature for r in rows], dtype=logits.dtype)
+            top_k = torch.tensor([r.sampling.top_k for r in rows])
+            top_p = torch.tensor([r.sampling.top_p for r in rows], dtype=logits.dtype)
+            logp = sampling_logprobs(logits, temperature, top_k, top_p)
+        probs = logp.exp()
+        uniforms = torch.tensor([r.generator.random() for r in rows], dtype=torch.float64)
+        cdf = probs.double().cumsum_(-1)
+        # Inverse CDF: the first token whose cumulative mass exceeds u * total (never a zero-mass token,
+        # since the cumulative mass strictly grows there).
+        tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        tokens.clamp_(max=probs.shape[-1] - 1)
+        recorded = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if bool(torch.isinf(recorded).any()):  # u * total rounded up to the total: the last token with mass
+            last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)
+            tokens = torch.minimum(tokens, last_positive)
+            recorded = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if any(r.sampling.logprob_kind is LogprobKind.RAW for r in rows):
+            raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            is_raw = torch.tensor([r.sampling.logprob_kind is LogprobKind.RAW for r in rows])
+            recorded = torch.where(is_raw, raw, recorded)
+        return tokens, recorded
+
+    def _compact(self, keep: list[int], tokens: list[int]) -> None:
+        """Fill the slots of finished rows with the last running rows, so running rows are 0..n-1.
+
+        Only the rows that move are copied (their cache, length and pending token)."""
+        n = len(keep)
+        kept = set(keep)
+        holes = [i for i in range(n) if i not in kept]
+        movers = [i for i in keep if i >= n]
+        rows = self._rows
+        for hole, mover in zip(holes, movers, strict=True):
+            rows[hole] = rows[mover]
+            tokens[hole] = tokens[mover]
+        if holes:
+            src, dst = torch.tensor(movers), torch.tensor(holes)
+            self._kv.move(src, dst, int(self._lengths[src].max()))
+            self._lengths[dst] = self._lengths[src]
+        self._rows = rows[:n]
 
 
-def _merge(cache_a: DynamicCache, mask_a: torch.Tensor, cache_b: DynamicCache, mask_b: torch.Tensor,
-           config: object) -> tuple[DynamicCache, torch.Tensor]:
-    """Stack two batches' caches along the batch axis, left-padding the shorter to the same length."""
-    width = max(mask_a.shape[1], mask_b.shape[1])
+@dataclasses.dataclass(frozen=True)
+class _SlotLayout:
+    """How a packed forward's tokens map to slots, for :func:`_slot_attention`.
 
-    def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-        missing = width - t.shape[-dim_from_end]
-        if missing == 0:
-            return t
-        spec = [0, 0] * (dim_from_end - 1) + [missing, 0]
-        return F.pad(t, spec)
+    The packed sequence holds ``decode`` single tokens (rows ``0 .. decode-1``, one each) followed by the
+    whole contexts of the joiners (rows ``decode ..``), one after another.
+    """
 
-    merged = DynamicCache(config=config)
-    for index, (la, lb) in enumerate(zip(cache_a.layers, cache_b.layers, strict=True)):
-        keys = torch.cat([pad(la.keys, 2), pad(lb.keys, 2)])
-        values = torch.cat([pad(la.values, 2), pad(lb.values, 2)])
-        merged.update(keys, values, index)
-    mask = torch.cat([pad(mask_a, 1), pad(mask_b, 1)])
-    return merged, mask
+    decode: int
+    decode_mask: torch.Tensor | None  # (decode, 1, 1, width): row i sees its columns 0 .. position_i
+    joiners: int
+    gather: torch.Tensor | None  # (joiners, longest): packed index of each joiner's token (padding: 0)
+    prefill_mask: torch.Tensor | None  # (joiners, 1, longest, longest): causal within the joiner's context
+    valid: torch.Tensor | None  # (joiners * longest,) which padded positions are real tokens
+    width: int  # cache columns the step touches
+
+    @classmethod
+    def build(cls, decode: int, positions: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor) -> _SlotLayout:
+        width = int(positions.max()) + 1 if decode else 0
+        decode_mask = (torch.arange(width)[None, :] <= positions[:, None])[:, None, None, :] if decode else None
+        gather = prefill_mask = valid = None
+        if len(sizes):
+            longest = int(sizes.max())
+            columns = torch.arange(longest)
+            real = columns[None, :] < sizes[:, None]
+            gather = torch.where(real, decode + starts[:, None] + columns[None, :], 0)
+            prefill_mask = ((columns[:, None] >= columns[None, :])[None] & real[:, None, :])[:, None]
+            valid = real.reshape(-1)
+            width = max(width, longest)
+        return cls(decode, decode_mask, len(sizes), gather, prefill_mask, valid, width)
+
+
+_SLOT_ATTENTION = "sao_slot_attention"
+
+
+def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    sao_slot_layout: _SlotLayout | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+    """Attention of a packed engine step over the slot cache (registered with Transformers).
+
+    ``query`` is ``(1, heads, tokens, head_dim)`` in packed order; ``key`` / ``value`` are the whole slot
+    cache ``(slots, kv_heads, capacity, head_dim)`` (see :class:`_SlotCache`). Decode tokens attend to
+    their own slot up to their position; each joiner's tokens attend causally within their own slot. Two
+    ``scaled_dot_product_attention`` calls, grouped KV heads kept grouped. Without a layout (the model
+    used outside the engine) it is plain ``sdpa`` attention."""
+    if sao_slot_layout is None:
+        gqa = key.shape[1] != query.shape[1]
+        is_causal = attention_mask is None and query.shape[2] > 1
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling, is_causal=is_causal, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    layout = sao_slot_layout
+    packed = query[0].transpose(0, 1)  # (tokens, heads, head_dim)
+    parts = []
+    n = layout.decode
+    if n:
+        q = packed[:n].unsqueeze(2)  # (n, heads, 1, head_dim)
+        width = layout.decode_mask.shape[-1]
+        out = F.scaled_dot_product_attention(q, key[:n, :, :width], value[:n, :, :width],
+                                             attn_mask=layout.decode_mask, scale=scaling, enable_gqa=True)
+        parts.append(out[:, :, 0])
+    if layout.joiners:
+        longest = layout.gather.shape[1]
+        q = packed[layout.gather].transpose(1, 2)  # (joiners, heads, longest, head_dim)
+        rows = slice(n, n + layout.joiners)
+        out = F.scaled_dot_product_attention(q, key[rows, :, :longest], value[rows, :, :longest],
+                                             attn_mask=layout.prefill_mask, scale=scaling, enable_gqa=True)
+        parts.append(out.transpose(1, 2).flatten(0, 1)[layout.valid])  # (joiner tokens, heads, head_dim)
+    return torch.cat(parts).unsqueeze(0), None
+
+
+AttentionInterface.register(_SLOT_ATTENTION, _slot_attention)
+
+
+class _SlotCache(Cache):
+    """A KV cache with one slot per running request and each slot's own length.
+
+    Layer ``l`` keeps keys and values of shape ``(slots, kv_heads, capacity, head_dim)``; a request's
+    tokens sit at columns ``0 .. length-1`` of its slot, so a join writes only its own slot (no copy of the
+    batch's cache) and a finished request frees its slot. Before each forward the engine binds, for every
+    packed token, the slot and column it is written to; ``update`` writes them there and returns the whole
+    cache, which :func:`_slot_attention` reads slot by slot. Capacity grows by doubling up to
+    ``max_position_embeddings``.
+    """
+
+    def __init__(self, config: object, slots: int, dtype: torch.dtype) -> None:
+        super().__init__(layers=[])
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self._shape = (slots, text.num_key_value_heads, head_dim)
+        self._layers = text.num_hidden_layers
+        self._limit = getattr(text, "max_position_embeddings", None) or 1 << 20
+        self._dtype = dtype
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.capacity = 0
+        self._slots: torch.Tensor | None = None
+        self._columns: torch.Tensor | None = None
+        self.reserve(min(256, self._limit))
+
+    def reserve(self, width: int) -> None:
+        """Make room for ``width`` columns (grows by doubling; existing contents kept)."""
+        if width <= self.capacity:
+            return
+        if width > self._limit:
+            raise ValueError(f"a sequence of {width} tokens exceeds max_position_embeddings ({self._limit})")
+        capacity = min(max(width, 2 * self.capacity), self._limit)
+        slots, heads, head_dim = self._shape
+
+        def grown(old: torch.Tensor | None) -> torch.Tensor:
+            new = torch.zeros(slots, heads, capacity, head_dim, dtype=self._dtype)
+            if old is not None:
+                new[:, :, : old.shape[2]] = old
+            return new
+
+        self.keys = [grown(self.keys[i] if self.keys else None) for i in range(self._layers)]
+        self.values = [grown(self.values[i] if self.values else None) for i in range(self._layers)]
+        self.capacity = capacity
+
+    def bind(self, slots: torch.Tensor, columns: torch.Tensor) -> None:
+        """The next forward's packed tokens go to ``(slots[i], columns[i])``."""
+        self._slots, self._columns = slots, columns
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
+        """Copy the first ``width`` columns of slots ``src`` into slots ``dst``."""
+        for tensor in (*self.keys, *self.values):
+            tensor[dst, :, :width] = tensor[src, :, :width]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self._slots, :, self._columns] = key_states[0].transpose(0, 1)
+        values[self._slots, :, self._columns] = value_states[0].transpose(0, 1)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self._columns is None else int(self._columns.max()) + 1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

@@ -1,14 +1,16 @@
 """Weight publication through the Ray object store.
 
 The trainer puts a state dict into the object store once per version and tells the broker, a small
-named actor. Every rollout replica polls the broker and, on a newer version, fetches the weights
+named (async) actor. Every rollout replica keeps one request open at the broker that returns as soon as
+a newer version is published (or after a wait limit, to start again); it then fetches the weights
 (zero-copy for tensors on the same node) and hands them to its engine, which swaps them in between
-decode steps. Replicas acknowledge the version they run, so the publisher can measure how long a
+decode steps. Nothing polls on a timer, so an idle run costs the replicas nothing. Replicas acknowledge the version they run, so the publisher can measure how long a
 version takes to reach all of them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -33,13 +35,28 @@ class WeightBroker:
         self._refs: list = []
         self._published_at: dict[int, float] = {}
         self._acks: dict[str, tuple[int, float]] = {}
+        self._newer: asyncio.Event | None = None  # set (and replaced) on each publish
 
-    def publish(self, version: int, refs: list) -> int:
+    async def publish(self, version: int, refs: list) -> int:
         if version <= self._version:
             raise ValueError(f"version {version} is not newer than the published version {self._version}")
         self._version, self._refs = version, refs
         self._published_at[version] = time.time()
+        if self._newer is not None:
+            self._newer.set()
+            self._newer = None
         return version
+
+    async def wait_newer(self, version: int, timeout_s: float) -> tuple[int, list]:
+        """The newest (version, refs) as soon as it is newer than ``version``, or after ``timeout_s``."""
+        if self._version <= version:
+            if self._newer is None:
+                self._newer = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._newer.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        return self._version, self._refs
 
     def latest(self) -> tuple[int, list]:
         return self._version, self._refs
@@ -82,15 +99,19 @@ def publish_weights(broker, version: int, weights: Mapping[str, torch.Tensor]) -
 
 
 class WeightSubscriber:
-    """Polls the broker from a replica and applies newer weights through ``apply(version, weights)``."""
+    """Waits at the broker from a replica and applies newer weights through ``apply(version, weights)``.
+
+    Args:
+        wait_s: longest one request to the broker waits for a newer version before it is renewed.
+    """
 
     def __init__(self, broker, replica_id: str, current_version: Callable[[], int],
-                 apply: Callable[[int, Mapping[str, torch.Tensor]], None], interval_s: float = 0.02) -> None:
+                 apply: Callable[[int, Mapping[str, torch.Tensor]], None], wait_s: float = 1.0) -> None:
         self._broker = broker
         self._replica_id = replica_id
         self._current_version = current_version
         self._apply = apply
-        self._interval_s = interval_s
+        self._wait_s = wait_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-subscriber", daemon=True)
         self._thread.start()
@@ -99,18 +120,26 @@ class WeightSubscriber:
         import ray
 
         acked = -1
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.is_set():
             try:
-                version, refs = ray.get(self._broker.latest.remote())
-                if version > self._current_version() and refs:
-                    self._apply(version, ray.get(refs[0]))
                 running = self._current_version()
                 if running != acked:
                     self._broker.ack.remote(self._replica_id, running)
                     acked = running
-            except Exception:  # the broker may be restarting; try again next tick
-                log.exception("weight subscriber poll failed")
+                version, refs = ray.get(self._broker.wait_newer.remote(running, self._wait_s))
+                if version > self._current_version() and refs:
+                    self._apply(version, ray.get(refs[0]))
+                    self._wait_applied(version)
+            except Exception:  # the broker may be restarting; try again shortly
+                log.exception("weight subscriber request failed")
+                self._stop.wait(self._wait_s)
+
+    def _wait_applied(self, version: int) -> None:
+        """Until the engine runs ``version`` (it swaps between decode steps), so the ack is prompt."""
+        deadline = time.monotonic() + 60
+        while self._current_version() < version and not self._stop.is_set() and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self._wait_s + 5)

