@@ -1,4 +1,4 @@
-"""Prefect flow ``train``: warm start, asynchronous SAO training, evaluation, report.
+"""Prefect flow ``train``: warm start, value pretraining, asynchronous SAO training, evaluation, report.
 
 Each stage is a task calling a function of :mod:`sao.runs`; the flow's parameters are typed, so the
 Prefect UI shows them as a form. Re-running the flow with the same ``run_id`` resumes the run (every
@@ -50,6 +50,31 @@ def evaluate(settings: RunSettings, version: int) -> runs.Evaluation:
     result = runs.evaluate(settings, version)
     get_run_logger().info("version %d: held-out accuracy %.3f ± %.3f", version, result.accuracy, result.stderr)
     return result
+
+
+@task(name="pretrain-value")  # writes the version-0 critic: not retried (a re-run of the flow resumes it)
+def pretrain_value(settings: RunSettings, policy_path: str) -> dict | None:
+    logger = get_run_logger()
+    report = runs.pretrain_value(settings, policy_path)
+    if report is None:
+        logger.info("value pretraining: skipped (value_samples=0, no critic, or done already)")
+        return None
+    logger.info("value pretraining on %d version-0 rollouts of run %s: held-out value loss %.4f -> %.4f, "
+                "explained variance %s -> %s", report.num_train + report.num_heldout, report.data_run_id,
+                report.loss_before, report.loss_after, _fmt(report.explained_variance_before),
+                _fmt(report.explained_variance_after))
+    rows = [{"figure": "held-out value loss", "before": round(report.loss_before, 5),
+             "after": round(report.loss_after, 5)},
+            {"figure": "explained variance", "before": report.explained_variance_before,
+             "after": report.explained_variance_after}]
+    create_table_artifact(rows, key=artifact_key(settings.run_id, "pretrain-value"),
+                          description=f"value pretraining of run {settings.run_id} on {report.num_train} + "
+                                      f"{report.num_heldout} version-0 rollouts (run {report.data_run_id})")
+    return {"loss_before": report.loss_before, "loss_after": report.loss_after, "seconds": round(report.seconds, 1)}
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 METRICS_SHOWN = ("batch/reward_mean", "actor/kept_frac", "batch/staleness_mean", "critic/loss",
@@ -105,18 +130,22 @@ def train(
     num_replicas: int = _DEFAULTS.num_replicas,
     trainer_workers: int = _DEFAULTS.trainer_workers,
     eval_tasks: int = _DEFAULTS.eval_tasks,
+    value_samples: int = _DEFAULTS.value_samples,
     workdir: str = _DEFAULTS.workdir,
     lake_root: str = _DEFAULTS.lake_root,
     ray_address: str | None = _DEFAULTS.ray_address,
     seed: int = _DEFAULTS.seed,
 ) -> dict:
-    """Warm-start, train asynchronously with SAO (or a baseline), evaluate before and after, report."""
+    """Warm-start, pretrain the critic on version-0 rollouts, train asynchronously with SAO (or a
+    baseline), evaluate before and after, report."""
     settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
                            max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
-                           trainer_workers=trainer_workers, eval_tasks=eval_tasks, workdir=workdir,
+                           trainer_workers=trainer_workers, eval_tasks=eval_tasks, value_samples=value_samples,
+                           workdir=workdir,
                            lake_root=lake_root, ray_address=ray_address, seed=seed)
     policy_path = warm_start(settings)
     before = evaluate(settings, 0)
+    pretrain_value(settings, policy_path)
     trained = train_async(settings, policy_path)
     after = evaluate(settings, trained["version"])
     summary = report(settings, [before, after], trained)

@@ -44,6 +44,8 @@ class RunSettings:
         trainer_workers: Ray Train workers.
         max_in_flight: trajectories generated at once.
         eval_tasks: held-out tasks for the accuracy before and after.
+        value_samples: version-0 rollouts value pretraining fits the critic on before the first step
+            (0 skips value pretraining; the paper used about 6k).
         sft_seed: seed of the SFT warm start.
         seed: seed of the run (task order, sampling, torch).
     """
@@ -63,6 +65,7 @@ class RunSettings:
     trainer_workers: int = 1
     max_in_flight: int = 64
     eval_tasks: int = 300
+    value_samples: int = 256
     sft_seed: int = 0
     seed: int = 0
 
@@ -77,6 +80,8 @@ class RunSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.value_samples != 0 and self.value_samples < 2:
+            raise ValueError(f"value_samples must be 0 (no value pretraining) or >= 2, got {self.value_samples}")
 
     @property
     def run_dir(self) -> Path:

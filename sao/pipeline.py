@@ -190,6 +190,37 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
                           driver=driver_result["stats"], wall_s=time.monotonic() - started, train_s=train_s)
 
 
+def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, count: int, *,
+                     on_record: Callable[[object], None] | None = None) -> DriverStats:
+    """Roll out ``count`` tasks with the run's version-0 policy into the lake under ``run_id``, with no
+    training (the data of value pretraining). Idempotent: only what the run lacks is rolled out."""
+    from ray import serve
+
+    from sao.rollout.serve import start_rollout_app
+
+    init_ray(cfg.ray)
+    lake = Lake.open(cfg.train.lake)
+    stored = lake.read("trajectories", columns=["trajectory_id"], predicate=f"run_id = {sql_literal(run_id)}").num_rows
+    missing = count - stored
+    if missing <= 0:
+        return DriverStats()
+    app_name = f"{cfg.app_name}-collect"
+    rollout = RolloutConfig(policy_path=_current_policy_path(cfg.train, 0), app_name=app_name, initial_version=0,
+                            num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
+                            agent=cfg.agent, env_options=cfg.env_options)
+    handle = start_rollout_app(rollout)
+    writer = TrajectoryWriter(lake, cfg.writer, writer_id=f"{run_id}-driver")
+    issue_log = IssueLog(lake, cfg.writer, issuer_id=f"{run_id}-driver")
+    driver = RolloutDriver(handle, writer, run_id, DriverConfig(max_in_flight=cfg.max_in_flight, seed=cfg.seed),
+                           on_record=on_record, issue_log=issue_log)
+    try:
+        return asyncio.run(driver.run(task_stream(tasks, cfg.seed, start=stored), limit=missing))
+    finally:
+        issue_log.flush()
+        writer.close()
+        serve.delete(app_name)
+
+
 class _StepWatcher:
     """Calls ``on_step`` for each step the run commits (read from ``train_steps``), wherever the
     trainer runs: the lake is where progress is visible."""

@@ -1,6 +1,7 @@
 """The stages of a training run, as plain functions: the Prefect flows and the CLI call these.
 
     warm_start      SFT on math_tool demonstrations -> the run's version-0 policy (skipped if present)
+    pretrain_value  version-0 rollouts into the lake, then the version-0 critic fitted on them
     train_async     the asynchronous pipeline (:func:`sao.pipeline.run_pipeline`) for the run's steps
     evaluate        sampled accuracy (temperature 1) of a version on held-out tasks
     summarize       plots from the lake and a short text summary
@@ -21,12 +22,14 @@ from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
 from sao.lake.store import Lake, sql_literal
 from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
+from sao.runtime import init_ray
 from sao.train.checkpoint import checkpoint_dir
-from sao.train.loop import StepReport, TrainConfig
+from sao.train.loop import StepReport, TrainConfig, prepare_run
+from sao.train.pretrain import PretrainReport
 from sao.train.run_config import RolloutSettings
 
-__all__ = ["Evaluation", "evaluate", "math_tasks", "pipeline_config", "policy_dir", "summarize", "train_async",
-           "warm_start"]
+__all__ = ["Evaluation", "evaluate", "math_tasks", "pipeline_config", "policy_dir", "pretrain_value", "summarize",
+           "train_async", "value_data_run", "warm_start"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,41 @@ def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineC
     )
     return PipelineConfig(train=train, ray=settings.ray(), num_replicas=settings.num_replicas,
                           agent=settings.agent(), max_in_flight=settings.max_in_flight, seed=settings.seed)
+
+
+def value_data_run(settings: RunSettings) -> str:
+    """The run that holds the version-0 rollouts value pretraining fits the critic on."""
+    return f"{settings.run_id}-v0"
+
+
+def pretrain_value(settings: RunSettings, policy_path: str | Path,
+                   on_record: Callable[[object], None] | None = None) -> PretrainReport | None:
+    """Value pretraining before the first step (SAO.md section 3), when ``settings.value_samples`` > 0:
+    roll out ``value_samples`` tasks with the version-0 policy into the lake as run
+    :func:`value_data_run` (its own run: auditable, never trained on), then fit the run's version-0
+    critic on them (:func:`sao.train.pretrain.pretrain_value`). Skipped (None) when the run has
+    pretrained or trained already, so a resumed run does not redo it."""
+    from sao.pipeline import collect_rollouts
+    from sao.train.pretrain import REPORT_FILE, PretrainConfig
+    from sao.train.pretrain import pretrain_value as fit_critic
+
+    config = pipeline_config(settings, policy_path)
+    train = config.train
+    if settings.value_samples == 0 or not train.update.uses_critic:
+        return None
+    if (checkpoint_dir(train.checkpoint_root, 0) / "critic" / REPORT_FILE).exists():
+        log.info("value pretraining: done already for run %s", settings.run_id)
+        return None
+    init_ray(config.ray)
+    if prepare_run(train) != 0:
+        log.info("value pretraining: run %s has trained already", settings.run_id)
+        return None
+    data = dataclasses.replace(train, run_id=value_data_run(settings),
+                               checkpoint_root=str(Path(train.checkpoint_root).parent / "v0-data-checkpoints"))
+    prepare_run(data)  # the data run's version 0: the same weights, registered under its own id
+    collect_rollouts(dataclasses.replace(config, train=data), math_tasks(Split.TRAIN, train.rollout.tasks_path),
+                     data.run_id, settings.value_samples, on_record=on_record)
+    return fit_critic(train, PretrainConfig(num_samples=settings.value_samples, data_run_id=data.run_id))
 
 
 def train_async(settings: RunSettings, policy_path: str | Path,

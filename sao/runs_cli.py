@@ -39,7 +39,8 @@ def run_flow(settings: RunSettings) -> dict:
                       batch_size=settings.batch_size, max_staleness=settings.max_staleness,
                       lr_policy=settings.lr_policy, num_replicas=settings.num_replicas,
                       trainer_workers=settings.trainer_workers, eval_tasks=settings.eval_tasks,
-                      workdir=settings.workdir, lake_root=settings.lake_root, ray_address=settings.ray_address,
+                      value_samples=settings.value_samples, workdir=settings.workdir,
+                      lake_root=settings.lake_root, ray_address=settings.ray_address,
                       seed=settings.seed)
 
 
@@ -65,6 +66,8 @@ def train(
     num_replicas: int = typer.Option(_DEFAULTS.num_replicas, min=1, help="Serve rollout replicas."),
     trainer_workers: int = typer.Option(_DEFAULTS.trainer_workers, min=1, help="Ray Train workers."),
     eval_tasks: int = typer.Option(_DEFAULTS.eval_tasks, min=1, help="Held-out tasks evaluated before/after."),
+    value_samples: int = typer.Option(_DEFAULTS.value_samples, min=0,
+                                      help="Version-0 rollouts the critic is pretrained on (0: no value pretraining)."),
     workdir: str = typer.Option(_DEFAULTS.workdir, help="Run files go to WORKDIR/RUN_ID."),
     lake: str = typer.Option(_DEFAULTS.lake_root, help="Lake root: a folder or s3://bucket/prefix."),
     ray_address: str | None = typer.Option(None, help="Join a Ray cluster (auto or ray://host:10001)."),
@@ -79,8 +82,9 @@ def train(
     try:
         settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
                                max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
-                               trainer_workers=trainer_workers, eval_tasks=eval_tasks, workdir=workdir,
-                               lake_root=lake, ray_address=ray_address, seed=seed)
+                               trainer_workers=trainer_workers, eval_tasks=eval_tasks,
+                               value_samples=value_samples, workdir=workdir, lake_root=lake,
+                               ray_address=ray_address, seed=seed)
     except ValueError as error:
         raise fail(str(error)) from None
     started = time.monotonic()
@@ -89,8 +93,9 @@ def train(
 
 
 def demo() -> None:
-    """The end-to-end demo on embedded defaults: SFT warm start, SAO with Ray Serve rollouts into a
-    local Delta lake and Ray Train updates read from it, accuracy before and after, SQL to try."""
+    """The end-to-end demo on embedded defaults: SFT warm start, value pretraining, SAO with Ray Serve
+    rollouts into a local Delta lake and Ray Train updates read from it, accuracy before and after, SQL
+    to try."""
     settings = RunSettings()
     typer.echo(f"sao demo: run '{settings.run_id}' in {settings.run_dir}, lake at ./{settings.lake_root} "
                f"({settings.steps} SAO steps of {settings.batch_size} trajectories; about 6-10 minutes on 2 cores)")

@@ -2,8 +2,9 @@
 
 Every worker reads its shard of each step's trajectories from the pinned Delta snapshot; gradients are
 summed across workers over the gloo (CPU) or NCCL process group that TorchTrainer sets up. Rank 0
-commits the step to the lake and publishes the weights. Each committed step is also reported to Ray
-Train (``ray.train.report``) so the Ray dashboard shows progress; the lake stays the record.
+commits the step to the lake and publishes the weights. Committed steps are also reported to Ray Train
+(``ray.train.report``, at most every ``TrainConfig.report_interval_s``: a report can block the step
+until Ray Train's controller polls) so the Ray dashboard shows progress; the lake has every step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def _train_func(config: dict) -> None:
     cfg: TrainConfig = config["config"]
 
     def report(step_report) -> None:
-        ray.train.report({"step": step_report.step, "version": step_report.version, **step_report.metrics})
+        if step_report.report_due:  # at most every TrainConfig.report_interval_s: each report can block
+            ray.train.report({"step": step_report.step, "version": step_report.version, **step_report.metrics})
 
     train_worker(cfg, max_steps=config.get("max_steps"), on_step=report)
 

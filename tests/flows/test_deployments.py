@@ -35,7 +35,7 @@ from sao.prefect_server import LOOPBACK, free_port, port_in_use, prefect_env
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = {"steps": 2, "batch_size": 4, "eval_tasks": 4, "num_replicas": 1}
+TINY = {"steps": 2, "batch_size": 4, "eval_tasks": 4, "num_replicas": 1, "value_samples": 0}  # pretraining: test_train_flow
 PREFECT_COMMANDS = {  # what README.md tells a user to run for prefect.yaml (tests/test_readme.py checks)
     "create_pool": ("work-pool", "create", "sao-local", "--type", "process"),
     "deploy": ("--no-prompt", "deploy", "--all"),

@@ -1,11 +1,13 @@
-"""The Prefect flow `train`, end to end on a tiny run: warm start reused, Serve rollouts into the lake,
-Ray Train updates, evaluation, report artifacts."""
+"""The Prefect flow `train`, end to end on a tiny run: warm start reused, value pretraining on version-0
+rollouts, Serve rollouts into the lake, Ray Train updates, evaluation, report artifacts."""
 
+import json
 import shutil
 
 import pytest
 
 from sao.lake.store import Lake
+from sao.train.pretrain import REPORT_FILE
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -24,13 +26,18 @@ def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_sessio
     from flows.train import artifact_key, train
 
     shutil.copytree(policy_dir, tmp_path / "runs" / "tiny" / "sft")  # the warm start is reused
-    result = train(run_id="tiny", steps=2, batch_size=4, eval_tasks=4, num_replicas=1,
+    result = train(run_id="tiny", steps=2, batch_size=4, eval_tasks=4, num_replicas=1, value_samples=8,
                    workdir=str(tmp_path / "runs"), lake_root=str(tmp_path / "lake"))
     assert result["version"] == 2
     assert 0.0 <= result["accuracy_before"] <= 1.0 and 0.0 <= result["accuracy_after"] <= 1.0
     lake = Lake.open(str(tmp_path / "lake"))
     assert lake.read("train_steps").num_rows == 2
-    assert lake.read("trajectories").num_rows >= 8
+    assert lake.read("trajectories", predicate="run_id = 'tiny'").num_rows >= 8
+    # Value pretraining: version-0 rollouts stored as their own run, the version-0 critic fitted on them.
+    assert lake.read("trajectories", predicate="run_id = 'tiny-v0'").num_rows == 8
+    assert lake.read("policy_versions", predicate="run_id = 'tiny-v0'").column("version").to_pylist() == [0]
+    report = json.loads((tmp_path / "runs" / "tiny" / "checkpoints" / "v000000" / "critic" / REPORT_FILE).read_text())
+    assert report["data_run_id"] == "tiny-v0" and report["num_train"] + report["num_heldout"] == 8
     assert (tmp_path / "runs" / "tiny" / "plots" / "learning_curve.png").exists()
 
     async def artifacts():
@@ -40,4 +47,4 @@ def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_sessio
     import asyncio
 
     keys = {a.key for a in asyncio.run(artifacts())}
-    assert {artifact_key("tiny", "progress"), artifact_key("tiny", "report"), artifact_key("tiny", "metrics")} <= keys
+    assert {artifact_key("tiny", what) for what in ("progress", "report", "metrics", "pretrain-value")} <= keys

@@ -126,3 +126,13 @@ def test_a_killed_trainer_resumes_with_no_trajectory_consumed_twice_or_skipped(t
     consumed = consumed_ids(lake, cfg.run_id).to_pylist()
     assert len(consumed) == len(set(consumed)) == 12
     assert sorted(consumed) == sorted(ids)
+
+
+@pytest.mark.parametrize(("interval", "due"), [(0.0, [True, True, True]), (1e9, [True, False, True])])
+def test_steps_are_passed_on_to_ray_train_at_most_every_report_interval(tmp_path, policy_dir, tokenizer, interval,
+                                                                         due):
+    cfg = make_config(tmp_path, policy_dir, total_steps=3, report_interval_s=interval)
+    prepare_run(cfg)
+    roll_out(policy_dir, tokenizer, Lake.open(cfg.lake), cfg.run_id, 12)
+    reports = run_training(cfg)
+    assert [r.report_due for r in reports] == due  # the first and the last step always
