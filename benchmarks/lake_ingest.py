@@ -152,7 +152,7 @@ def _full_rows(table: pa.Table) -> pa.Table:
     }
     for name, column in extra.items():
         table = table.append_column(trajectories.SCHEMA.field(name), column)
-    return table.cast(trajectories.SCHEMA)
+    return table.select(trajectories.SCHEMA.names).cast(trajectories.SCHEMA)
 
 
 def _writer_process(

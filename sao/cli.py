@@ -23,6 +23,7 @@ app = typer.Typer(
 BENCHMARKS: dict[str, str] = {
     "lake": "lake_ingest",
     "learning": "learning",
+    "routing": "routing",
     "rollout": "rollout",
     "sft": "sft_warmstart",
 }

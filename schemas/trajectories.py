@@ -16,10 +16,27 @@ Invariants (checked on write by ``sao.lake.validate``; a row that breaks one goe
 Columns set by the lake writer, not by the producer: see :data:`WRITER_FIELDS`.
 
 Schema evolution: bump :data:`SCHEMA_VERSION` and append new fields at the end as nullable; opening a
-lake adds such fields to an older table (old rows read null) and refuses any other difference. The first
-planned addition (version 2) is ``routed_experts``: for MoE policies, the expert ids the router chose per
-action token, stored compactly as ``list<binary>`` (one entry per action token, ``layers * top_k`` uint8
-ids each), null for dense policies and for rows written before it existed.
+lake adds such fields to an older table (old rows read null) and refuses any other difference. Fields a
+producer provides keep their place after the writer's fields of older versions (the table's column order
+is the order of the versions that added them); :data:`RECORD_SCHEMA` lists every producer field.
+
+Version 2 (routing record and replay, R3; :mod:`sao.models.routing`) adds, for mixture-of-experts
+policies whose engine records routing:
+
+    ``routed_experts``: ``list<binary>``, one entry per token the engine ran through the model, in
+        order: position ``i < P`` is prompt token ``i`` (P = len(prompt_ids)), position ``P + t`` is
+        completion token ``t``. The list covers a prefix of those ``P + n`` tokens: normally all but the
+        last completion token (sampling it ended the trajectory; it was never an input), and none of the
+        observation tokens appended after the last generation. An entry holds ``layers * top_k`` uint8
+        expert ids, layer-major, each layer's ids in the router's top-k order (most probable first).
+        Which forward's routing a token holds: the latest one that ran it. In a multi-turn trajectory the
+        next turn's prompt (the whole context) is run again, so action tokens of earlier turns and every
+        observation token hold the routing of the next turn's prefill; tokens run again after a weight
+        update (the torch engine's recompute) hold the new version's routing.
+    ``router_top_k``: int32, K (experts per token per layer); ``layers = len(entry) / K``.
+
+Both are null for dense policies, engines that do not record routing (vLLM) and rows written before
+version 2. The trainer replays recorded positions and routes the rest live (:mod:`sao.train.step`).
 """
 
 from __future__ import annotations
@@ -45,7 +62,7 @@ __all__ = [
 ]
 
 NAME = "trajectories"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 """What a run id must match in full: it names a partition folder and appears in SQL predicates."""
@@ -220,11 +237,24 @@ _WRITER_FIELDS = [
     ),
 ]
 
-RECORD_SCHEMA = pa.schema(_PRODUCER_FIELDS)
+_PRODUCER_FIELDS_V2 = [
+    doc_field(
+        "routed_experts",
+        list_of(pa.binary()),
+        True,
+        "MoE routing per token the engine ran (prompt then completion, a prefix of them): layers * top_k "
+        "uint8 expert ids each, layer-major, top-k order. Null for dense policies / no record.",
+    ),
+    doc_field(
+        "router_top_k", pa.int32(), True, "Experts per token per layer (K) of routed_experts; null with it."
+    ),
+]
+
+RECORD_SCHEMA = pa.schema(_PRODUCER_FIELDS + _PRODUCER_FIELDS_V2)
 """The columns a producer (rollout worker) provides: ``TrajectoryRecord.to_row()`` has these keys."""
 
-SCHEMA = pa.schema(_PRODUCER_FIELDS + _WRITER_FIELDS)
-"""The full table schema."""
+SCHEMA = pa.schema(_PRODUCER_FIELDS + _WRITER_FIELDS + _PRODUCER_FIELDS_V2)
+"""The full table schema (version 2 fields appended after version 1's writer fields)."""
 
 WRITER_FIELDS = tuple(f.name for f in _WRITER_FIELDS)
 """Columns the lake writer sets when it stores a row."""

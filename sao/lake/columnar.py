@@ -47,6 +47,10 @@ def records_to_arrow(records: Sequence[TrajectoryRecord]) -> pa.Table:
     columns["num_turns"] = pa.array([int(r.num_turns) for r in records], pa.int32())
     columns["sampling"] = _struct_column("sampling", [r.sampling.to_row() for r in records])
     columns["timings"] = _struct_column("timings", [r.timings.to_row() for r in records])
+    columns["routed_experts"] = _routing_column(records)
+    columns["router_top_k"] = pa.array(
+        [None if r.routed_experts is None else int(r.routed_experts.shape[2]) for r in records], pa.int32()
+    )
     return pa.table([columns[name] for name in RECORD_SCHEMA.names], schema=RECORD_SCHEMA)
 
 
@@ -66,6 +70,27 @@ def _list_column(name: str, arrays: list[np.ndarray | None]) -> pa.Array:
     return pa.ListArray.from_arrays(
         pa.array(offsets.astype(np.int32)), pa.array(values, value_type), type=list_type, mask=mask
     )
+
+
+def _routing_column(records: Sequence[TrajectoryRecord]) -> pa.Array:
+    """``routed_experts``: per record a list of R entries of M * K bytes, one binary buffer for the batch."""
+    arrays = [r.routed_experts for r in records]
+    present = [a for a in arrays if a is not None]
+    entries = np.fromiter((0 if a is None else a.shape[0] for a in arrays), np.int64, len(arrays))
+    list_offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(entries, out=list_offsets[1:])
+    entry_sizes = np.concatenate([np.full(a.shape[0], a.shape[1] * a.shape[2], np.int64) for a in present]
+                                 or [np.zeros(0, np.int64)])
+    byte_offsets = np.zeros(len(entry_sizes) + 1, dtype=np.int64)
+    np.cumsum(entry_sizes, out=byte_offsets[1:])
+    if byte_offsets[-1] > np.iinfo(np.int32).max:
+        raise ValueError("routed_experts: more than 2**31 bytes in one batch; flush smaller batches")
+    data = np.concatenate([a.reshape(-1) for a in present]) if present else np.zeros(0, np.uint8)
+    values = pa.Array.from_buffers(pa.binary(), len(entry_sizes),
+                                   [None, pa.py_buffer(byte_offsets.astype(np.int32)), pa.py_buffer(data)])
+    mask = pa.array([a is None for a in arrays], pa.bool_()) if len(present) < len(arrays) else None
+    return pa.ListArray.from_arrays(pa.array(list_offsets), values,
+                                    type=RECORD_SCHEMA.field("routed_experts").type, mask=mask)
 
 
 def _segments_column(records: Sequence[TrajectoryRecord]) -> pa.Array:

@@ -31,6 +31,8 @@ __all__ = [
     "Timings",
     "TrainStepRecord",
     "TrajectoryRecord",
+    "decode_routing",
+    "routing_entries",
     "utc_now",
 ]
 
@@ -156,6 +158,9 @@ class TrajectoryRecord:
         sampling, timings: engine settings and rollout timings.
         tokenizer_version, chat_template_version, engine_name, engine_version, worker_id: provenance.
         token_rewards: optional (n,) float32 step rewards.
+        routed_experts: optional (R, M, K) uint8 MoE routing, R <= P + n: the expert ids of the first R
+            tokens of prompt + completion, per MoE layer (M) in the router's top-k order (K); see
+            ``routed_experts`` in :mod:`schemas.trajectories` for which tokens and which forward.
     """
 
     trajectory_id: str
@@ -179,6 +184,7 @@ class TrajectoryRecord:
     worker_id: str
     timings: Timings
     token_rewards: npt.NDArray[np.float32] | None = None
+    routed_experts: npt.NDArray[np.uint8] | None = None
 
     def __post_init__(self) -> None:
         for name in (*STRING_FIELDS, "logprob_kind", "termination_reason"):
@@ -193,6 +199,8 @@ class TrajectoryRecord:
         set_(self, "logprobs", _float32_array("logprobs", self.logprobs))
         if self.token_rewards is not None:
             set_(self, "token_rewards", _float32_array("token_rewards", self.token_rewards))
+        if self.routed_experts is not None:
+            set_(self, "routed_experts", _routing_array(self.routed_experts))
         set_(self, "segments", tuple(_segment(i, s) for i, s in enumerate(self.segments)))
         if not isinstance(self.sampling, SamplingParams):
             raise RecordTypeError(
@@ -253,6 +261,8 @@ class TrajectoryRecord:
             "engine_version": self.engine_version,
             "worker_id": self.worker_id,
             "timings": self.timings.to_row(),
+            "routed_experts": None if self.routed_experts is None else routing_entries(self.routed_experts),
+            "router_top_k": None if self.routed_experts is None else int(self.routed_experts.shape[2]),
         }
 
     @classmethod
@@ -291,6 +301,7 @@ class TrajectoryRecord:
             worker_id=_get(row, "worker_id"),
             timings=timings,
             token_rewards=row.get("token_rewards"),
+            routed_experts=decode_routing(row.get("routed_experts"), row.get("router_top_k")),
         )
 
 
@@ -406,6 +417,47 @@ def _float32_array(name: str, value: Any) -> npt.NDArray[np.float32]:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
+def _routing_array(value: Any) -> npt.NDArray[np.uint8]:
+    if isinstance(value, np.ndarray):
+        array = value
+    else:
+        try:
+            array = np.asarray(value.cpu() if hasattr(value, "cpu") else value)
+        except (TypeError, ValueError) as error:
+            raise RecordTypeError("routed_experts", f"is not a regular array ({error})") from None
+    if array.ndim != 3 or array.shape[1] < 1 or array.shape[2] < 1:
+        raise RecordTypeError("routed_experts", f"needs shape (tokens, layers >= 1, top_k >= 1), got {array.shape}")
+    if array.dtype.kind not in "iu":
+        raise RecordTypeError("routed_experts", f"needs integer expert ids, got dtype {array.dtype}")
+    if array.size and (array.min() < 0 or array.max() > 255):
+        raise RecordTypeError("routed_experts", "has expert ids outside [0, 255] (stored as uint8)")
+    return np.ascontiguousarray(array, dtype=np.uint8)
+
+
+def routing_entries(routed_experts: npt.NDArray[np.uint8]) -> list[bytes]:
+    """(R, M, K) uint8 routing as the ``routed_experts`` column's R entries of M * K bytes."""
+    tokens, layers, top_k = routed_experts.shape
+    return [row.tobytes() for row in routed_experts.reshape(tokens, layers * top_k)]
+
+
+def decode_routing(entries: Sequence[bytes] | None, top_k: int | None) -> npt.NDArray[np.uint8] | None:
+    """Inverse of :func:`routing_entries`: the ``routed_experts`` column of one row as (R, M, K) uint8
+    (None when the row has no routing). Raises :class:`RecordTypeError` on entries of unequal size or a
+    size that is not a multiple of ``top_k``. Entries may be hex strings (a row written as JSON)."""
+    if entries is None:
+        return None
+    entries = [bytes.fromhex(e) if isinstance(e, str) else bytes(e) for e in entries]  # JSON (json_safe): hex
+    if top_k is None or top_k < 1:
+        raise RecordTypeError("router_top_k", f"needs an int >= 1 beside routed_experts, got {top_k!r}")
+    sizes = {len(e) for e in entries}
+    if len(sizes) > 1 or any(size == 0 or size % top_k for size in sizes):
+        raise RecordTypeError("routed_experts", f"entries of {sorted(sizes)} bytes: all must have the same "
+                              f"size, a positive multiple of router_top_k = {top_k}")
+    size = sizes.pop() if sizes else top_k
+    flat = np.frombuffer(b"".join(entries), dtype=np.uint8)
+    return flat.reshape(len(entries), size // top_k, top_k)
+
+
 def _check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise RecordTypeError(name, f"needs an int, got {type(value).__name__}")
@@ -469,6 +521,8 @@ def json_safe(value: Any) -> Any:
         return number
     if isinstance(value, dt.datetime):
         return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
     if isinstance(value, np.ndarray):
         return [json_safe(v) for v in value.tolist()]
     if isinstance(value, np.integer):

@@ -145,13 +145,19 @@ class Lake:
             if unknown:
                 raise KeyError(f"table {name} has no column(s) {unknown}")
             schema = pa.schema([schema.field(c) for c in columns])
+        # A snapshot from before a schema version added nullable columns reads them as null.
+        present = set(pa.schema(table.schema().to_arrow()).names)
+        added = [f for f in schema if f.name not in present and f.nullable]
+        scanned = [n for n in schema.names if n in present or not any(f.name == n for f in added)]
         try:
-            data = pa.table(table.scan(columns=list(schema.names), predicate=predicate).read_all())
+            data = pa.table(table.scan(columns=scanned, predicate=predicate).read_all())
         except Exception as error:  # delta-rs raises plain Exception from the Arrow C stream
             raise LakeError(
                 f"reading table {name} at version {table.version()} failed (a file vacuumed away, or "
                 f"a bad predicate {predicate!r}?): {error}"
             ) from error
+        for f in added:
+            data = data.append_column(f.name, pa.nulls(data.num_rows, f.type))
         return data.select(schema.names).cast(schema)
 
     def _ensure_table(self, spec: TableSpec, *, create: bool) -> None:

@@ -31,6 +31,10 @@ Rules (``Rule`` value: what must hold):
     num_turns_negative: num_turns >= 0.
     sampling_invalid: temperature >= 0, 0 < top_p <= 1, top_k null or >= 1, max_tokens >= 1.
     timings_invalid: generation_s and tool_s finite and >= 0; created_at <= started_at <= finished_at.
+    routing_invalid: with ``routed_experts``, ``router_top_k`` >= 1; at most P + n entries (P prompt
+        tokens: the routing covers a prefix of prompt + completion); every entry of the same size, a
+        positive multiple of ``router_top_k``. (Expert ids below the model's expert count are checked
+        where the model is known: the trainer's replay, :func:`sao.models.routing.replay_routing`.)
     payload_too_large: within :class:`sao.lake.config.SizeLimits` (tokens per list, segments, bytes
         per string field); reported once, for the first field over its limit.
 """
@@ -83,6 +87,7 @@ class Rule(enum.StrEnum):
     NUM_TURNS_NEGATIVE = "num_turns_negative"
     SAMPLING_INVALID = "sampling_invalid"
     TIMINGS_INVALID = "timings_invalid"
+    ROUTING_INVALID = "routing_invalid"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     TYPE = "type"  # the record could not be read as a TrajectoryRecord (wrong type, missing field)
 
@@ -289,6 +294,38 @@ def _reference_checks(
     problem = _reference_timings(r["timings"])
     if problem is not None:
         yield Rule.TIMINGS_INVALID, problem[0], None, problem[1]
+    problem = _reference_routing(r["routed_experts"], r["router_top_k"], len(r["prompt_ids"]) + n)
+    if problem is not None:
+        yield (Rule.ROUTING_INVALID, *problem)
+
+
+def _reference_routing(entries: list[bytes] | None, top_k: int | None, tokens: int,
+                       ) -> tuple[str, int | None, str] | None:
+    if entries is None and top_k is None:
+        return None
+    if entries is None or top_k is None or top_k < 1:
+        return "router_top_k", None, _top_k_message(top_k, entries is None)
+    if len(entries) > tokens:
+        return "routed_experts", None, _routing_length_message(len(entries), tokens)
+    for i, entry in enumerate(entries):
+        if len(entry) != len(entries[0]) or len(entry) == 0 or len(entry) % top_k:
+            return "routed_experts", i, _entry_message(i, len(entry), len(entries[0]), top_k)
+    return None
+
+
+def _top_k_message(top_k: int | None, no_entries: bool) -> str:
+    if no_entries:
+        return f"router_top_k = {top_k} without routed_experts (both or neither)"
+    return f"router_top_k = {top_k} must be an int >= 1 beside routed_experts"
+
+
+def _routing_length_message(entries: int, tokens: int) -> str:
+    return f"routed_experts has {entries} entries, more than the {tokens} tokens of prompt_ids and completion_ids"
+
+
+def _entry_message(i: int, size: int, first: int, top_k: int) -> str:
+    return (f"routed_experts[{i}] has {size} bytes; every entry must have the same size ({first} bytes in "
+            f"entry 0), a positive multiple of router_top_k = {top_k}")
 
 
 def _reference_tiling(
@@ -753,6 +790,36 @@ def _check_timings(b: _Batch) -> Iterator[Violation]:
     yield from _first_scalar_problem(b.rows, Rule.TIMINGS_INVALID, checks)
 
 
+def _check_routing(b: _Batch) -> Iterator[Violation]:
+    column = b.table["routed_experts"].combine_chunks()
+    has_entries = ~_numpy(column.is_null())
+    top_k_column = b.table["router_top_k"]
+    has_top_k = ~_numpy(top_k_column.is_null())
+    top_k = _numpy(top_k_column, fill=0).astype(np.int64)
+    entries = _Lists.of(column)
+    tokens = _numpy(pc.list_value_length(b.table["prompt_ids"]).fill_null(0)).astype(np.int64) + b.n
+    bad_top_k = (has_entries | has_top_k) & ~(has_entries & has_top_k & (top_k >= 1))
+    too_long = has_entries & ~bad_top_k & (entries.lengths > tokens)
+    for row in np.flatnonzero(bad_top_k).tolist():
+        value = int(top_k[row]) if has_top_k[row] else None
+        yield Violation(row, Rule.ROUTING_INVALID, "router_top_k", None, _top_k_message(value, not has_entries[row]))
+    for row in np.flatnonzero(too_long).tolist():
+        message = _routing_length_message(int(entries.lengths[row]), int(tokens[row]))
+        yield Violation(row, Rule.ROUTING_INVALID, "routed_experts", None, message)
+    checked = has_entries & ~bad_top_k & ~too_long
+    if not checked.any():
+        return
+    sizes = _numpy(pc.binary_length(column.flatten())).astype(np.int64)
+    first = np.where(entries.lengths > 0, sizes[np.minimum(entries.starts, max(len(sizes) - 1, 0))]
+                     if len(sizes) else 0, 0)
+    row_top_k = top_k[entries.rows]
+    bad = (sizes != first[entries.rows]) | (sizes == 0) | (sizes % np.maximum(row_top_k, 1) != 0)
+    bad &= checked[entries.rows]
+    for row, i, index in _first(entries.rows, entries.starts, bad):
+        message = _entry_message(i, int(sizes[index]), int(first[row]), int(top_k[row]))
+        yield Violation(row, Rule.ROUTING_INVALID, "routed_experts", i, message)
+
+
 def _first_scalar_problem(
     rows: int, rule: Rule, checks: list[tuple[np.ndarray, Callable[[int], tuple[str, str]]]]
 ) -> Iterator[Violation]:
@@ -797,5 +864,6 @@ _CHECKS: tuple[Callable[[_Batch], Iterator[Violation]], ...] = (
     _check_rewards,
     _check_sampling,
     _check_timings,
+    _check_routing,
     _check_size,
 )

@@ -435,7 +435,7 @@ class TrajectoryWriter:
         }
         for name, column in columns.items():
             rows = rows.append_column(trajectories.SCHEMA.field(name), column)
-        return rows.cast(trajectories.SCHEMA), keep
+        return rows.select(trajectories.SCHEMA.names).cast(trajectories.SCHEMA), keep
 
     def _catch_up(self, delta: DeltaTable, run_id: str) -> None:
         """Add the ids and the max ``ingest_seq`` of rows of ``run_id`` committed since we last looked."""

@@ -17,6 +17,12 @@ parts (expert projections and router) and the value head train. Freezing cuts op
 the forward: there is no ``torch.no_grad`` anywhere, so the gradient still flows through frozen
 attention into earlier layers' experts (tested).
 
+Routing: the critic shares the policy's MoE architecture but never replays the rollout's recorded
+routing (R3, :mod:`sao.models.routing`). Its routers are its own copies, trained on the value loss, so
+the experts the *policy's* router chose at rollout time say nothing about which of the critic's experts
+should serve a token; and the critic's forward enters no importance ratio, which is what replay
+protects. Its routing is always computed live.
+
 Values are unconstrained (no squashing): a value outside the reward range flips advantage signs, so
 callers should monitor it (SAO.md section 3).
 """

@@ -13,6 +13,12 @@ Budgets and termination reasons (every path ends in exactly one):
     ``cancelled`` the engine cancelled the request (shutdown, replica drain);
     ``error``     the engine or the environment failed; the message goes to the log.
 
+Routing (MoE policies whose engine records it): each generation returns the routing of every token the
+engine ran for that request, and the next turn's request runs the whole context again, so the last
+generation's routing covers the whole trajectory but its final token (and any observation appended after
+it): the trajectory keeps the longest routing it was given (the latest, unless a later request ran fewer
+tokens, e.g. one cancelled before it started). See ``routed_experts`` in :mod:`schemas.trajectories`.
+
 The reward comes from the environment on ``stop`` (and on its own ``turns`` end); every other end has
 reward 0 and is bootstrapped by the trainer with V(s_end).
 """
@@ -27,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from sao.envs.base import Environment, Task
@@ -84,6 +91,13 @@ class _Trace:
     turns: int = 0
     generation_s: float = 0.0
     tool_s: float = 0.0
+    routed_experts: torch.Tensor | None = None
+
+    def add_routing(self, routed_experts: torch.Tensor | None) -> None:
+        """Keep the longest routing record seen (each covers a prefix of prompt + completion)."""
+        if routed_experts is not None and (
+                self.routed_experts is None or len(routed_experts) >= len(self.routed_experts)):
+            self.routed_experts = routed_experts
 
     def add_action(self, token_ids, logprobs, spans) -> None:
         offset = len(self.completion)
@@ -157,6 +171,7 @@ class AgentLoop:
             engine_name=self.engine.name, engine_version=self.engine.engine_version, worker_id=self.worker_id,
             timings=Timings(created_at=created, started_at=created, finished_at=finished,
                             generation_s=trace.generation_s, tool_s=trace.tool_s),
+            routed_experts=None if trace.routed_experts is None else trace.routed_experts.numpy(),
         )
 
     async def _episode(self, env: Environment, prompt: list[int], trace: _Trace, trajectory_id: str,
@@ -179,6 +194,7 @@ class AgentLoop:
             generation, timed_out = await self._generate(prompt + trace.completion, sampling, request_id, deadline)
             trace.generation_s += time.monotonic() - began
             trace.add_action(generation.token_ids, generation.logprobs, generation.spans)
+            trace.add_routing(generation.routed_experts)
             trace.turns += 1
             if timed_out:
                 return TerminationReason.TIMEOUT, 0.0

@@ -87,7 +87,12 @@ class Generation:
         finish_reason: ``stop``, ``length``, ``cancelled`` or ``error``.
         spans: which policy version sampled which tokens; they cover ``token_ids`` without gaps.
         error: a message when ``finish_reason`` is ``error``.
-        routed_experts: optional ``(len(token_ids), layers, top_k)`` expert ids chosen per token.
+        routed_experts: for a mixture-of-experts model whose engine records routing, ``(R, layers,
+            top_k)`` uint8 expert ids the router chose for the first ``R`` tokens of ``prompt_ids +
+            token_ids``: every token the engine ran through the model, in order, normally the prompt and
+            all sampled tokens but the last (never an input). Within a layer, ids are in the router's
+            top-k order. A token run more than once (a recompute after a weight update) holds its latest
+            routing. None when not recorded (dense model, recording off, the vLLM engine).
     """
 
     token_ids: tuple[int, ...]

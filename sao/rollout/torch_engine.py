@@ -19,6 +19,14 @@ a token sampled after the update is drawn from exactly pi_new(. | prefix). The r
 of every token therefore equals a teacher-forced recomputation under the version its span names. Set
 ``recompute_kv_on_update=False`` to keep the stale cache (cheaper, approximate).
 
+Routing record (R3, :mod:`sao.models.routing`): with ``record_routing`` (on by default for an MoE model)
+forward hooks on the routers keep the expert ids of every packed token, and one indexed write per step
+files them under the request's slot and position (like the KV cache: no per-token Python loop). A
+finished request's :attr:`Generation.routed_experts` is its slot's routing for every token the engine
+ran through the model: the prompt, then every sampled token but the last (sampling it ended the request,
+so it was never an input). A token run again (a recompute after a weight update) keeps its latest
+routing, the one the cache that sampled the following tokens was built with.
+
 Sampling uses one uniform draw per token from a per-request generator (``random.Random`` seeded with
 the request's seed; inverse CDF), so a request's tokens depend on its seed and prompt only, not on what
 else is in the batch.
@@ -43,6 +51,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from sao.algos.sampling import LogprobKind, sampling_logprobs
+from sao.models.routing import RoutingRecorder, moe_routers
 from sao.rollout.engine import FinishReason, Generation, SamplingParams, VersionSpan
 
 __all__ = ["EngineStats", "TorchEngine", "TorchEngineConfig", "check_request"]
@@ -65,12 +74,15 @@ class TorchEngineConfig:
         max_prefill_tokens: most context tokens of joining requests run in one step (waiting requests
             join the next step whenever slots are free; their contexts share the decode step's forward
             pass, and this caps how long one step can take).
+        record_routing: return the experts each token was routed to (``Generation.routed_experts``);
+            None: on for a mixture-of-experts model, off for a dense one. True on a dense model is an error.
     """
 
     max_batch: int = 64
     recompute_kv_on_update: bool = True
     threads: int | None = None
     max_prefill_tokens: int = 2048
+    record_routing: bool | None = None
 
 
 def check_request(prompt_ids: Sequence[int], sampling: SamplingParams, vocab_size: int,
@@ -133,7 +145,8 @@ class _Request:
         else:
             self.spans.append([version, n, n + 1])
 
-    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None,
+               routed_experts: torch.Tensor | None = None) -> None:
         if self.future.done():
             return
         self.future.set_result(
@@ -144,6 +157,7 @@ class _Request:
                 finish_reason=reason,
                 spans=tuple(VersionSpan(v, s, e) for v, s, e in self.spans),
                 error=error,
+                routed_experts=routed_experts,
             )
         )
 
@@ -184,6 +198,13 @@ class TorchEngine:
         self._lengths = torch.zeros(slots, dtype=torch.long)
         self._slot_ids = torch.arange(slots)
         self._next_logits = torch.zeros(slots, model.config.vocab_size)
+        # Routing record: (slots, columns, MoE layers, top_k) uint8 expert ids, laid out like the KV cache.
+        routers = moe_routers(model)
+        record = self.config.record_routing
+        if record and not routers:
+            raise ValueError("TorchEngineConfig.record_routing=True, but the model has no MoE router to record")
+        self._recorder = RoutingRecorder(model).attach() if record is not False and routers else None
+        self._routing = torch.zeros(slots, 0, len(routers), routers[0].top_k if routers else 0, dtype=torch.uint8)
         self.weight_updates_applied = 0
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()
@@ -193,6 +214,11 @@ class TorchEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether generations carry ``routed_experts``."""
+        return self._recorder is not None
 
     @property
     def engine_version(self) -> str:
@@ -375,14 +401,14 @@ class TorchEngine:
         keep: list[int] = []
         for i, request in enumerate(self._rows):
             if request.cancelled:
-                request.finish(FinishReason.CANCELLED)
+                request.finish(FinishReason.CANCELLED, routed_experts=self._slot_routing(i))
                 continue
             token = tokens_list[i]
             request.append(token, logprobs_list[i], version)
             if token in request.sampling.stop_token_ids:
-                request.finish(FinishReason.STOP)
+                request.finish(FinishReason.STOP, routed_experts=self._slot_routing(i))
             elif len(request.tokens) >= request.sampling.max_tokens:
-                request.finish(FinishReason.LENGTH)
+                request.finish(FinishReason.LENGTH, routed_experts=self._slot_routing(i))
             else:
                 keep.append(i)
         if len(keep) < len(self._rows):
@@ -409,8 +435,12 @@ class TorchEngine:
         layout = _SlotLayout.build(n, positions, sizes, starts)
         self._kv.reserve(layout.width)
         self._kv.bind(token_slots, token_positions)
+        if self._recorder is not None:
+            self._recorder.calls.clear()
         out = self.model(input_ids=ids.unsqueeze(0), position_ids=token_positions.unsqueeze(0), past_key_values=self._kv,
                          use_cache=True, logits_to_keep=last, sao_slot_layout=layout)
+        if self._recorder is not None:
+            self._file_routing(token_slots, token_positions)
         self._lengths[:n] += 1
         if joiners:
             self._lengths[n : n + len(joiners)] = sizes
@@ -423,6 +453,20 @@ class TorchEngine:
         if joiners:
             stats.prefills += 1
             stats.prefilled_requests += len(joiners)
+
+    def _file_routing(self, token_slots: torch.Tensor, token_positions: torch.Tensor) -> None:
+        """Write the routing of the forward just run under each packed token's slot and position."""
+        if self._routing.shape[1] < self._kv.capacity:  # grow with the KV cache, contents kept
+            grown = torch.zeros(self._routing.shape[0], self._kv.capacity, *self._routing.shape[2:], dtype=torch.uint8)
+            grown[:, : self._routing.shape[1]] = self._routing
+            self._routing = grown
+        self._routing[token_slots, token_positions] = self._recorder.pop()
+
+    def _slot_routing(self, row: int) -> torch.Tensor | None:
+        """(tokens run, MoE layers, top_k) uint8 routing of running row ``row`` (None when not recording)."""
+        if self._recorder is None:
+            return None
+        return self._routing[row, : int(self._lengths[row])].clone()
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per running row from its next-token logits and its recorded log-probability."""
@@ -468,7 +512,10 @@ class TorchEngine:
             tokens[hole] = tokens[mover]
         if holes:
             src, dst = torch.tensor(movers), torch.tensor(holes)
-            self._kv.move(src, dst, int(self._lengths[src].max()))
+            width = int(self._lengths[src].max())
+            self._kv.move(src, dst, width)
+            if self._recorder is not None:
+                self._routing[dst, :width] = self._routing[src, :width]
             self._lengths[dst] = self._lengths[src]
         self._rows = rows[:n]
 

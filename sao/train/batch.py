@@ -5,6 +5,10 @@ completion. Completion token j of sequence b sits at input position ``prompt_len
 that sampled it, and the value of the state it was sampled in, are read at position
 ``prompt_len[b] + j - 1``. The value after the last token (``V(s_end)``, the bootstrap of a budget
 end) is read at the last real position.
+
+MoE routing (R3): rows that carry a ``routed_experts`` record give ``routed_experts`` (B, L, M, K) and
+``routing_mask`` (B, L), True at the input positions the rollout engine routed (a prefix of each row's
+prompt + completion); the trainer replays them (:mod:`sao.models.routing`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from sao.algos.sampling import LogprobKind
+from sao.lake.records import decode_routing
 
 __all__ = ["BOOTSTRAP_REASONS", "TrainBatch", "collate", "completion_positions", "split_by_token_budget"]
 
@@ -43,6 +48,9 @@ class TrainBatch(NamedTuple):
         temperature, top_k, top_p: (B,) sampling settings the rollout recorded.
         raw_logprobs: (B,) bool, the rollout recorded raw (not sampling) log-probabilities.
         trajectory_ids: the ids, in row order.
+        routed_experts: (B, L, M, K) uint8 expert ids the rollout routed each input position to, per MoE
+            layer (M) in top-k order (K); None when no row carries a routing record.
+        routing_mask: (B, L) bool, True where ``routed_experts`` holds a recorded routing; None with it.
     """
 
     input_ids: torch.Tensor
@@ -61,6 +69,8 @@ class TrainBatch(NamedTuple):
     top_p: torch.Tensor
     raw_logprobs: torch.Tensor
     trajectory_ids: tuple[str, ...]
+    routed_experts: torch.Tensor | None = None
+    routing_mask: torch.Tensor | None = None
 
     @property
     def num_action_tokens(self) -> torch.Tensor:
@@ -76,7 +86,9 @@ class TrainBatch(NamedTuple):
         for name, value in self._asdict().items():
             if name == "trajectory_ids":
                 fields[name] = tuple(self.trajectory_ids[i] for i in rows.tolist())
-            elif name in ("input_ids", "attention_mask"):
+            elif value is None:
+                fields[name] = None
+            elif name in ("input_ids", "attention_mask", "routed_experts", "routing_mask"):
                 fields[name] = value[rows, :width_l]
             elif name in ("action_mask", "logp_rollout", "rewards"):
                 fields[name] = value[rows, :width_t]
@@ -91,7 +103,8 @@ def collate(rows: Sequence[Mapping], trainer_version: int,
 
     Each row needs ``trajectory_id``, ``task_id``, ``prompt_ids``, ``completion_ids``,
     ``action_mask``, ``logprobs``, ``reward``, ``termination_reason``, ``min_policy_version``,
-    ``logprob_kind`` and ``sampling`` (with ``temperature``, ``top_k`` (None or 0 = off), ``top_p``).
+    ``logprob_kind`` and ``sampling`` (with ``temperature``, ``top_k`` (None or 0 = off), ``top_p``);
+    ``routed_experts`` and ``router_top_k`` are optional (absent or null: the row is routed live).
     """
     if not rows:
         raise ValueError("collate needs at least one trajectory row")
@@ -125,6 +138,7 @@ def collate(rows: Sequence[Mapping], trainer_version: int,
             rewards[b, int(actions[-1])] = float(row["reward"])
         group_of.setdefault(str(row["task_id"]), len(group_of))
     sampling = [r["sampling"] for r in rows]
+    routed_experts, routing_mask = _collate_routing(rows, width_l)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -142,7 +156,34 @@ def collate(rows: Sequence[Mapping], trainer_version: int,
         top_p=torch.tensor([float(s["top_p"]) for s in sampling], dtype=torch.float32),
         raw_logprobs=torch.tensor([LogprobKind(r["logprob_kind"]) is LogprobKind.RAW for r in rows]),
         trajectory_ids=tuple(str(r["trajectory_id"]) for r in rows),
+        routed_experts=routed_experts,
+        routing_mask=routing_mask,
     )
+
+
+def _collate_routing(rows: Sequence[Mapping], width_l: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(routed_experts (B, L, M, K) uint8, routing_mask (B, L) bool)`` of the rows, or ``(None, None)``
+    when none carries a routing record."""
+    records = [decode_routing(r.get("routed_experts"), r.get("router_top_k")) for r in rows]
+    shapes = {rec.shape[1:] for rec in records if rec is not None and len(rec)}
+    if not shapes:
+        return None, None
+    if len(shapes) > 1:
+        raise ValueError(f"collate: rows route through different (layers, top_k) shapes {sorted(shapes)}; "
+                         "a batch needs one policy architecture")
+    layers, top_k = shapes.pop()
+    routed = torch.zeros(len(rows), width_l, layers, top_k, dtype=torch.uint8)
+    mask = torch.zeros(len(rows), width_l, dtype=torch.bool)
+    for b, (row, rec) in enumerate(zip(rows, records, strict=True)):
+        if rec is None or not len(rec):
+            continue
+        tokens = len(row["prompt_ids"]) + len(row["completion_ids"])
+        if len(rec) > tokens:
+            raise ValueError(f"trajectory {row['trajectory_id']}: routed_experts has {len(rec)} entries, more "
+                             f"than its {tokens} prompt and completion tokens")
+        routed[b, : len(rec)] = torch.from_numpy(rec.copy())
+        mask[b, : len(rec)] = True
+    return routed, mask
 
 
 def completion_positions(batch: TrainBatch) -> torch.Tensor:

@@ -85,6 +85,17 @@ class UpdateConfig:
             math demo: 96 tokens for a 25-token answer), treating ``length`` as a failure (value 0)
             stops an optimistic critic from rewarding answers that never end.
         token_budget: most (sequences x padded length) tokens in one micro-batch.
+        routing_replay: R3 (:mod:`sao.models.routing`): the actor's forward routes every token the
+            rollout recorded a routing for to the recorded experts (weights from the live router, which
+            keeps its gradient). None: on for a mixture-of-experts policy, a no-op for a dense one; False:
+            the forward routes live, exactly as without a record. The critic never replays (its router is
+            its own; the rollout's routing describes the policy's).
+        routing_metrics: with a routing record in the batch, report ``routing/*`` metrics: the fraction
+            of recorded tokens whose recomputed top-k differs from the recorded one (per layer and per
+            staleness) and the DIS kept fraction with and without replay. Changes no update.
+        routing_compare_every: every this many actor steps (0: never), also run each micro-batch under
+            the routing the step does not use (one extra no-grad forward, about a third of the actor's
+            cost), for the kept fraction under both; other steps report the step's own routing only.
     """
 
     algorithm: Algorithm = Algorithm.SAO
@@ -112,6 +123,9 @@ class UpdateConfig:
     reward_range: tuple[float, float] = (0.0, 1.0)
     bootstrap_reasons: tuple[str, ...] = ("length", "turns", "timeout", "cancelled", "error")
     token_budget: int = 8192
+    routing_replay: bool | None = None
+    routing_metrics: bool = True
+    routing_compare_every: int = 10
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
@@ -131,6 +145,8 @@ class UpdateConfig:
             raise ValueError(f"lam_critic must lie in [0, 1], got {self.lam_critic}")
         if self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+        if self.routing_compare_every < 0:
+            raise ValueError(f"routing_compare_every must be >= 0 (0: never), got {self.routing_compare_every}")
 
     @property
     def advantage_estimator(self) -> AdvantageEstimator:

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 # Columns the trainer reads from ``trajectories`` (everything else stays in the lake).
 TRAIN_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs",
                  "logprob_kind", "reward", "termination_reason", "min_policy_version", "num_action_tokens",
-                 "sampling")
+                 "sampling", "routed_experts", "router_top_k")
 
 
 @dataclasses.dataclass(frozen=True)

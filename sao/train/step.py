@@ -10,6 +10,14 @@ Per batch of trajectories:
    batch's denominator and summed across data-parallel workers;
 4. K critic steps on the same returns.
 
+MoE routing replay (R3, ``UpdateConfig.routing_replay``): where the batch carries the rollout's routing
+record, the actor's forward uses the recorded experts with routing weights from the live router
+(:func:`sao.models.routing.replay_routing`); positions without a record (the last token, trailing
+observations, padding, old rows) route live. Observation tokens are replayed like every other input:
+their recorded routing is the one the rollout's context for the following action tokens was built
+with. The critic routes live (its router is its own). :func:`routing_metrics` reports how often the
+live router disagrees with the record and what DIS keeps under each routing.
+
 A sampled token that the current policy's top-k / top-p filter excludes has probability 0 under the
 sampling distribution: its log-probability is replaced by :data:`FILTERED_LOGPROB`, which puts rho
 below any DIS interval (the token is masked) and passes no gradient.
@@ -17,6 +25,7 @@ below any DIS interval (the token is masked) and passes no gradient.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -36,6 +45,7 @@ from sao.algos.dis import dis_weights
 from sao.algos.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algos.masked import LossAggregation, masked_mean, masked_whiten
 from sao.algos.sampling import sampling_logprobs
+from sao.models.routing import ReplayStats, moe_routers, replay_routing
 from sao.train.batch import TrainBatch, completion_positions, split_by_token_budget
 from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
 
@@ -123,6 +133,7 @@ class Learner:
                 weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
             self.critic_scheduler = _warmup(self.critic_optimizer, cfg.warmup_steps_critic)
         self.running_mean = RunningMeanBaseline(cfg.running_mean_window)
+        self.has_routers = bool(moe_routers(self.policy))
         self.critic_steps = 0
         self.policy_steps = 0
 
@@ -255,6 +266,17 @@ class Learner:
             metrics |= self._critic_step(batch, returns)
         return metrics
 
+    @property
+    def replays_routing(self) -> bool:
+        """Whether the actor's forward replays recorded routing (``routing_replay``, None: MoE policy)."""
+        replay = self.config.routing_replay
+        return self.has_routers if replay is None else replay and self.has_routers
+
+    def _routing(self, mb: TrainBatch, replay: bool) -> contextlib.AbstractContextManager[ReplayStats | None]:
+        if replay and mb.routed_experts is not None:
+            return replay_routing(self.policy, mb.routed_experts, mb.routing_mask)
+        return contextlib.nullcontext()
+
     def _actor_step(self, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
         cfg = self.config
         self.policy.train()
@@ -262,8 +284,20 @@ class Learner:
         denominator = self._denominator(batch)
         kept_per_row = torch.zeros(batch.action_mask.shape[0])
         loss_total = 0.0
+        replay = self.replays_routing
+        audit = cfg.routing_metrics and self.has_routers and batch.routed_experts is not None
+        every = cfg.routing_compare_every
+        compare = audit and every > 0 and self.policy_steps % every == 0  # the extra forward, now and then
+        routing = _RoutingAudit(batch, replay, compare) if audit and (replay or compare) else None
         for rows, mb in self._micro_batches(batch):
-            logp = policy_logprobs(self.policy, mb)
+            with self._routing(mb, replay) as stats:
+                logp = policy_logprobs(self.policy, mb)
+            if routing is not None:
+                other_logp, other_stats = None, None
+                if compare:
+                    with torch.no_grad(), self._routing(mb, not replay) as other_stats:
+                        other_logp = policy_logprobs(self.policy, mb)
+                routing.add(rows, mb, logp.detach(), other_logp, stats or other_stats, cfg)
             adv = advantages[rows, : logp.shape[1]]
             if cfg.policy_loss is PolicyLossKind.DIS:
                 loss, _ = dis_policy_loss(logp, mb.logp_rollout, adv, mb.action_mask, cfg.eps_low, cfg.eps_high,
@@ -282,8 +316,9 @@ class Learner:
         self.policy_optimizer.step()
         self.policy_scheduler.step()
         self.policy_steps += 1
-        return {"actor/loss": loss_total, "actor/grad_norm": grad_norm,
-                "actor/lr": self.policy_scheduler.get_last_lr()[0]} | kept_fraction_metrics(batch, kept_per_row)
+        metrics = {"actor/loss": loss_total, "actor/grad_norm": grad_norm,
+                   "actor/lr": self.policy_scheduler.get_last_lr()[0]} | kept_fraction_metrics(batch, kept_per_row)
+        return metrics | (routing.metrics() if routing is not None else {})
 
     def _critic_step(self, batch: TrainBatch, returns: torch.Tensor) -> dict[str, float]:
         cfg = self.config
@@ -315,6 +350,70 @@ class Learner:
             return 0.0
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+class _RoutingAudit:
+    """Accumulates, over one actor step's micro-batches, the routing metrics (:func:`routing_metrics`)."""
+
+    def __init__(self, batch: TrainBatch, replay: bool, compare: bool) -> None:
+        rows, layers = batch.action_mask.shape[0], batch.routed_experts.shape[2]
+        self.batch, self.replay, self.compare = batch, replay, compare
+        self.disagree = torch.zeros(rows, layers)
+        self.recorded = torch.zeros(rows)
+        self.kept_replay = torch.zeros(rows)
+        self.kept_live = torch.zeros(rows)
+
+    def add(self, rows: list[int], mb: TrainBatch, logp: torch.Tensor, other_logp: torch.Tensor | None,
+            stats: ReplayStats, cfg: UpdateConfig) -> None:
+        """One micro-batch: ``logp`` under the step's routing, ``other_logp`` under the other one (None
+        on steps that do not compare)."""
+        replayed, live = (logp, other_logp) if self.replay else (other_logp, logp)
+        for target, values in ((self.kept_replay, replayed), (self.kept_live, live)):
+            if values is not None:
+                _, keep = dis_weights(values, mb.logp_rollout, mb.action_mask, cfg.eps_low, cfg.eps_high)
+                target[rows] = keep.sum(-1).float()
+        self.disagree[rows] = stats.disagree
+        self.recorded[rows] = stats.recorded
+
+    def metrics(self) -> dict[str, float]:
+        metrics = routing_metrics(self.batch, self.disagree, self.recorded, self.kept_replay, self.kept_live,
+                                  self.replay)
+        if not self.compare:  # only the step's own routing was run
+            metrics.pop("routing/kept_frac_live" if self.replay else "routing/kept_frac_replay")
+        return metrics
+
+
+def routing_metrics(batch: TrainBatch, disagree: torch.Tensor, recorded: torch.Tensor, kept_replay: torch.Tensor,
+                    kept_live: torch.Tensor, replay: bool) -> dict[str, float]:
+    """Routing disagreement and DIS kept fractions under replayed and live routing.
+
+    Args:
+        disagree: (B, M) recorded tokens per row whose live top-k set differs from the recorded set, per
+            MoE layer (every input position with a record: prompt, actions and observations).
+        recorded: (B,) input positions with a recorded routing per row.
+        kept_replay / kept_live: (B,) action tokens inside the DIS interval with the forward's routing
+            replayed / recomputed live.
+        replay: whether the update used replay (``routing/replay`` 1.0 or 0.0).
+
+    ``routing/disagree_frac`` divides by recorded tokens x layers; the per-layer and per-staleness
+    fractions by their own counts; kept fractions by all action tokens (as ``actor/kept_frac``).
+    """
+    layers = disagree.shape[1]
+    actions = batch.num_action_tokens.float().sum().clamp(min=1)
+    metrics = {
+        "routing/replay": float(replay),
+        "routing/recorded_tokens": float(recorded.sum()),
+        "routing/disagree_frac": float(disagree.sum() / (recorded.sum() * layers).clamp(min=1)),
+        "routing/kept_frac_replay": float(kept_replay.sum() / actions),
+        "routing/kept_frac_live": float(kept_live.sum() / actions),
+    }
+    for layer in range(layers):
+        metrics[f"routing/disagree_frac/layer_{layer}"] = float(disagree[:, layer].sum() / recorded.sum().clamp(min=1))
+    for staleness in sorted(set(batch.staleness.tolist())):
+        rows = batch.staleness == staleness
+        metrics[f"routing/disagree_frac/staleness_{staleness}"] = float(
+            disagree[rows].sum() / (recorded[rows].sum() * layers).clamp(min=1))
+    return metrics
 
 
 def kept_fraction_metrics(batch: TrainBatch, kept_per_row: torch.Tensor) -> dict[str, float]:

@@ -25,6 +25,11 @@ def _mixed_records():
         records[3],
         segments=(Segment(SegmentKind.ACTION, 0, 30, None),),  # invalid, still convertible
     )
+    rng = np.random.default_rng(3)
+    tokens = len(records[4].prompt_ids) + 29  # MoE routing of every token run but the last
+    records[4] = dataclasses.replace(records[4], routed_experts=rng.integers(0, 8, (tokens, 2, 2)))
+    records[5] = dataclasses.replace(records[5], routed_experts=rng.integers(0, 64, (5, 3, 1)))  # other shape
+    records[0] = dataclasses.replace(records[0], routed_experts=np.zeros((0, 2, 2), np.uint8))  # nothing run
     return records
 
 
@@ -44,3 +49,8 @@ def test_lists_keep_each_record_boundary():
     assert table["token_rewards"].to_pylist()[0] is None
     assert table["completion_ids"].to_pylist()[5] == records[5].completion_ids.tolist()
     assert table["min_policy_version"].to_pylist()[3] is None
+    routing = table["routed_experts"].to_pylist()
+    assert routing[1] is None and table["router_top_k"].to_pylist()[1] is None
+    assert routing[0] == [] and table["router_top_k"].to_pylist()[0] == 2
+    assert routing[5] == [bytes(row) for row in records[5].routed_experts.reshape(5, 3)]
+    assert table["router_top_k"].to_pylist()[5] == 1

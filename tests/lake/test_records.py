@@ -52,6 +52,9 @@ def test_lists_become_typed_numpy_arrays(record):
         ("reward", "1", "reward: needs a number"),
         ("num_turns", 1.0, "num_turns: needs an int"),
         ("segments", ({"kind": "action"},), r"segments\[0\]: needs a Segment"),
+        ("routed_experts", np.zeros((3, 2)), r"routed_experts: needs shape \(tokens, layers >= 1, top_k >= 1\)"),
+        ("routed_experts", np.full((3, 2, 2), 256), r"routed_experts: has expert ids outside \[0, 255\]"),
+        ("routed_experts", np.zeros((3, 2, 2), np.float32), "routed_experts: needs integer expert ids"),
     ],
 )
 def test_wrong_types_raise_naming_the_field(record, field, value, match):
@@ -86,6 +89,17 @@ def test_to_row_from_row_round_trip(record):
         }
     )
     assert again.to_row() == row
+
+
+def test_routing_round_trips_through_its_binary_column(record):
+    # Expert ids of 3 tokens, 2 layers, top-2: entry t is layer 0's two ids then layer 1's.
+    routed = np.array([[[1, 7], [0, 2]], [[3, 4], [5, 6]], [[7, 0], [1, 1]]])
+    row = dataclasses.replace(record, routed_experts=routed).to_row()
+    assert row["routed_experts"] == [bytes([1, 7, 0, 2]), bytes([3, 4, 5, 6]), bytes([7, 0, 1, 1])]
+    assert row["router_top_k"] == 2
+    again = TrajectoryRecord.from_row(row)
+    assert again.routed_experts.dtype == np.uint8 and np.array_equal(again.routed_experts, routed)
+    assert record.to_row()["routed_experts"] is None and TrajectoryRecord.from_row(record.to_row()).routed_experts is None
 
 
 def test_from_row_names_the_missing_field(record):

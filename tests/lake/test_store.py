@@ -80,6 +80,9 @@ def test_a_new_nullable_column_is_added_to_an_older_table(tmp_path, monkeypatch)
     table = migrated.read("policy_versions")
     assert table.schema.names[-1] == "notes" and table["notes"].to_pylist() == [None]
     assert "schema version 2" in DeltaTable(f"{root}/policy_versions").metadata().description
+    # A snapshot from before the migration (as a replayed train step reads it) reads the column as null.
+    before = migrated.read("policy_versions", version=migrated.version("policy_versions") - 2)
+    assert before.schema.names[-1] == "notes" and before["notes"].to_pylist() == [None]
     required = dataclasses.replace(
         newer,
         schema=newer.schema.append(doc_field("must", pa.int64(), False, "Required.")),

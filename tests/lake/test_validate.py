@@ -15,6 +15,7 @@ import datetime as dt
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -251,6 +252,15 @@ CASES: dict[str, tuple[TrajectoryRecord, tuple[Rule, str, int | None, str]]] = {
         with_(timings=Timings(T0, T0 - dt.timedelta(seconds=1), T0, 0.5, 0.25)),
         (Rule.TIMINGS_INVALID, "timings.started_at", None, "started_at is before created_at"),
     ),
+    "routing_too_long": (  # 2 prompt + 6 completion tokens: at most 8 routed tokens
+        with_(routed_experts=np.zeros((9, 2, 2), np.uint8)),
+        (
+            Rule.ROUTING_INVALID,
+            "routed_experts",
+            None,
+            "routed_experts has 9 entries, more than the 8 tokens of prompt_ids and completion_ids",
+        ),
+    ),
     "payload_too_large": (
         with_(task_id="t" * 5000),
         (
@@ -293,6 +303,36 @@ def test_size_limits_are_configurable(limits, field, message):
     expected = [Violation(0, Rule.PAYLOAD_TOO_LARGE, field, None, message)]
     assert validate_record(base(), 1, limits=limits) == expected
     assert validate_table(records_to_arrow([base()]), [1], limits) == expected
+
+
+def test_routing_of_every_token_but_the_last_is_valid():
+    assert validate_record(with_(routed_experts=np.ones((7, 2, 2), np.uint8)), 1) == []
+    assert validate_table(records_to_arrow([with_(routed_experts=np.ones((7, 2, 2), np.uint8))]), [1]) == []
+
+
+def _with_column(table, name, values):
+    index = table.schema.get_field_index(name)
+    return table.set_column(index, table.schema.field(name), pa.array(values, table.schema.field(name).type))
+
+
+def test_routing_entries_of_unequal_size_or_a_missing_top_k_are_invalid():
+    """Arrow rows no record can produce (a record holds one (R, M, K) array), from another producer."""
+    table = records_to_arrow([with_(routed_experts=np.ones((3, 2, 2), np.uint8)), base()])
+    uneven = _with_column(table, "routed_experts", [[b"\x01\x02\x03\x04", b"\x01\x02\x03\x04", b"\x01\x02"], None])
+    message = ("routed_experts[2] has 2 bytes; every entry must have the same size (4 bytes in entry 0), a "
+               "positive multiple of router_top_k = 2")
+    assert validate_table(uneven, [1, 1]) == [Violation(0, Rule.ROUTING_INVALID, "routed_experts", 2, message)]
+    odd = _with_column(table, "router_top_k", [3, None])
+    message = ("routed_experts[0] has 4 bytes; every entry must have the same size (4 bytes in entry 0), a "
+               "positive multiple of router_top_k = 3")
+    assert validate_table(odd, [1, 1]) == [Violation(0, Rule.ROUTING_INVALID, "routed_experts", 0, message)]
+    unpaired = _with_column(table, "router_top_k", [None, 2])
+    assert validate_table(unpaired, [1, 1]) == [
+        Violation(0, Rule.ROUTING_INVALID, "router_top_k", None,
+                  "router_top_k = None must be an int >= 1 beside routed_experts"),
+        Violation(1, Rule.ROUTING_INVALID, "router_top_k", None,
+                  "router_top_k = 2 without routed_experts (both or neither)"),
+    ]
 
 
 def test_no_registered_version_makes_every_version_ahead():
@@ -339,6 +379,7 @@ _CORRUPTIONS = st.sampled_from(
         "swap_segments",
         "empty",
         "scalars",
+        "routing",
     ]
 )
 
@@ -408,6 +449,9 @@ def _corrupt(record: TrajectoryRecord, how: str, draw: st.DrawFn) -> TrajectoryR
             logprob_kind="argmax",
             num_turns=-1,
         )
+    if how == "routing":
+        tokens = record.prompt_ids.size + n + draw(st.integers(-2, 1))
+        return dataclasses.replace(record, routed_experts=np.zeros((max(tokens, 0), 2, 2), np.uint8))
     if how == "empty":
         return dataclasses.replace(
             record, completion_ids=[], action_mask=[], logprobs=[], segments=()

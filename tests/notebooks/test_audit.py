@@ -1,7 +1,9 @@
 """notebooks/audit.ipynb runs top to bottom against a tiny finished run (no Ray): termination reasons,
-the versions behind one trajectory, staleness and DIS masking, a step's snapshot, and a bit-exact
+the versions behind one trajectory, staleness and DIS masking, MoE routing disagreement and experts' load,
+a step's snapshot, and a bit-exact
 replay of that step. The notebook's own asserts check the answers."""
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -57,6 +59,8 @@ def test_the_audit_notebook_runs_against_a_tiny_run(tiny_run, tmp_path, monkeypa
     assert "run audit: steps 0..1; auditing step 1" in text
     assert "step 1: v1 -> v2" in text and "metrics equal" in text
     assert "read trajectories at Delta version" in text
+    # The tiny MoE policy's engine records routing; both steps replay it and report its metrics.
+    assert re.search(r"routing: \d+ \(version, layer, expert\) loads from [1-9]\d* selections; 2 steps with", text)
 
 
 def test_the_audit_notebook_fails_on_an_unknown_run(tiny_run, tmp_path, monkeypatch):

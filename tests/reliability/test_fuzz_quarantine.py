@@ -32,7 +32,9 @@ BATCH = 100
 LIMITS = SizeLimits(
     max_tokens=512, max_segments=64, max_string_bytes=256, max_quarantine_payload_bytes=2048
 )
-DERIVED = ("min_policy_version", "max_policy_version", "num_action_tokens", "token_rewards")
+# Columns a row may lack (derived, or optional: read as null when absent).
+DERIVED = ("min_policy_version", "max_policy_version", "num_action_tokens", "token_rewards", "routed_experts",
+           "router_top_k")
 
 Row = dict[str, Any]
 

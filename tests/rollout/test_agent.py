@@ -12,6 +12,7 @@ from sao.envs.math_tool import MathToolConfig, generate_tasks
 from sao.lake.validate import validate_record
 from sao.models.chat import ChatTokens, observation_ids
 from sao.models.policy import load_policy
+from sao.models.routing import record_routing
 from sao.rollout.agent import AgentConfig, AgentLoop
 from sao.rollout.torch_engine import TorchEngine
 
@@ -161,4 +162,21 @@ def test_real_math_tool_records_pass_lake_validation(engine, tokenizer):
         assert record.sampling.temperature == 1.0 and record.engine_name == "torch"
     for record in records:
         assert validate_record(record, newest_version=0) == []
+    loop.close()
+
+
+def test_multi_turn_routing_covers_the_whole_trajectory_but_its_last_token(engine, tokenizer, policy_dir):
+    loop = AgentLoop(engine, tokenizer, lambda task: ScriptedEnv(turns=3, output="1234"),
+                     AgentConfig(max_tokens=300, max_turns=5))
+    record = run(loop, TASKS[1], seed=2)
+    assert record.num_turns == 3 and (~record.action_mask).any()  # observations between the turns
+    ids = record.prompt_ids.tolist() + record.completion_ids.tolist()
+    assert record.routed_experts.shape == (len(ids) - 1, 2, 2)
+    # The last turn's request ran the whole context again: its routing is a plain forward's.
+    reference = stopping_policy(policy_dir, tokenizer).eval()
+    with record_routing(reference) as recorder, torch.no_grad():
+        reference(torch.tensor([ids[:-1]]))
+    expected = recorder.pop().numpy()
+    assert (np.sort(record.routed_experts, -1) == np.sort(expected, -1)).all()
+    assert validate_record(record, newest_version=0) == []
     loop.close()

@@ -1,15 +1,19 @@
 """The update step against a slow per-token reference of the same equations, and its invariances."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from sao.lake.records import routing_entries
+from sao.models.routing import record_routing, replay_routing
 from sao.train.batch import collate, split_by_token_budget
 from sao.train.config import UpdateConfig
-from sao.train.step import Learner
+from sao.train.step import Learner, policy_logprobs
+from tests.models.test_routing import selection_noise
 
 torch.use_deterministic_algorithms(True)
 
@@ -219,3 +223,101 @@ def test_every_algorithm_runs_through_the_same_loop(algorithm):
 def test_a_critic_algorithm_without_a_critic_is_refused():
     with pytest.raises(ValueError, match="needs a critic"):
         Learner(UpdateConfig(algorithm="sao"), tiny(), None)
+
+
+# Routing replay (R3) ------------------------------------------------------------------------------
+
+
+def routed_rows(policy, noise=0.05, trainer_version=4):
+    """``hand_built_rows`` as a rollout with perturbed routing decisions (see ``selection_noise``) would
+    record them: its log-probabilities and its routing of every token but the last, same weights.
+    Returns the rows and (B, L) where the live router would have chosen other experts."""
+    rows = hand_built_rows(policy)
+    batch = collate(rows, trainer_version)
+    with selection_noise(policy, noise) as flips, record_routing(policy) as recorder, torch.no_grad():
+        logp = policy_logprobs(policy, batch)
+    routing = recorder.pop().view(*batch.input_ids.shape, 1, 2)  # one MoE layer, top-2
+    for b, r in enumerate(rows):
+        tokens = len(r["prompt_ids"]) + len(r["completion_ids"])
+        r["routed_experts"], r["router_top_k"] = routing_entries(routing[b, : tokens - 1].numpy()), 2
+        r["logprobs"] = [v if m else 0.0 for v, m in zip(logp[b].tolist(), r["action_mask"], strict=False)]
+    return rows, flips[0].view(batch.input_ids.shape)
+
+
+def test_replay_reproduces_the_rollout_logprobs_exactly_where_recomputed_routing_differs():
+    policy = tiny()
+    rows, flipped = routed_rows(policy)
+    batch = collate(rows, trainer_version=4)
+    assert (flipped & batch.routing_mask).any(), "the perturbation must flip recorded routing"
+    with replay_routing(policy, batch.routed_experts, batch.routing_mask) as stats, torch.no_grad():
+        replayed = policy_logprobs(policy, batch)
+    with torch.no_grad():
+        live = policy_logprobs(policy, batch)
+    assert torch.equal(replayed, batch.logp_rollout)
+    assert (live - batch.logp_rollout).abs().max() > 1e-4
+    assert stats.disagree[:, 0].tolist() == (flipped & batch.routing_mask).sum(-1).float().tolist()
+
+
+def test_collate_lays_the_routing_record_over_prompt_and_completion():
+    rows, _ = routed_rows(tiny())
+    batch = collate(rows, trainer_version=4)
+    # t0: 3 + 6 tokens, t1: 2 + 5, t2: 4 + 2; the record covers all but each one's last token.
+    assert batch.routed_experts.shape == (3, 9, 1, 2)
+    assert batch.routing_mask.sum(-1).tolist() == [8, 6, 5]
+    assert batch.select([2]).routing_mask.tolist() == [[True] * 5 + [False]]
+    plain = collate([{k: v for k, v in r.items() if k != "routed_experts"} for r in rows], trainer_version=4)
+    assert plain.routed_experts is None and plain.routing_mask is None
+
+
+def test_replay_off_is_bit_identical_to_training_without_a_routing_record():
+    base, critic = tiny(), ValueModel(tiny(1))
+    rows, _ = routed_rows(base)
+    plain = [{k: v for k, v in r.items() if k not in ("routed_experts", "router_top_k")} for r in rows]
+    runs = []
+    for batch_rows, replay in ((rows, False), (plain, None)):
+        policy, value = copy.deepcopy(base), copy.deepcopy(critic)
+        metrics = Learner(dataclasses.replace(CFG, routing_replay=replay), policy, value).update(
+            collate(batch_rows, trainer_version=4))
+        runs.append((policy, value, {k: v for k, v in metrics.items() if not k.startswith(("routing/", "time/"))}))
+    (p1, c1, m1), (p2, c2, m2) = runs
+    assert all(torch.equal(a, b) for a, b in zip(p1.parameters(), p2.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(c1.parameters(), c2.parameters(), strict=True))
+    assert m1 == m2
+
+
+def test_replay_metrics_report_disagreement_and_the_kept_fraction_with_and_without_replay():
+    cfg = dataclasses.replace(CFG, eps_low=1e-4, eps_high=1e-4)
+    for replay in (True, False):
+        policy = tiny()
+        rows, flipped = routed_rows(policy)
+        batch = collate(rows, trainer_version=4)
+        router = policy.model.layers[0].mlp.gate.weight
+        before = router.detach().clone()
+        metrics = Learner(dataclasses.replace(cfg, routing_replay=replay), policy, ValueModel(tiny(1))).update(batch)
+        recorded = flipped & batch.routing_mask
+        assert metrics["routing/replay"] == float(replay)
+        assert metrics["routing/recorded_tokens"] == 19.0
+        assert metrics["routing/disagree_frac"] == pytest.approx(float(recorded.sum()) / 19)
+        assert metrics["routing/disagree_frac/layer_0"] == metrics["routing/disagree_frac"]
+        for staleness, row in ((1, 0), (2, 1), (0, 2)):  # versions 3, 2, 4 at trainer version 4
+            expected = float(recorded[row].sum() / batch.routing_mask[row].sum())
+            assert metrics[f"routing/disagree_frac/staleness_{staleness}"] == pytest.approx(expected)
+        # Same weights: replayed, every rho is 1 (kept); live, flipped routing pushes some out of (1 - 1e-4, 1 + 1e-4).
+        assert metrics["routing/kept_frac_replay"] == 1.0
+        assert metrics["routing/kept_frac_live"] < 1.0
+        step_kept = metrics["routing/kept_frac_replay" if replay else "routing/kept_frac_live"]
+        assert metrics["actor/kept_frac"] == step_kept
+        assert not torch.equal(router, before)  # the router trains through the replayed weights
+
+
+def test_steps_between_routing_comparisons_report_only_their_own_routing():
+    policy = tiny()
+    rows, _ = routed_rows(policy)
+    batch = collate(rows, trainer_version=4)
+    learner = Learner(dataclasses.replace(CFG, routing_compare_every=2), policy, ValueModel(tiny(1)))
+    first, second, third = (learner.update(batch) for _ in range(3))
+    for compared in (first, third):
+        assert {"routing/kept_frac_replay", "routing/kept_frac_live"} <= compared.keys()
+    assert "routing/kept_frac_live" not in second  # no extra forward on this step
+    assert second["routing/kept_frac_replay"] == second["actor/kept_frac"]
+    assert "routing/disagree_frac" in second  # from the replayed forward itself
