@@ -7,8 +7,11 @@ engine's log-probability at generation time and the policy version whose weights
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import enum
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -19,6 +22,7 @@ from sao.algos.sampling import LogprobKind, check_sampling
 __all__ = [
     "Engine",
     "FinishReason",
+    "FutureEngine",
     "Generation",
     "SamplingParams",
     "VersionSpan",
@@ -141,3 +145,33 @@ class Engine(Protocol):
     def resume(self) -> None:
         """Continue decoding after :meth:`pause`."""
         ...
+
+
+class FutureEngine:
+    """``generate`` and ``generate_sync`` for an engine whose ``submit`` returns a concurrent future.
+
+    A subclass provides ``submit(prompt_ids, sampling, request_id) -> concurrent.futures.Future`` and
+    ``cancel(request_id)``. A request gets an id when it comes without one, so that a cancelled
+    ``generate`` (its task cancelled by the caller) cancels the request in the engine too.
+    """
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+               request_id: str | None = None) -> concurrent.futures.Future[Generation]:
+        raise NotImplementedError
+
+    def cancel(self, request_id: str) -> bool:
+        raise NotImplementedError
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                       request_id: str | None = None) -> Generation:
+        request_id = request_id or uuid.uuid4().hex
+        future = self.submit(prompt_ids, sampling, request_id)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.cancel(request_id)
+            raise
+
+    def generate_sync(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                      request_id: str | None = None, timeout: float | None = None) -> Generation:
+        return self.submit(prompt_ids, sampling, request_id).result(timeout)

@@ -19,7 +19,6 @@ turns false (a Serve replica then fails its health check and is replaced).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import io
 import itertools
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from sao.algos.sampling import LogprobKind
-from sao.rollout.engine import FinishReason, Generation, SamplingParams
+from sao.rollout.engine import FinishReason, FutureEngine, Generation, SamplingParams
 from sao.rollout.torch_engine import EngineStats, TorchEngineConfig, check_request
 
 __all__ = ["TorchEngineProcess"]
@@ -43,7 +42,7 @@ log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0
 
 
-class TorchEngineProcess:
+class TorchEngineProcess(FutureEngine):
     """A :class:`~sao.rollout.torch_engine.TorchEngine` running in a child process (see the module docstring).
 
     Args:
@@ -120,20 +119,6 @@ class TorchEngineProcess:
             self._futures[request_id] = future
         self._send(("submit", request_id, prompt, sampling))
         return future
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> Generation:
-        request_id = request_id or uuid.uuid4().hex
-        future = self.submit(prompt_ids, sampling, request_id)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            self.cancel(request_id)
-            raise
-
-    def generate_sync(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                      request_id: str | None = None, timeout: float | None = None) -> Generation:
-        return self.submit(prompt_ids, sampling, request_id).result(timeout)
 
     def load_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         if version < 0:

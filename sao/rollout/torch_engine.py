@@ -34,7 +34,6 @@ else is in the batch.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -52,7 +51,7 @@ from transformers.cache_utils import Cache
 
 from sao.algos.sampling import LogprobKind, sampling_logprobs
 from sao.models.routing import RoutingRecorder, moe_routers
-from sao.rollout.engine import FinishReason, Generation, SamplingParams, VersionSpan
+from sao.rollout.engine import FinishReason, FutureEngine, Generation, SamplingParams, VersionSpan
 
 __all__ = ["EngineStats", "TorchEngine", "TorchEngineConfig", "check_request"]
 
@@ -162,7 +161,7 @@ class _Request:
         )
 
 
-class TorchEngine:
+class TorchEngine(FutureEngine):
     """Continuous-batching engine over a causal LM (see the module docstring).
 
     Args:
@@ -263,19 +262,6 @@ class TorchEngine:
             self._pending.append(request)
             self._cond.notify_all()
         return request.future
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> Generation:
-        future = self.submit(prompt_ids, sampling, request_id)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            self.cancel(request_id) if request_id else None
-            raise
-
-    def generate_sync(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                      request_id: str | None = None, timeout: float | None = None) -> Generation:
-        return self.submit(prompt_ids, sampling, request_id).result(timeout)
 
     def progress(self, request_id: str) -> int | None:
         """Tokens sampled so far for an in-flight request (None when it is not in flight)."""

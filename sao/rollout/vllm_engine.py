@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from sao.algos.sampling import LogprobKind
-from sao.rollout.engine import FinishReason, Generation, SamplingParams, VersionSpan
+from sao.rollout.engine import FinishReason, FutureEngine, Generation, SamplingParams, VersionSpan
 
 __all__ = ["SaoWorkerExtension", "VLLMEngine", "VLLMEngineConfig", "vllm_available"]
 
@@ -185,7 +185,7 @@ class _Request:
     error: str | None = None
 
 
-class VLLMEngine:
+class VLLMEngine(FutureEngine):
     """The engine protocol over vLLM's ``AsyncLLM`` (see the module docstring for the mapping).
 
     Args:
@@ -282,20 +282,6 @@ class VLLMEngine:
             request.params = _vllm_sampling_params(sampling, seed)
             self._requests[request_id] = request
         return asyncio.run_coroutine_threadsafe(self._run(request), self._loop)
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> Generation:
-        request_id = request_id or uuid.uuid4().hex
-        future = self.submit(prompt_ids, sampling, request_id)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            self.cancel(request_id)
-            raise
-
-    def generate_sync(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                      request_id: str | None = None, timeout: float | None = None) -> Generation:
-        return self.submit(prompt_ids, sampling, request_id).result(timeout)
 
     def progress(self, request_id: str) -> int | None:
         """Tokens received so far for an in-flight request (None when it is not in flight)."""
