@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     plots, _ = runs.summarize(settings, evaluations)
     record: dict[str, Any] = {
         "machine": machine(), "command": "sao bench learning " + " ".join(argv),
-        "settings": {k: str(v) for k, v in dataclasses.asdict(settings).items()}, "aggregation": args.aggregation,
+        "settings": {k: str(v) for k, v in settings.public().items()}, "aggregation": args.aggregation,
         "sft_s": sft_s, "train_s": result.train_s, "wall_s": time.monotonic() - started,
         "trajectories_generated": result.driver.finished, "steps": result.steps,
         "evaluations": [dataclasses.asdict(e) for e in evaluations], "plots": [str(p) for p in plots],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import contextvars
-import dataclasses
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -129,6 +128,8 @@ def train(
     lr_policy: float = _DEFAULTS.lr_policy,
     num_replicas: int = _DEFAULTS.num_replicas,
     trainer_workers: int = _DEFAULTS.trainer_workers,
+    replica_resources: dict[str, float] | None = None,
+    trainer_resources: dict[str, float] | None = None,
     eval_tasks: int = _DEFAULTS.eval_tasks,
     value_samples: int = _DEFAULTS.value_samples,
     workdir: str = _DEFAULTS.workdir,
@@ -141,6 +142,7 @@ def train(
     settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
                            max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
                            trainer_workers=trainer_workers, eval_tasks=eval_tasks, value_samples=value_samples,
+                           replica_resources=replica_resources or {}, trainer_resources=trainer_resources or {},
                            workdir=workdir,
                            lake_root=lake_root, ray_address=ray_address, seed=seed)
     policy_path = warm_start(settings)
@@ -151,4 +153,4 @@ def train(
     summary = report(settings, [before, after], trained)
     return {"run_id": run_id, "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
             "version": trained["version"], "trajectories": trained["trajectories"], "summary": summary,
-            "settings": dataclasses.asdict(settings)}
+            "settings": settings.public()}

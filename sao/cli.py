@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "lake": "lake_ingest",
     "learning": "learning",
     "routing": "routing",
+    "scale": "scale_model",
     "rollout": "rollout",
     "sft": "sft_warmstart",
 }

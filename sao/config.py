@@ -42,6 +42,8 @@ class RunSettings:
             tokens or turns as failure (its budgets are four times what an answer needs).
         num_replicas: Serve rollout replicas.
         trainer_workers: Ray Train workers.
+        replica_resources, trainer_resources: custom Ray resources each rollout replica / trainer
+            worker needs (placement on a cluster: docs/SCALING.md); empty: any node with the CPUs.
         max_in_flight: trajectories generated at once.
         eval_tasks: held-out tasks for the accuracy before and after.
         value_samples: version-0 rollouts value pretraining fits the critic on before the first step
@@ -53,7 +55,7 @@ class RunSettings:
     run_id: str = "demo"
     workdir: str = "runs"
     lake_root: str = "lake"
-    storage_options: dict[str, str] = dataclasses.field(default_factory=dict)
+    storage_options: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)  # never in a repr
     ray_address: str | None = None
     algorithm: Algorithm = Algorithm.SAO
     steps: int = 150
@@ -63,6 +65,8 @@ class RunSettings:
     bootstrap_reasons: tuple[str, ...] = ("timeout", "cancelled", "error")
     num_replicas: int = 2
     trainer_workers: int = 1
+    replica_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    trainer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     max_in_flight: int = 64
     eval_tasks: int = 300
     value_samples: int = 256
@@ -98,6 +102,13 @@ class RunSettings:
     @property
     def plots_dir(self) -> Path:
         return self.run_dir / "plots"
+
+    def public(self) -> dict[str, object]:
+        """The settings as a dict for results, artifacts and logs: everything but ``storage_options``
+        (they may hold credentials)."""
+        data = dataclasses.asdict(self)
+        del data["storage_options"]
+        return data
 
     def lake(self) -> LakeConfig:
         return LakeConfig(root=self.lake_root, storage_options=dict(self.storage_options))

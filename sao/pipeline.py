@@ -49,7 +49,8 @@ class PipelineConfig:
     Attributes:
         train: the trainer (run id, lake, checkpoints, algorithm, batch size, staleness, steps).
         ray: where Ray runs (local by default).
-        num_replicas, cpus_per_replica: the Serve rollout app.
+        num_replicas, cpus_per_replica, resources_per_replica: the Serve rollout app (custom resources
+            place the replicas: :class:`sao.rollout.serve.RolloutConfig`).
         engine: the torch engine of each replica.
         agent: budgets and sampling of the agent loop.
         env_options: options per environment name (e.g. tool latency for benchmarks).
@@ -64,6 +65,7 @@ class PipelineConfig:
     ray: RayConfig = RayConfig()
     num_replicas: int = 2
     cpus_per_replica: float = 0.5
+    resources_per_replica: dict[str, float] = dataclasses.field(default_factory=dict)
     engine: TorchEngineConfig = TorchEngineConfig()
     agent: AgentConfig = AgentConfig()
     env_options: dict = dataclasses.field(default_factory=dict)
@@ -122,7 +124,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     rollout = RolloutConfig(
         policy_path=_current_policy_path(train, version), app_name=cfg.app_name, initial_version=version,
         num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
-        agent=cfg.agent, env_options=cfg.env_options,
+        agent=cfg.agent, env_options=cfg.env_options, resources_per_replica=cfg.resources_per_replica,
     )
     handle = start_rollout_app(rollout)
     broker = get_or_create_broker(cfg.app_name)
@@ -207,7 +209,8 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     app_name = f"{cfg.app_name}-collect"
     rollout = RolloutConfig(policy_path=_current_policy_path(cfg.train, 0), app_name=app_name, initial_version=0,
                             num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
-                            agent=cfg.agent, env_options=cfg.env_options)
+                            agent=cfg.agent, env_options=cfg.env_options,
+                            resources_per_replica=cfg.resources_per_replica)
     handle = start_rollout_app(rollout)
     writer = TrajectoryWriter(lake, cfg.writer, writer_id=f"{run_id}-driver")
     issue_log = IssueLog(lake, cfg.writer, issuer_id=f"{run_id}-driver")

@@ -70,10 +70,11 @@ def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineC
         checkpoint_root=str(settings.checkpoint_root.resolve()),
         policy_path=str(Path(policy_path).resolve()), update=settings.update(), batch_size=settings.batch_size,
         max_staleness=settings.max_staleness, total_steps=settings.steps, seed=settings.seed,
-        num_workers=settings.trainer_workers,
+        num_workers=settings.trainer_workers, resources_per_worker=dict(settings.trainer_resources),
         rollout=RolloutSettings(tasks_path=str(tasks_path(settings).resolve()), max_turns=settings.agent().max_turns),
     )
     return PipelineConfig(train=train, ray=settings.ray(), num_replicas=settings.num_replicas,
+                          resources_per_replica=dict(settings.replica_resources),
                           agent=settings.agent(), max_in_flight=settings.max_in_flight, seed=settings.seed)
 
 

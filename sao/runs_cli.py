@@ -24,6 +24,22 @@ SQL_TO_TRY = (
 )
 
 
+def parse_resources(items: list[str] | None, option: str) -> dict[str, float]:
+    """``["rollout=1", "big=0.5"]`` -> ``{"rollout": 1.0, "big": 0.5}``; a malformed item is a
+    ``ValueError`` naming the option and the item."""
+    resources: dict[str, float] = {}
+    for item in items or []:
+        name, sep, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = float("nan")
+        if not sep or not name or not value > 0:
+            raise ValueError(f"{option} {item!r}: expected NAME=AMOUNT with a positive amount, e.g. rollout=1")
+        resources[name] = value
+    return resources
+
+
 def _prefect_environment() -> None:
     """Quiet, patient defaults for Prefect's ephemeral mode on a small machine."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -39,6 +55,7 @@ def run_flow(settings: RunSettings) -> dict:
                       batch_size=settings.batch_size, max_staleness=settings.max_staleness,
                       lr_policy=settings.lr_policy, num_replicas=settings.num_replicas,
                       trainer_workers=settings.trainer_workers, eval_tasks=settings.eval_tasks,
+                      replica_resources=settings.replica_resources, trainer_resources=settings.trainer_resources,
                       value_samples=settings.value_samples, workdir=settings.workdir,
                       lake_root=settings.lake_root, ray_address=settings.ray_address,
                       seed=settings.seed)
@@ -65,6 +82,10 @@ def train(
     lr_policy: float = typer.Option(_DEFAULTS.lr_policy, min=0.0, help="Policy learning rate."),
     num_replicas: int = typer.Option(_DEFAULTS.num_replicas, min=1, help="Serve rollout replicas."),
     trainer_workers: int = typer.Option(_DEFAULTS.trainer_workers, min=1, help="Ray Train workers."),
+    replica_resource: list[str] | None = typer.Option(  # noqa: B008
+        None, help="NAME=AMOUNT: a custom Ray resource each rollout replica needs (repeatable)."),
+    trainer_resource: list[str] | None = typer.Option(  # noqa: B008
+        None, help="NAME=AMOUNT: a custom Ray resource each trainer worker needs (repeatable)."),
     eval_tasks: int = typer.Option(_DEFAULTS.eval_tasks, min=1, help="Held-out tasks evaluated before/after."),
     value_samples: int = typer.Option(_DEFAULTS.value_samples, min=0,
                                       help="Version-0 rollouts the critic is pretrained on (0: no value pretraining)."),
@@ -83,6 +104,8 @@ def train(
         settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
                                max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
                                trainer_workers=trainer_workers, eval_tasks=eval_tasks,
+                               replica_resources=parse_resources(replica_resource, "--replica-resource"),
+                               trainer_resources=parse_resources(trainer_resource, "--trainer-resource"),
                                value_samples=value_samples, workdir=workdir, lake_root=lake,
                                ray_address=ray_address, seed=seed)
     except ValueError as error:

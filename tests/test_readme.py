@@ -87,6 +87,10 @@ def _sao(argv: list[str], recorded: list) -> None:
         assert settings.lake_root == options.get("--lake", settings.lake_root)
         assert settings.ray_address == options.get("--ray-address")
         assert settings.workdir == options.get("--workdir", settings.workdir)
+        for flag, field in (("--replica-resource", "replica_resources"), ("--trainer-resource", "trainer_resources")):
+            if flag in options:  # one of each in the README
+                name, _, amount = options[flag].partition("=")
+                assert getattr(settings, field) == {name: float(amount)}
     elif command == "ui":
         get_command(app).commands["ui"].make_context("ui", list(argv[2:]))  # the options parse
         _covered("sao ui")

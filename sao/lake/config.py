@@ -23,7 +23,7 @@ class LakeConfig:
     """
 
     root: str = "lake"
-    storage_options: Mapping[str, str] = field(default_factory=dict)
+    storage_options: Mapping[str, str] = field(default_factory=dict, repr=False)  # credentials: never in a repr
 
 
 @dataclass(frozen=True)

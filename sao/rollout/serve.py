@@ -42,6 +42,9 @@ class RolloutConfig:
         initial_version: policy version of the weights at ``policy_path``.
         num_replicas: engine replicas.
         cpus_per_replica: Ray CPUs reserved per replica (fractions share cores).
+        resources_per_replica: custom Ray resources each replica needs, e.g. ``{"rollout": 1}``: replicas
+            then run only on nodes started with that resource (``ray start --resources``), which is how
+            rollouts and the trainer are kept on different nodes. Empty: any node with the CPUs.
         torch_threads: intra-op threads of each replica's engine (unless ``engine.threads`` sets them).
         max_ongoing_requests: rollouts one replica accepts at once (decoded together).
         engine: torch engine settings.
@@ -60,6 +63,7 @@ class RolloutConfig:
     initial_version: int = 0
     num_replicas: int = 2
     cpus_per_replica: float = 0.5
+    resources_per_replica: dict[str, float] = dataclasses.field(default_factory=dict)
     torch_threads: int = 1
     max_ongoing_requests: int = 256
     engine: TorchEngineConfig = TorchEngineConfig()
@@ -74,6 +78,10 @@ class RolloutConfig:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.cpus_per_replica <= 0:
             raise ValueError(f"cpus_per_replica must be > 0, got {self.cpus_per_replica}")
+        for name, amount in self.resources_per_replica.items():
+            if name in ("CPU", "GPU") or not amount > 0:
+                raise ValueError(f"resources_per_replica[{name!r}] = {amount}: give a custom resource name (CPUs "
+                                 "are cpus_per_replica) and a positive amount")
 
 
 class RolloutReplica:
@@ -142,7 +150,7 @@ def build_rollout_app(config: RolloutConfig) -> Application:
         name="RolloutReplica",
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.cpus_per_replica},
+        ray_actor_options={"num_cpus": config.cpus_per_replica, "resources": dict(config.resources_per_replica)},
         health_check_period_s=5,
         logging_config={"enable_access_log": config.access_log},
     )

@@ -89,6 +89,8 @@ class TrainConfig:
         app_name: rollout app whose replicas receive new weights (None: do not publish).
         num_workers: Ray Train workers (data parallel; gradients are summed across them).
         cpus_per_worker: Ray CPUs per worker (fractions leave room for dataset reads and rollouts).
+        resources_per_worker: custom Ray resources per worker, e.g. ``{"trainer": 1}`` (placement on the
+            nodes started with them); empty: any node with the CPUs.
         report_interval_s: on Ray Train, steps are reported to it (``ray.train.report``) at most this
             often, and the last step always. Its controller takes a report when it polls the workers
             (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default) and the next report blocks
@@ -115,6 +117,7 @@ class TrainConfig:
     app_name: str | None = "rollout"
     num_workers: int = 1
     cpus_per_worker: float = 0.5
+    resources_per_worker: dict[str, float] = dataclasses.field(default_factory=dict)
     report_interval_s: float = 5.0
     rollout: RolloutSettings = RolloutSettings()
     retention: RetentionConfig | None = None

@@ -44,7 +44,7 @@ def fit(cfg: TrainConfig, *, storage_path: str | None = None, max_steps: int | N
         _train_func,
         train_loop_config={"config": cfg, "max_steps": max_steps},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=False,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+                                     resources_per_worker={**cfg.resources_per_worker, "CPU": cfg.cpus_per_worker}),
         run_config=RunConfig(name=f"train-{cfg.run_id}", storage_path=storage),
     )
     return trainer.fit()

@@ -38,6 +38,9 @@ def usage_error(args: list[str], reason: str) -> str:
     (["train", "--run-id", "bad id!"], "--run-id 'bad id!' is not a valid run id"),
     (["train", "--run-id", "x" * 129], "is not a valid run id"),
     (["train", "--steps", "-1"], "Invalid value for '--steps'"),
+    (["train", "--replica-resource", "rollout"], "--replica-resource 'rollout': expected NAME=AMOUNT"),
+    (["train", "--trainer-resource", "trainer=-1"], "--trainer-resource 'trainer=-1': expected NAME=AMOUNT"),
+    (["train", "--trainer-resource", "trainer=lots"], "--trainer-resource 'trainer=lots': expected NAME=AMOUNT"),
     (["train", "--batch-size", "0"], "Invalid value for '--batch-size'"),
 ])
 def test_bad_train_arguments_exit_2_with_the_reason(args, reason):

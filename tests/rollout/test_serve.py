@@ -72,3 +72,15 @@ def ray_get(ref):
     import ray
 
     return ray.get(ref)
+
+
+def test_replica_resources_place_the_deployment_and_are_checked():
+    from sao.rollout.serve import build_rollout_app
+
+    config = RolloutConfig(policy_path="unused", resources_per_replica={"rollout": 1.0})
+    options = build_rollout_app(config)._bound_deployment.ray_actor_options
+    assert options["resources"] == {"rollout": 1.0} and options["num_cpus"] == config.cpus_per_replica
+    with pytest.raises(ValueError, match="resources_per_replica\\['CPU'\\]"):
+        RolloutConfig(policy_path="unused", resources_per_replica={"CPU": 1.0})
+    with pytest.raises(ValueError, match="resources_per_replica\\['rollout'\\]"):
+        RolloutConfig(policy_path="unused", resources_per_replica={"rollout": 0.0})

@@ -1,0 +1,126 @@
+"""The scaling model: hand-worked limits it must reproduce, and ``sao bench scale --quick`` end to end.
+
+Each limit case makes one stage the only slow one, so the steady-state throughput is known in closed
+form: the trainer (batch / step time), the rollouts (Little's law: in flight / trajectory duration),
+the lake writer (rows per commit / commit time), shared cores (two busy replicas on one core run at
+half speed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from benchmarks.scale_model import (
+    Scenario,
+    datacentre_scenario,
+    decode_curve,
+    main,
+    replica_gpus,
+    simulate,
+)
+
+FAST = dict(
+    replicas=2, max_in_flight=8, rate_curve=((1.0, 1e9),), turn_overhead_s=1e-6, tokens_per_turn=1.0,
+    context_tokens=100.0, turns=1, tool_median_s=1e-6, tool_sigma=0.0, flush_rows=1, flush_seconds=1e-3,
+    commit_s=1e-6, commit_s_per_token=0.0, batch=8, max_staleness=1000, read_s=0.0, step_s=1e-6,
+    step_s_per_token=0.0, params=1.0, publish_put_s_per_param=0.0, broadcast_s=0.0, steps=30, warmup_steps=5,
+)
+
+
+def scenario(**changes) -> Scenario:
+    return Scenario(name="limit", **(FAST | changes))
+
+
+def test_trainer_bound_throughput_is_batch_over_step_time():
+    p = simulate(scenario(step_s=2.0))
+    assert p.trajectories_per_s == pytest.approx(8 / 2.0, rel=0.01)
+    assert p.step_s == pytest.approx(2.0, rel=0.01)
+    assert p.bottleneck == "trainer"
+
+
+def test_rollout_bound_throughput_follows_littles_law():
+    # 8 in flight, each trajectory 2 instant turns with a 1.0 s tool call between: 8 / 1.0 s = 8 per second.
+    p = simulate(scenario(turns=2, tool_median_s=1.0, steps=60))
+    assert p.trajectories_per_s == pytest.approx(8.0, rel=0.05)
+    assert p.bottleneck == "rollout"
+
+
+def test_per_turn_cost_is_work_each_replica_shares():
+    # A turn costs 0.5 s of its replica's time; 2 turns per trajectory: each of the 2 replicas finishes
+    # one trajectory per second whatever the number in flight, so 2 per second.
+    for in_flight in (2, 8):
+        p = simulate(scenario(turn_overhead_s=0.5, turns=2, max_in_flight=in_flight, steps=60))
+        assert p.trajectories_per_s == pytest.approx(2.0, rel=0.05)
+
+
+def test_lake_bound_throughput_is_rows_per_commit_over_commit_time():
+    p = simulate(scenario(flush_rows=4, flush_seconds=100.0, commit_s=1.0, max_in_flight=64, steps=40))
+    assert p.trajectories_per_s == pytest.approx(4 / 1.0, rel=0.05)
+    assert p.rows_per_commit == pytest.approx(4, rel=0.01)
+    assert p.bottleneck == "lake"
+
+
+def test_two_busy_replicas_on_one_shared_core_run_at_half_speed():
+    # Decode-bound: 100 tokens per trajectory at 100 tokens/s per replica (one request each).
+    decode = dict(rate_curve=((1.0, 100.0),), tokens_per_turn=100.0, max_in_flight=2, batch=2, steps=40)
+    dedicated = simulate(scenario(**decode))
+    shared = simulate(scenario(**decode, shared_cores=1.0))
+    assert shared.trajectories_per_s / dedicated.trajectories_per_s == pytest.approx(0.5, rel=0.1)
+
+
+def test_the_staleness_gate_bounds_work_in_flight():
+    # Room for 64 in flight, but (0 + 1) * batch 4 may start per version: a synchronous pipeline of
+    # 1.0 s rollouts (a tool call between two instant turns) and a 0.5 s step: 4 per 1.5 s.
+    p = simulate(scenario(turns=2, tool_median_s=1.0, max_in_flight=64, batch=4, max_staleness=0, step_s=0.5))
+    assert p.trajectories_per_s == pytest.approx(4 / 1.5, rel=0.05)
+    assert p.mean_staleness == 0.0
+
+
+def test_weights_that_arrive_later_than_the_staleness_bound_stall_the_run():
+    p = simulate(scenario(turns=2, tool_median_s=0.1, step_s=0.1, max_staleness=0, broadcast_s=10.0))
+    assert p.trajectories_per_s == 0.0 and p.bottleneck == "publish" and p.skipped_stale_frac > 0
+
+
+def test_scenarios_reject_impossible_settings():
+    with pytest.raises(ValueError, match="steps"):
+        scenario(steps=5, warmup_steps=5)
+    with pytest.raises(ValueError, match="rate_curve"):
+        scenario(rate_curve=((0.0, 10.0),))
+    with pytest.raises(ValueError, match="broadcast"):
+        datacentre_scenario("x", params=7e9, replicas=4, trainer_gpus=8, trajectory_tokens=8000, broadcast="gossip")
+
+
+def test_decode_curve_respects_kv_memory_and_grows_with_concurrency():
+    assert replica_gpus(7e9, dataclasses.replace(_hw())) == 1 and replica_gpus(30e9, _hw()) == 2
+    short = decode_curve(30e9, 8_000, _hw())
+    long = decode_curve(30e9, 100_000, _hw())
+    assert long[-1][0] < short[-1][0]  # 100k-token contexts fit fewer requests
+    rates = [rate for _, rate in short]
+    assert rates == sorted(rates)
+
+
+def _hw():
+    from benchmarks.scale_model import Hardware
+
+    return Hardware()
+
+
+@pytest.mark.slow
+def test_quick_run_writes_json_and_markdown(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\n## Someone else's section\n\nkept\n")
+    scaling = tmp_path / "SCALING.md"
+    scaling.write_text("# Scaling\n\n<!-- scaling-predictions:begin -->\n<!-- scaling-predictions:end -->\n")
+    assert main(["--quick", "--results-dir", str(tmp_path), "--results-md", str(results),
+                 "--scaling-md", str(scaling)]) == 0
+    data = json.loads((tmp_path / "scale.json").read_text())
+    assert len(data["datacentre"]) == 2
+    for row in data["datacentre"]:
+        assert row["trajectories_per_s"] >= 0 and row["bottleneck"] in {"rollout", "gate", "trainer", "lake", "publish"}
+    text = results.read_text()
+    assert "Someone else's section" in text and text.count("<!-- scale:begin -->") == 1
+    assert "first bottleneck" in text
+    assert "what to do next" in scaling.read_text() and data["datacentre"][0]["scenario"] in scaling.read_text()
