@@ -110,6 +110,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
                  on_step: Callable[[StepReport], None] | None = None,
                  on_record: Callable[[object], None] | None = None) -> PipelineResult:
     """Run ``cfg.train.total_steps`` asynchronous updates on ``tasks`` (resuming a run that has steps)."""
+    import ray
     from ray import serve
 
     from sao.rollout.serve import start_rollout_app
@@ -126,8 +127,10 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
         agent=cfg.agent, env_options=cfg.env_options, resources_per_replica=cfg.resources_per_replica,
     )
-    handle = start_rollout_app(rollout)
     broker = get_or_create_broker(cfg.app_name)
+    # The broker outlives runs (a detached actor per app name): a run starts it over at its version.
+    ray.get(broker.reset.remote(version))
+    handle = start_rollout_app(rollout)
 
     async def trainer_version() -> int:
         return max(version, await broker.latest_version.remote())

@@ -12,7 +12,6 @@ server's database (artifacts, logs, parameters) or any run file. Everything is s
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import subprocess
@@ -135,22 +134,15 @@ def test_training_on_the_cluster_with_an_s3_lake_and_a_prefect_server(cluster, p
     assert _nodes_of(placed, "RolloutReplica") == {"127.0.0.2"}, placed
     assert _nodes_of(placed, "RayTrainWorker") == {"127.0.0.3"}, placed
 
-    # The Prefect server has the run: artifacts and logs.
-    async def artifact_keys() -> set[str]:
-        from prefect.client.orchestration import get_client
-
-        async with get_client() as client:
-            return {a.key for a in await client.read_artifacts()}
-
-    import os
-
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL",)}
-    os.environ["PREFECT_API_URL"] = prefect_server.api_url
-    try:
-        keys = asyncio.run(artifact_keys())
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    # The Prefect server has the run: artifacts and logs. Read in a fresh process with the server's
+    # environment: this process's Prefect settings may be pinned by earlier tests (harness, profiles).
+    reader = ("import asyncio, json\nfrom prefect.client.orchestration import get_client\n"
+              "async def keys():\n    async with get_client() as client:\n"
+              "        return sorted({a.key for a in await client.read_artifacts()})\n"
+              "print(json.dumps(asyncio.run(keys())))\n")
+    listed = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    keys = set(json.loads(listed.stdout.strip().splitlines()[-1]))
     assert {f"{RUN}-progress", f"{RUN}-report"} <= keys
 
     # The secret reached the nodes (so the searches below look where it could leak) ...

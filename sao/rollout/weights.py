@@ -47,6 +47,16 @@ class WeightBroker:
             self._newer = None
         return version
 
+    async def reset(self, version: int) -> None:
+        """Start over at ``version`` (a run starting or resuming with this app name): nothing published,
+        no acknowledgements. Waiting replicas are woken to look again."""
+        self._version, self._refs = version, []
+        self._published_at.clear()
+        self._acks.clear()
+        if self._newer is not None:
+            self._newer.set()
+            self._newer = None
+
     async def wait_newer(self, version: int, timeout_s: float) -> tuple[int, list]:
         """The newest (version, refs) as soon as it is newer than ``version``, or after ``timeout_s``."""
         if self._version <= version:
