@@ -12,10 +12,9 @@ refuses a run whose recorded settings differ).
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect import flow, task
 
-from flows.train import artifact_key, warm_start
+from flows.train import show_pretrain_report, warm_start
 from sao import runs
 from sao.config import RunSettings
 from sao.runtime import init_ray
@@ -56,16 +55,7 @@ def pretrain_value_flow(
                               batch_size=batch_size, target=target, data_run_id=data_run_id)
     policy_path = warm_start(settings)
     report = pretrain_task(settings, policy_path, pretrain)
-    rows = [{"figure": "held-out value loss", "before": round(report.loss_before, 5),
-             "after": round(report.loss_after, 5)},
-            {"figure": "explained variance", "before": report.explained_variance_before,
-             "after": report.explained_variance_after}]
-    create_table_artifact(rows, key=artifact_key(run_id, "pretrain-value"),
-                          description=f"value pretraining of run {run_id}: {report.num_train} train / "
-                                      f"{report.num_heldout} held-out trajectories of run {report.data_run_id}, "
-                                      f"{report.optimizer_steps} critic steps")
-    get_run_logger().info("run %s: held-out value loss %.4f -> %.4f in %.0f s", run_id, report.loss_before,
-                          report.loss_after, report.seconds)
+    show_pretrain_report(run_id, report)
     return {"run_id": run_id, "data_run_id": report.data_run_id, "num_train": report.num_train,
             "num_heldout": report.num_heldout, "loss_before": report.loss_before, "loss_after": report.loss_after,
             "explained_variance_before": report.explained_variance_before,

@@ -26,6 +26,7 @@ from sao import runs
 from sao.config import RunSettings
 from sao.train.config import Algorithm
 from sao.train.loop import StepReport
+from sao.train.pretrain import PretrainReport
 
 _DEFAULTS = RunSettings()
 
@@ -53,23 +54,29 @@ def evaluate(settings: RunSettings, version: int) -> runs.Evaluation:
 
 @task(name="pretrain-value")  # writes the version-0 critic: not retried (a re-run of the flow resumes it)
 def pretrain_value(settings: RunSettings, policy_path: str) -> dict | None:
-    logger = get_run_logger()
     report = runs.pretrain_value(settings, policy_path)
     if report is None:
-        logger.info("value pretraining: skipped (value_samples=0, no critic, or done already)")
+        get_run_logger().info("value pretraining: skipped (value_samples=0, no critic, or done already)")
         return None
-    logger.info("value pretraining on %d version-0 rollouts of run %s: held-out value loss %.4f -> %.4f, "
-                "explained variance %s -> %s", report.num_train + report.num_heldout, report.data_run_id,
-                report.loss_before, report.loss_after, _fmt(report.explained_variance_before),
-                _fmt(report.explained_variance_after))
+    show_pretrain_report(settings.run_id, report)
+    return {"loss_before": report.loss_before, "loss_after": report.loss_after, "seconds": round(report.seconds, 1)}
+
+
+def show_pretrain_report(run_id: str, report: PretrainReport) -> None:
+    """Log value pretraining's figures and show them as the run's ``pretrain-value`` table artifact."""
+    get_run_logger().info(
+        "run %s: value pretraining on %d + %d version-0 trajectories of run %s, %d critic steps in %.0f s: "
+        "held-out value loss %.4f -> %.4f, explained variance %s -> %s", run_id, report.num_train,
+        report.num_heldout, report.data_run_id, report.optimizer_steps, report.seconds, report.loss_before,
+        report.loss_after, _fmt(report.explained_variance_before), _fmt(report.explained_variance_after))
     rows = [{"figure": "held-out value loss", "before": round(report.loss_before, 5),
              "after": round(report.loss_after, 5)},
             {"figure": "explained variance", "before": report.explained_variance_before,
              "after": report.explained_variance_after}]
-    create_table_artifact(rows, key=artifact_key(settings.run_id, "pretrain-value"),
-                          description=f"value pretraining of run {settings.run_id} on {report.num_train} + "
-                                      f"{report.num_heldout} version-0 rollouts (run {report.data_run_id})")
-    return {"loss_before": report.loss_before, "loss_after": report.loss_after, "seconds": round(report.seconds, 1)}
+    create_table_artifact(rows, key=artifact_key(run_id, "pretrain-value"),
+                          description=f"value pretraining of run {run_id}: {report.num_train} train / "
+                                      f"{report.num_heldout} held-out trajectories of run {report.data_run_id}, "
+                                      f"{report.optimizer_steps} critic steps")
 
 
 def _fmt(value: float | None) -> str:
