@@ -5,40 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-from tests.lake.conftest import _free_port, _start_moto, _wait_until_listening
+from tests.lake.conftest import moto_bucket  # noqa: F401  (re-exported for the secret-leak tests)
 
 
 def secret_marker(what: str) -> str:
     """A value that cannot occur by chance: a leak of it is a leak of the secret."""
     return f"sao-secret-{what}-{uuid.uuid4().hex}"
-
-
-@contextlib.contextmanager
-def moto_bucket(bucket: str) -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 with ``bucket`` created; yields the endpoint URL. moto checks no
-    credentials, so any secret works."""
-    import boto3
-
-    port = _free_port()
-    process = _start_moto(port)
-    try:
-        _wait_until_listening(port, process)
-        endpoint = f"http://127.0.0.1:{port}"
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="setup", aws_secret_access_key="setup",
-                     region_name="us-east-1").create_bucket(Bucket=bucket)
-        yield endpoint
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def objects_containing(endpoint: str, bucket: str, prefix: str, marker: str) -> tuple[int, list[str]]:

@@ -9,6 +9,7 @@ and is not set. Nothing talks to any host but 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -56,10 +57,10 @@ def _wait_until_listening(port: int, process: subprocess.Popen, timeout_s: float
     raise RuntimeError(f"moto server did not listen on 127.0.0.1:{port} within {timeout_s} s")
 
 
-@pytest.fixture(scope="session")
-def s3_options() -> Iterator[dict[str, str]]:
-    """Storage options of a moto S3 server on 127.0.0.1 with the test bucket created."""
-    pytest.importorskip("moto")
+@contextlib.contextmanager
+def moto_bucket(bucket: str) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 with ``bucket`` created; yields the endpoint URL and stops the server
+    after. moto checks no credentials, so any work."""
     import boto3
 
     port = _free_port()
@@ -67,22 +68,9 @@ def s3_options() -> Iterator[dict[str, str]]:
     try:
         _wait_until_listening(port, process)
         endpoint = f"http://127.0.0.1:{port}"
-        options = {
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ALLOW_HTTP": "true",
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-        }
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-        client.create_bucket(Bucket=BUCKET)
-        yield options
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="setup", aws_secret_access_key="setup",
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield endpoint
     finally:
         process.terminate()
         try:
@@ -90,6 +78,20 @@ def s3_options() -> Iterator[dict[str, str]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_options() -> Iterator[dict[str, str]]:
+    """Storage options of a moto S3 server on 127.0.0.1 with the test bucket created."""
+    pytest.importorskip("moto")
+    with moto_bucket(BUCKET) as endpoint:
+        yield {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+        }
 
 
 @pytest.fixture(params=["local", "s3"])
