@@ -45,6 +45,10 @@ class RunSettings:
         replica_resources, trainer_resources: custom Ray resources each rollout replica / trainer
             worker needs (placement on a cluster: docs/SCALING.md); empty: any node with the CPUs.
         max_in_flight: trajectories generated at once.
+        group_size: rollouts per task, launched together (GRPO's groups; 1 for SAO).
+        synchronous: synchronous RL, the comparison baseline (needs ``max_staleness`` 0): one batch per
+            version, each rollout sampled by the trainer's current policy
+            (:class:`sao.pipeline.PipelineConfig`).
         eval_tasks: held-out tasks for the accuracy before and after.
         value_samples: version-0 rollouts value pretraining fits the critic on before the first step
             (0 skips value pretraining; the paper used about 6k).
@@ -68,6 +72,8 @@ class RunSettings:
     replica_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     trainer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     max_in_flight: int = 64
+    group_size: int = 1
+    synchronous: bool = False
     eval_tasks: int = 300
     value_samples: int = 256
     sft_seed: int = 0
@@ -79,7 +85,7 @@ class RunSettings:
             raise ValueError(f"run_id {self.run_id!r} is not a valid run id: it must match {RUN_ID_PATTERN}")
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
         object.__setattr__(self, "bootstrap_reasons", tuple(self.bootstrap_reasons))
-        for name in ("batch_size", "num_replicas", "trainer_workers", "max_in_flight", "eval_tasks"):
+        for name in ("batch_size", "num_replicas", "trainer_workers", "max_in_flight", "eval_tasks", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0:

@@ -55,6 +55,11 @@ class PipelineConfig:
         agent: budgets and sampling of the agent loop.
         env_options: options per environment name (e.g. tool latency for benchmarks).
         max_in_flight: trajectories generated at once across replicas.
+        group_size: rollouts of each task, launched one after another (GRPO's groups; 1 for SAO).
+        synchronous: synchronous RL (the comparison of the speed benchmark): with
+            ``train.max_staleness = 0`` the driver launches one batch per trainer version, and each of
+            its rollouts starts only once its replica runs that version; the trainer waits for the
+            whole batch, the rollouts for the update. False: asynchronous (SAO).
         writer: lake writer batching (small batches keep the trainer fed; the age flush bounds delay).
         use_ray_train: run the trainer on Ray Train workers (False: in this process, one worker).
         seed: shuffles the task stream and seeds rollouts.
@@ -70,10 +75,22 @@ class PipelineConfig:
     agent: AgentConfig = AgentConfig()
     env_options: dict = dataclasses.field(default_factory=dict)
     max_in_flight: int = 64
+    group_size: int = 1
+    synchronous: bool = False
     writer: WriterConfig = WriterConfig(flush_rows=16, flush_seconds=0.25)
     use_ray_train: bool = True
     seed: int = 0
     app_name: str = "rollout"
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.train.batch_size % self.group_size:
+            raise ValueError(f"batch_size {self.train.batch_size} is not a multiple of group_size {self.group_size}: "
+                             "a batch would split a group")
+        if self.synchronous and self.train.max_staleness != 0:
+            raise ValueError(f"a synchronous run trains on its own batch only: max_staleness must be 0, "
+                             f"got {self.train.max_staleness}")
 
 
 @dataclasses.dataclass
@@ -87,17 +104,21 @@ class PipelineResult:
     train_s: float
 
 
-def task_stream(tasks: Sequence[Task], seed: int, start: int = 0) -> Iterator[Task]:
-    """An endless shuffled stream of ``tasks`` (reshuffled each pass), skipping the first ``start``."""
+def task_stream(tasks: Sequence[Task], seed: int, start: int = 0, repeat: int = 1) -> Iterator[Task]:
+    """An endless shuffled stream of ``tasks`` (reshuffled each pass), each task ``repeat`` times in a
+    row (a group), skipping the first ``start`` items."""
     if not tasks:
         raise ValueError("task_stream needs at least one task")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
     rng = random.Random(seed)
 
     def passes() -> Iterator[Task]:
         while True:
             order = list(tasks)
             rng.shuffle(order)
-            yield from order
+            for task in order:
+                yield from itertools.repeat(task, repeat)
 
     return itertools.islice(passes(), start, None)
 
@@ -140,7 +161,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     driver = RolloutDriver(
         handle, writer, train.run_id,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
-                     max_staleness=train.max_staleness, seed=cfg.seed + version),
+                     max_staleness=train.max_staleness, seed=cfg.seed + version, synchronous=cfg.synchronous),
         trainer_version=trainer_version, initial_version=version, on_record=on_record, issue_log=issue_log,
     )
     stop_rollouts = threading.Event()
@@ -157,7 +178,8 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
 
             watcher = asyncio.ensure_future(watch())
             try:
-                driver_result["stats"] = await driver.run(task_stream(tasks, cfg.seed + version), stop=stop)
+                driver_result["stats"] = await driver.run(task_stream(tasks, cfg.seed + version, repeat=cfg.group_size),
+                                                           stop=stop)
             finally:
                 watcher.cancel()
 

@@ -75,7 +75,8 @@ def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineC
     )
     return PipelineConfig(train=train, ray=settings.ray(), num_replicas=settings.num_replicas,
                           resources_per_replica=dict(settings.replica_resources),
-                          agent=settings.agent(), max_in_flight=settings.max_in_flight, seed=settings.seed)
+                          agent=settings.agent(), max_in_flight=settings.max_in_flight, seed=settings.seed,
+                          group_size=settings.group_size, synchronous=settings.synchronous)
 
 
 def value_data_run(settings: RunSettings) -> str:

@@ -64,6 +64,9 @@ class DriverConfig:
         retry_failed: relaunch a task whose replica failed (under a new trajectory id).
         max_retries: relaunches of one task at most (its failed attempts stay as ``error`` records).
         version_poll_s: how often the trainer's version is re-read while the gate is closed.
+        synchronous: each rollout asks its replica to start only once it runs the trainer's version at
+            launch (``min_version``), so with ``max_staleness = 0`` every batch is sampled by the policy
+            the trainer holds (synchronous RL: rollouts wait for the update, the update for the batch).
     """
 
     max_in_flight: int = 64
@@ -73,10 +76,13 @@ class DriverConfig:
     retry_failed: bool = True
     max_retries: int = 2
     version_poll_s: float = 0.05
+    synchronous: bool = False
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.synchronous and self.max_staleness != 0:
+            raise ValueError(f"a synchronous driver needs max_staleness 0, got {self.max_staleness}")
 
 
 @dataclasses.dataclass
@@ -125,11 +131,13 @@ class RolloutDriver:
         self.stats = DriverStats()
         self._sink_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sink")
 
-    async def _capacity(self) -> int:
+    async def _capacity(self) -> tuple[int, int | None]:
+        """(how many rollouts may start now, the trainer's version when known)."""
         room = self.config.max_in_flight
         if self.gate is None:
-            return room
-        return min(room, self.gate.capacity(await self.trainer_version()))
+            return room, None
+        version = await self.trainer_version()
+        return min(room, self.gate.capacity(version)), version
 
     async def run(self, tasks: Iterable[Task], limit: int | None = None,
                   stop: asyncio.Event | None = None) -> DriverStats:
@@ -145,7 +153,9 @@ class RolloutDriver:
         while True:
             stopping = (stop is not None and stop.is_set()) or (limit is not None and self.stats.launched >= limit)
             if not stopping and (retry or not exhausted):
-                free = await self._capacity() - len(running)
+                capacity, version = await self._capacity()
+                free = capacity - len(running)
+                min_version = version if self.config.synchronous else None
                 issued: list[IssuedRollout] = []
                 while free > 0 and (limit is None or self.stats.launched < limit):
                     if retry:
@@ -159,7 +169,7 @@ class RolloutDriver:
                     seed = self.config.seed * 1_000_003 + index
                     index += 1
                     issued.append(IssuedRollout(self.run_id, trajectory_id, task.task_id, task.env, attempt, retry_of))
-                    future = asyncio.ensure_future(self._call(task, trajectory_id, seed))
+                    future = asyncio.ensure_future(self._call(task, trajectory_id, seed, min_version))
                     running[future] = (task, attempt, time.monotonic(), trajectory_id)
                     self.stats.launched += 1
                     if self.gate is not None:
@@ -200,10 +210,15 @@ class RolloutDriver:
         self.stats.wall_s = time.monotonic() - started
         return self.stats
 
-    async def _call(self, task: Task, trajectory_id: str, seed: int) -> tuple[TrajectoryRecord, bool]:
+    async def _call(self, task: Task, trajectory_id: str, seed: int,
+                    min_version: int | None = None) -> tuple[TrajectoryRecord, bool]:
         """One rollout; a failing replica becomes an ``error`` record (and a retry, if configured)."""
         try:
-            record = await self.rollout.rollout.remote(task, self.run_id, trajectory_id, seed)
+            if min_version is None:
+                record = await self.rollout.rollout.remote(task, self.run_id, trajectory_id, seed)
+            else:
+                record = await self.rollout.rollout.remote(task, self.run_id, trajectory_id, seed,
+                                                           min_version=min_version)
             return record, False
         except Exception as exc:
             log.warning("rollout %s of task %s failed on its replica: %s", trajectory_id, task.task_id, exc)

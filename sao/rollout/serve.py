@@ -13,9 +13,11 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import os
+import time
 from typing import Any
 
 import torch
@@ -52,6 +54,8 @@ class RolloutConfig:
         env_options: keyword options per environment name, passed to its constructor.
         weight_wait_s: longest a replica's request to the weight broker waits for a newer version (it
             returns as soon as one is published) before it is renewed.
+        version_wait_s: longest a rollout that asks for a minimum policy version (synchronous runs)
+            waits for this replica to run it before the request fails.
         engine_process: run the engine in a child process of the replica (it decodes about twice as
             fast there: see :mod:`sao.rollout.engine_process`); False keeps it in the replica's process.
         access_log: Serve's log line per request (off by default: at thousands of short generate calls a
@@ -70,6 +74,7 @@ class RolloutConfig:
     agent: AgentConfig = AgentConfig()
     env_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     weight_wait_s: float = 1.0
+    version_wait_s: float = 60.0
     engine_process: bool = True
     access_log: bool = False
 
@@ -117,7 +122,18 @@ class RolloutReplica:
                                            lambda: self.engine.version, self.engine.load_weights,
                                            wait_s=config.weight_wait_s)
 
-    async def rollout(self, task: Task, run_id: str, trajectory_id: str, seed: int | None = None):
+    async def rollout(self, task: Task, run_id: str, trajectory_id: str, seed: int | None = None,
+                      min_version: int | None = None):
+        """One trajectory. With ``min_version``, it starts only once this replica's engine runs that
+        version or a newer one (synchronous runs: the batch is sampled by the trainer's policy); a
+        replica that does not get there within ``version_wait_s`` fails the request."""
+        if min_version is not None:
+            deadline = time.monotonic() + self.config.version_wait_s
+            while self.engine.version < min_version:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {self.replica_id} runs version {self.engine.version}, "
+                                       f"not {min_version}, after {self.config.version_wait_s:.0f} s")
+                await asyncio.sleep(0.002)
         return await self.agent.run(task, run_id, trajectory_id, seed)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:

@@ -124,3 +124,55 @@ def test_every_launch_is_issued_before_its_record_and_retries_name_their_attempt
     (retry,) = [r for r in issued.rows if r.attempt == 1]
     failed = next(r for r in sink.records if r.termination_reason == "error")
     assert retry.retry_of == failed.trajectory_id and retry.task_id == failed.task_id
+
+
+class VersionedApp:
+    """A stand-in whose replica runs ``version["v"]`` and honours ``min_version`` like a Serve replica."""
+
+    def __init__(self, version):
+        self.started_at = []  # (trajectory id, the version the rollout started at)
+
+        async def rollout(task, run_id, trajectory_id, seed, min_version=None):
+            while min_version is not None and version["v"] < min_version:
+                await asyncio.sleep(0.001)
+            self.started_at.append((trajectory_id, version["v"], min_version))
+            await asyncio.sleep(0.001)
+            return record(task, run_id, trajectory_id)
+
+        self.rollout = Method(rollout)
+
+
+def test_a_synchronous_driver_launches_one_batch_per_version_at_that_version():
+    trainer = {"v": 0}
+    replica = {"v": 0}
+    app, sink = VersionedApp(replica), ListSink()
+
+    async def trainer_version():
+        return trainer["v"]
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0,
+                                                        version_poll_s=0.01, synchronous=True),
+                           trainer_version=trainer_version)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=8))
+        await asyncio.sleep(0.2)
+        first = driver.stats.launched
+        trainer["v"] = 1  # the trainer published version 1; the replica has not loaded it yet
+        await asyncio.sleep(0.2)
+        waiting = len(app.started_at)
+        replica["v"] = 1
+        await asyncio.wait_for(job, timeout=10)
+        return first, waiting
+
+    first, waiting = asyncio.run(run())
+    assert first == 4  # one batch at version 0
+    assert waiting == 4  # the second batch was launched but waits for its replica to run version 1
+    assert [(v, m) for _, v, m in app.started_at] == [(0, 0)] * 4 + [(1, 1)] * 4
+
+
+def test_a_synchronous_driver_needs_max_staleness_zero():
+    import pytest
+
+    with pytest.raises(ValueError, match="max_staleness 0"):
+        DriverConfig(max_staleness=1, synchronous=True)

@@ -1,0 +1,74 @@
+"""The pipeline: task streams with groups, its settings' checks, and a synchronous GRPO run in which
+every batch is whole groups sampled by the trainer's own version."""
+
+import collections
+import itertools
+
+import pytest
+
+from sao.envs.math_tool import MathToolConfig, generate_tasks
+from sao.lake.config import LakeConfig
+from sao.pipeline import PipelineConfig, task_stream
+from sao.train.loop import TrainConfig
+
+TASKS = generate_tasks(MathToolConfig(num_train=5, num_heldout=0))
+
+
+def _train(tmp_path, **kw) -> TrainConfig:
+    return TrainConfig(run_id="r", lake=LakeConfig(root=str(tmp_path / "lake")), checkpoint_root=str(tmp_path / "c"),
+                       policy_path="p", **kw)
+
+
+def test_task_stream_repeats_each_task_in_a_row_and_covers_every_task_each_pass():
+    stream = [t.task_id for t in itertools.islice(task_stream(TASKS, seed=3, repeat=3), 30)]
+    groups = [stream[i:i + 3] for i in range(0, 30, 3)]
+    assert all(len(set(g)) == 1 for g in groups)
+    first_pass, second_pass = [g[0] for g in groups[:5]], [g[0] for g in groups[5:]]
+    assert sorted(first_pass) == sorted(second_pass) == sorted(t.task_id for t in TASKS)
+    # repeat=1 is the plain stream; start skips items of the repeated stream
+    assert [t.task_id for t in itertools.islice(task_stream(TASKS, seed=3), 5)] == first_pass
+    assert [t.task_id for t in itertools.islice(task_stream(TASKS, seed=3, start=4, repeat=3), 2)] == stream[4:6]
+
+
+def test_pipeline_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        PipelineConfig(train=_train(tmp_path, batch_size=6), group_size=4)
+    with pytest.raises(ValueError, match="max_staleness must be 0"):
+        PipelineConfig(train=_train(tmp_path, max_staleness=2), synchronous=True)
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        PipelineConfig(train=_train(tmp_path), group_size=0)
+    with pytest.raises(ValueError, match="repeat"):
+        next(task_stream(TASKS, 0, repeat=0))
+
+
+@pytest.mark.ray
+def test_a_synchronous_grpo_run_trains_whole_groups_of_its_own_version(tmp_path, policy_dir, ray_session):
+    from sao.lake.store import Lake
+    from sao.pipeline import run_pipeline
+    from sao.rollout.agent import AgentConfig
+    from sao.runs import math_tasks
+    from sao.train.config import Algorithm, UpdateConfig
+    from schemas import train_steps
+
+    train = TrainConfig(run_id="sync", lake=LakeConfig(root=str(tmp_path / "lake")),
+                        checkpoint_root=str(tmp_path / "ckpt"), policy_path=str(policy_dir),
+                        update=UpdateConfig(algorithm=Algorithm.GRPO), batch_size=8, max_staleness=0,
+                        total_steps=3, wait_timeout_s=300)
+    config = PipelineConfig(train=train, num_replicas=2, agent=AgentConfig(max_tokens=48, max_turns=2),
+                            max_in_flight=16, group_size=4, synchronous=True, use_ray_train=False,
+                            app_name="rollout-sync-test")
+    result = run_pipeline(config, math_tasks("train"))
+    assert result.steps == 3
+
+    lake = Lake.open(train.lake)
+    rows = {r["trajectory_id"]: r for r in lake.read("trajectories", predicate="run_id = 'sync'").to_pylist()}
+    steps = sorted(lake.read(train_steps.NAME, predicate="run_id = 'sync'").to_pylist(), key=lambda r: r["step"])
+    for step in steps:
+        batch = [rows[i] for i in step["trajectory_ids"]]
+        assert len(batch) == 8
+        # sampled wholly by the version the step trained (staleness 0, no version change mid-trajectory)
+        assert {r["min_policy_version"] for r in batch} == {r["max_policy_version"] for r in batch} \
+            == {step["policy_version_before"]}
+        assert sorted(collections.Counter(r["task_id"] for r in batch).values()) == [4, 4]  # two whole groups
+    # the run launches one batch per version: nothing beyond the last batch and the one the stop drained
+    assert result.driver.launched <= 8 * 4
