@@ -4,7 +4,8 @@ The sink is the lake writer in production (:class:`sao.lake.writer.TrajectoryWri
 idempotent); an in-memory queue exists only as a benchmark comparison. Back-pressure: a new trajectory
 starts only while fewer than ``max_in_flight`` run and the :class:`~sao.rollout.staleness.StalenessGate`
 allows it at the trainer's current version, so no trajectory is generated further ahead than the
-trainer can consume within ``max_staleness`` versions.
+trainer can consume within ``max_staleness`` versions. A trajectory that finishes already too stale
+to be trained on, or without an action token, gives its place back to the gate.
 
 Every launched task ends in exactly one record handed to the sink (the agent loop turns failures into
 ``error`` / ``cancelled`` records); a replica that dies mid-rollout surfaces as an exception from the
@@ -95,6 +96,7 @@ class DriverStats:
     by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     wall_s: float = 0.0
     slot_busy_s: float = 0.0  # sum over trajectories of their generation wall time
+    released: int = 0  # finished too stale (or without actions) to be trained on: the gate's places freed
 
     def slot_utilisation(self, max_in_flight: int) -> float:
         return self.slot_busy_s / (self.wall_s * max_in_flight) if self.wall_s > 0 else 0.0
@@ -194,6 +196,8 @@ class RolloutDriver:
                     retry.append((task, attempt + 1, trajectory_id))
                     self.stats.retried += 1
             if records:
+                if self.gate is not None:
+                    await self._release_untrainable(records)
                 self.stats.finished += len(records)
                 for record in records:
                     self.stats.by_reason[str(record.termination_reason)] += 1
@@ -209,6 +213,17 @@ class RolloutDriver:
         await loop.run_in_executor(self._sink_thread, self.sink.flush)
         self.stats.wall_s = time.monotonic() - started
         return self.stats
+
+    async def _release_untrainable(self, records: list[TrajectoryRecord]) -> None:
+        """Give back the gate's places of records the trainer will never consume (see the module
+        docstring): no action token, or already more than ``max_staleness`` behind the trainer."""
+        version = await self.trainer_version()
+        limit = self.config.max_staleness
+        untrainable = sum(1 for r in records
+                          if r.min_policy_version is None or version - r.min_policy_version > limit)
+        if untrainable:
+            self.gate.release(untrainable)
+            self.stats.released += untrainable
 
     async def _call(self, task: Task, trajectory_id: str, seed: int,
                     min_version: int | None = None) -> tuple[TrajectoryRecord, bool]:

@@ -6,6 +6,12 @@ trajectory started now (at version v) must be consumed by version ``v + max_stal
 number of trajectories started may not exceed ``(v + max_staleness + 1) * batch_size`` (the rule of
 AReaL's staleness manager). Generation never runs further ahead than the trainer can absorb; with
 ``max_staleness = 0`` it degenerates to synchronous batches.
+
+A trajectory that will never be trained on does not hold its place: one that finishes already more
+than ``max_staleness`` versions behind (a long-tail rollout) or without an action token (an error) is
+:meth:`released <StalenessGate.release>` (AReaL's manager likewise counts only accepted and running
+rollouts). Without this, every such trajectory would shrink the window for good, and under heavy-tailed
+rollout times the number in flight would fall run after run.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class StalenessGate:
         batch_size: trajectories the trainer consumes per policy version.
         max_staleness: versions a trajectory may lag when it is consumed.
         initial_version: the version counting starts from (a resumed run starts at its version).
-        started: trajectories started so far (including those already consumed).
+        started: trajectories started so far that were or may still be consumed.
     """
 
     batch_size: int
@@ -51,3 +57,9 @@ class StalenessGate:
 
     def start(self, count: int = 1) -> None:
         self.started += count
+
+    def release(self, count: int = 1) -> None:
+        """``count`` started trajectories will never be consumed: their places open again."""
+        if count > self.started:
+            raise ValueError(f"cannot release {count} of {self.started} started trajectories")
+        self.started -= count

@@ -176,3 +176,37 @@ def test_a_synchronous_driver_needs_max_staleness_zero():
 
     with pytest.raises(ValueError, match="max_staleness 0"):
         DriverConfig(max_staleness=1, synchronous=True)
+
+
+def test_trajectories_too_stale_to_train_give_their_places_back():
+    # Every record is sampled by version 0 while the trainer is at version 3 with max_staleness 1: none
+    # can be trained on. Without releasing their places the gate would stop at (3 + 1 + 1) * 2 = 10
+    # launches and the run would never reach 20.
+    app, sink = FakeApp(), ListSink()
+
+    async def trainer_version():
+        return 3
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=4, batch_size=2, max_staleness=1,
+                                                        version_poll_s=0.01), trainer_version=trainer_version)
+    stats = asyncio.run(asyncio.wait_for(driver.run(TASKS, limit=20), timeout=10))
+    assert stats.finished == 20 and stats.released == 20
+
+
+def test_trainable_trajectories_keep_their_places():
+    app, sink = FakeApp(), ListSink()
+
+    async def trainer_version():
+        return 1  # records of version 0 are within max_staleness 1
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=2, max_staleness=1,
+                                                        version_poll_s=0.01), trainer_version=trainer_version)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=20))
+        await asyncio.sleep(0.3)
+        job.cancel()
+        return driver.stats
+
+    stats = asyncio.run(run())
+    assert stats.launched == 6 and stats.released == 0  # (1 + 1 + 1) * 2, held until the trainer moves

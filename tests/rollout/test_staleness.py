@@ -33,3 +33,13 @@ def test_a_resumed_run_counts_from_its_version():
 def test_bad_settings(kw, field):
     with pytest.raises(ValueError, match=field):
         StalenessGate(**kw)
+
+
+def test_released_places_open_again():
+    gate = StalenessGate(batch_size=4, max_staleness=0)
+    gate.start(4)
+    assert gate.capacity(0) == 0
+    gate.release(1)  # one of them will never be trained on
+    assert gate.capacity(0) == 1 and gate.started == 3
+    with pytest.raises(ValueError, match="cannot release 4 of 3"):
+        gate.release(4)
