@@ -8,7 +8,8 @@ What is simulated (one heap of timed events; numpy only):
 
 * **Rollout replicas.** The driver keeps up to ``max_in_flight`` trajectories running, spread over the
   replicas, and starts one only while the staleness gate allows (``(v + max_staleness + 1) * batch``
-  started at trainer version ``v``, :mod:`sao.rollout.staleness`). A trajectory is ``turns`` turns; a
+  started at trainer version ``v``, :mod:`sao.rollout.staleness`; one that finishes already more than
+  ``max_staleness`` behind gives its place back). A trajectory is ``turns`` turns; a
   turn is a generation segment, then (except after the last) a tool call. A replica decodes all its
   generating requests together: with ``b`` of them it makes ``rate(b)`` tokens/s in all (a measured
   concurrency curve), shared equally (processor sharing). Each turn first costs ``turn_overhead_s`` of
@@ -30,11 +31,12 @@ Aggregation: at data-centre sizes at most ``max_sim_replicas`` replicas are simu
 trajectory standing for ``replicas / simulated`` real ones (replicas are independent and identical;
 the writer and the trainer see the aggregate stream). The prediction is trajectories trained per
 second in the steady state (after ``warmup_steps`` steps), and the share of time each stage is the
-limit: ``rollout`` (the trainer waited for data while replicas were full), ``gate`` (it waited while
+limit: ``rollout`` (the trainer waited for data while replicas were full), ``publish`` (it waited while
+replicas still ran weights more than ``max_staleness`` versions old, or on the put), ``gate`` (it waited while
 replicas had room but the staleness gate admitted no new rollout: ``batch * (max_staleness + 1)`` bounds
 the work in flight), ``trainer`` (data waited for the trainer), ``lake`` (the rows were there but not
-yet committed), ``publish`` (the trainer waited on the put). A run whose rollouts all go stale (replicas
-receive weights more than ``max_staleness`` versions late) stalls: predicted 0, bottleneck ``publish``.
+yet committed). Replicas that receive weights more than ``max_staleness`` versions late make every
+rollout stale until they catch up: each step then waits for the broadcast (bottleneck ``publish``).
 """
 
 from __future__ import annotations
@@ -305,6 +307,8 @@ class _Sim:
         t = self.traj.pop(tid)
         self.in_flight -= 1
         self.per_replica[t["replica"]] -= 1
+        if self.version - t["version"] > self.sc.max_staleness:
+            self.started -= self.weight  # the driver gives an untrainable rollout's place back to the gate
         self.buffer.append({"version": t["version"], "done": self.now})
         if self.buffer_since is None:
             self.buffer_since = self.now
@@ -396,6 +400,8 @@ class _Sim:
             self.time_in["trainer"] += dt
         elif len(self.committed) + sum(len(rows) for rows in self.commit_queue) >= self.need():
             self.time_in["lake"] += dt  # the rows are there, not yet committed
+        elif self.version - min(self.replica_version) > self.sc.max_staleness:
+            self.time_in["publish"] += dt  # replicas still run weights too old to train on
         elif self.in_flight < self.sim_in_flight and self.gate_capacity() < self.weight:
             self.time_in["gate"] += dt  # replicas idle: the staleness gate holds back new rollouts
         else:
@@ -436,7 +442,7 @@ class _Sim:
     def stalled(self) -> Prediction:
         """Nothing left to do before the last step: every started trajectory was consumed or went stale
         (its replica ran weights more than ``max_staleness`` versions old), and the gate admits no
-        more. The real driver stalls the same way (its gate counts stale rollouts as started)."""
+        more."""
         return Prediction(
             name=self.sc.name, trajectories_per_s=0.0, tokens_per_s=0.0, step_s=math.inf,
             bottleneck="publish" if self.skipped else "gate", limit_shares={"stalled": 1.0},

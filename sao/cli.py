@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, str] = {
     "scale": "scale_model",
     "rollout": "rollout",
     "sft": "sft_warmstart",
+    "speed": "speed",
+    "bias": "bias",
 }
 
 

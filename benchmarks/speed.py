@@ -1,0 +1,487 @@
+"""Benchmark: asynchronous SAO vs synchronous GRPO on the same hardware, with the roofline and the cost
+of the lake.
+
+    sao bench speed [--steps 40] [--sync-steps 12] [--batch 32] [--tool-median-s 1.0] [--tool-sigma 1.0] [--quick]
+
+Every arm runs the same policy (the SFT warm start of ``sao bench learning``, made if missing), the same
+math_tool tasks with the same heavy-tailed tool latency, one Serve rollout replica (its engine on one
+core) and the trainer in this process on one torch thread, so rollouts and training each have about
+one of the machine's two cores, as rollout and trainer GPUs would in a cluster. Arms, one after
+another in one run:
+
+``rollout capacity``  the rollout app alone (no trainer, no staleness gate), writing to the lake:
+                      trajectories per second at ``--in-flight`` rollouts at once, in the steady state
+                      (rollouts finished while the driver still launched, after a quarter of that time);
+``trainer capacity``  the SAO trainer alone on those trajectories (already in the lake, never
+                      waiting): trajectories per second;
+``async SAO (lake)``  the real pipeline: rollouts -> Delta -> trainer -> weights, max staleness 2;
+``async SAO (queue)`` the same, with an in-memory queue in place of Delta (the comparison systems
+                      without a lake use; it keeps the checkpoint per step and the weight publication,
+                      so the difference is Delta alone);
+``sync GRPO``         synchronous: 8 rollouts per prompt, one batch per policy version, each rollout
+                      sampled by the trainer's version (``PipelineConfig.synchronous``); the trainer waits
+                      for the batch's slowest rollout, the rollouts wait for the update.
+
+Tool latency is log-normal per tool call (median ``--tool-median-s``, sigma ``--tool-sigma``), keyed by
+task, so a GRPO group shares its tool delays and a synchronous batch waits for the slowest of its 4
+groups (fewer independent draws than 32 single rollouts: conservative for the speed-up).
+
+Throughput is measured in the steady state, from the first step's end to the last step's end (the
+Serve app's start is reported apart). The roofline is the slower of the rollout capacity and the SAO
+trainer's capacity, each measured alone. Writes ``docs/results/speed.json``, ``docs/results/speed.png``
+and the ``speed`` section of ``docs/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks._report import machine, machine_line, update_section, write_json
+
+DEFAULT_SFT = Path("runs/bench/bench-learning/sft")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sao bench speed", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="steps of each asynchronous arm")
+    parser.add_argument("--sync-steps", type=int, default=12, help="steps of the synchronous arm")
+    parser.add_argument("--trainer-steps", type=int, default=8, help="steps of each trainer-capacity arm")
+    parser.add_argument("--rollouts", type=int, default=640, help="trajectories of the rollout-capacity arm")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--group", type=int, default=8, help="GRPO rollouts per prompt")
+    parser.add_argument("--in-flight", type=int, default=64, help="rollouts at once (every arm)")
+    parser.add_argument("--max-staleness", type=int, default=2, help="of the asynchronous arms")
+    parser.add_argument("--tool-median-s", type=float, default=1.0)
+    parser.add_argument("--tool-sigma", type=float, default=1.0)
+    parser.add_argument("--tool-max-s", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft", type=Path, default=None,
+                        help=f"version-0 policy (default: {DEFAULT_SFT} if present, else an SFT warm start)")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/bench/speed"))
+    parser.add_argument("--quick", action="store_true", help="tiny run for the tests (random policy, short arms)")
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--results-md", type=Path, default=Path("docs/RESULTS.md"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.sync_steps, args.trainer_steps, args.rollouts = 3, 2, 2, 16
+        args.batch, args.group, args.in_flight = 8, 4, 8
+        args.tool_median_s, args.tool_max_s = 0.05, 0.5
+    if args.batch % args.group:
+        parser.error(f"--batch {args.batch} is not a multiple of --group {args.group}")
+    if args.rollouts < args.trainer_steps * args.batch:
+        parser.error(f"--rollouts {args.rollouts} < --trainer-steps x --batch: the trainer-capacity arm would wait")
+    return args
+
+
+# -- settings shared by the arms ---------------------------------------------------------------------------
+
+
+def _policy_dir(args: argparse.Namespace) -> Path:
+    from sao import runs
+    from sao.config import RunSettings
+    from sao.models.policy import build_policy, save_policy
+    from sao.models.tokenizer import build_tokenizer
+
+    if args.sft is not None:
+        return args.sft
+    if args.quick:
+        path = args.workdir / "random-policy"
+        if not (path / "config.json").exists():
+            save_policy(build_policy(seed=0), path, build_tokenizer())
+        return path
+    if (DEFAULT_SFT / "config.json").exists():
+        return DEFAULT_SFT
+    return runs.warm_start(RunSettings(run_id="bench-learning", workdir="runs/bench"))
+
+
+def _config(args: argparse.Namespace, policy: Path, run_id: str, algorithm: str, *, steps: int,
+            synchronous: bool = False):
+    from sao import runs
+    from sao.config import RunSettings
+
+    settings = RunSettings(
+        run_id=run_id, workdir=str(args.workdir), lake_root=str(args.workdir / "lake"), algorithm=algorithm,
+        steps=steps, batch_size=args.batch, max_staleness=0 if synchronous else args.max_staleness,
+        num_replicas=1, max_in_flight=args.in_flight, group_size=args.group if algorithm == "grpo" else 1,
+        synchronous=synchronous, value_samples=0, seed=args.seed)
+    config = runs.pipeline_config(settings, policy)
+    latency = {"kind": "lognormal", "median_s": args.tool_median_s, "sigma": args.tool_sigma,
+               "max_s": args.tool_max_s, "seed": args.seed}
+    return dataclasses.replace(config, use_ray_train=False, env_options={"math_tool": {"latency": latency}},
+                               app_name=f"speed-{run_id}")
+
+
+def _fresh(path: Path) -> None:
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path)
+
+
+# -- measurements ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ArmResult:
+    """One arm's figures (None where an arm has no such figure)."""
+
+    name: str
+    trajectories: int  # trained (or, for rollout capacity, generated)
+    steady_s: float  # from the first step's end to the last step's end (rollouts: the driver's wall)
+    per_s: float
+    wall_s: float  # the arm's whole wall time, start-up included
+    startup_s: float | None = None  # from the arm's start to its first step's end
+    trainer_busy: float | None = None
+    slot_utilisation: float | None = None
+    staleness_mean: float | None = None
+    step_s: list[float] = dataclasses.field(default_factory=list)
+    rollout_s: list[float] = dataclasses.field(default_factory=list)  # rollout wall times (capacity arm)
+
+
+def _steady(name: str, batch: int, ends: Sequence[float], busy: Sequence[float], started: float,
+            wall_s: float, **extra) -> ArmResult:
+    """Figures of a training arm from its steps' end times (monotonic-comparable seconds) and busy
+    seconds (update + commit) per step."""
+    span = ends[-1] - ends[0]
+    steps = len(ends) - 1
+    return ArmResult(name=name, trajectories=steps * batch, steady_s=span, per_s=steps * batch / span,
+                     wall_s=wall_s, startup_s=ends[0] - started, trainer_busy=sum(busy[1:]) / span,
+                     step_s=[b - a for a, b in zip(ends, ends[1:], strict=False)], **extra)
+
+
+def _lake_steps(lake_root: Path, run_id: str) -> list[dict[str, Any]]:
+    from sao.lake.config import LakeConfig
+    from sao.lake.store import Lake, sql_literal
+    from schemas import train_steps
+
+    rows = Lake.open(LakeConfig(root=str(lake_root))).read(
+        train_steps.NAME, columns=["step", "finished_at", "timings", "metrics"],
+        predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _pipeline_arm(name: str, config, tasks) -> ArmResult:
+    """A run of the real pipeline; figures from its ``train_steps`` rows."""
+    from sao.pipeline import run_pipeline
+
+    started_wall = time.time()
+    started = time.monotonic()
+    result = run_pipeline(config, tasks)
+    wall_s = time.monotonic() - started
+    rows = _lake_steps(Path(config.train.lake.root), config.train.run_id)
+    ends = [r["finished_at"].timestamp() - started_wall for r in rows]
+    busy = [dict(r["timings"])["update_s"] + dict(r["timings"])["commit_s"] for r in rows]
+    staleness = statistics.fmean(dict(r["metrics"]).get("batch/staleness_mean", 0.0) for r in rows)
+    return _steady(name, config.train.batch_size, ends, busy, 0.0, wall_s,
+                   slot_utilisation=result.driver.slot_utilisation(config.max_in_flight), staleness_mean=staleness)
+
+
+def _capacity_arms(args: argparse.Namespace, policy: Path, tasks) -> tuple[ArmResult, ArmResult]:
+    """Rollouts alone into the lake, then the SAO trainer alone on those rollouts (already there: it
+    never waits)."""
+    from sao.lake.config import LakeConfig
+    from sao.lake.store import Lake, sql_literal
+    from sao.pipeline import collect_rollouts
+    from sao.train.loop import prepare_run, run_training
+
+    config = _config(args, policy, "capacity", "sao", steps=args.trainer_steps)
+    prepare_run(config.train)
+    started = time.monotonic()
+    stats = collect_rollouts(config, tasks, "capacity", args.rollouts)
+    rows = Lake.open(LakeConfig(root=str(args.workdir / "lake"))).read(
+        "trajectories", columns=["timings"], predicate=f"run_id = {sql_literal('capacity')}").to_pylist()
+    launched = sorted(r["timings"]["created_at"].timestamp() for r in rows)
+    finished = [r["timings"]["finished_at"].timestamp() for r in rows]
+    # Steady state: while the driver still launched (the drain of the last rollouts' tail is not
+    # capacity), after the first quarter of that window (the ramp-up).
+    begin = launched[0] + (launched[-1] - launched[0]) / 4
+    window = launched[-1] - begin
+    done = sum(1 for f in finished if begin <= f <= launched[-1])
+    rollouts = ArmResult(name="rollout capacity", trajectories=done, steady_s=window, per_s=done / window,
+                         wall_s=time.monotonic() - started,
+                         slot_utilisation=stats.slot_utilisation(config.max_in_flight))
+    rollouts.rollout_s = sorted((r["timings"]["finished_at"] - r["timings"]["started_at"]).total_seconds()
+                                for r in rows)
+    cfg = dataclasses.replace(config.train, max_staleness=10**6, app_name=None)  # every row eligible
+    began = time.time()
+    t0 = time.monotonic()
+    run_training(cfg)
+    wall_s = time.monotonic() - t0
+    steps = _lake_steps(args.workdir / "lake", "capacity")
+    ends = [r["finished_at"].timestamp() - began for r in steps]
+    busy = [dict(r["timings"])["update_s"] + dict(r["timings"])["commit_s"] for r in steps]
+    return rollouts, _steady("trainer capacity (SAO)", cfg.batch_size, ends, busy, 0.0, wall_s)
+
+
+# -- the in-memory queue arm ---------------------------------------------------------------------------------
+
+
+class MemoryQueue:
+    """Finished trajectories in memory (what systems without a lake use): the driver's sink and the
+    trainer's source. Stale ones are dropped and counted."""
+
+    def __init__(self) -> None:
+        self._records: list = []
+        self._cond = threading.Condition()
+        self.dropped_stale = 0
+
+    def add_many(self, records) -> None:
+        with self._cond:
+            self._records.extend(records)
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        return None
+
+    def take(self, count: int, version: int, max_staleness: int, timeout_s: float = 600.0) -> list:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                fresh = [r for r in self._records
+                         if r.min_policy_version is None or version - r.min_policy_version <= max_staleness]
+                self.dropped_stale += len(self._records) - len(fresh)
+                self._records = fresh
+                if len(fresh) >= count:
+                    batch, self._records = fresh[:count], fresh[count:]
+                    return batch
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"only {len(fresh)} of {count} trajectories within {timeout_s} s")
+
+
+def _queue_arm(config, tasks) -> ArmResult:
+    """The asynchronous run with the lake replaced by :class:`MemoryQueue`: the same Serve app, driver,
+    update function (:func:`sao.train.loop.compute_update`), checkpoint per step and weight publication."""
+    import ray
+    import torch
+    from ray import serve
+
+    from sao.lake.columnar import records_to_arrow
+    from sao.models.critic import Critic
+    from sao.models.policy import load_policy
+    from sao.models.tokenizer import load_tokenizer
+    from sao.pipeline import task_stream
+    from sao.rollout.driver import DriverConfig, RolloutDriver
+    from sao.rollout.serve import RolloutConfig, start_rollout_app
+    from sao.rollout.weights import get_or_create_broker, publish_weights
+    from sao.runtime import init_ray
+    from sao.train.checkpoint import save_checkpoint
+    from sao.train.loop import TRAIN_COLUMNS, compute_update
+    from sao.train.step import Learner
+
+    train = config.train
+    started = time.monotonic()
+    init_ray(config.ray)
+    broker = get_or_create_broker(config.app_name)
+    ray.get(broker.reset.remote(0))
+    handle = start_rollout_app(RolloutConfig(
+        policy_path=train.policy_path, app_name=config.app_name, num_replicas=config.num_replicas,
+        cpus_per_replica=config.cpus_per_replica, engine=config.engine, agent=config.agent,
+        env_options=config.env_options))
+    queue = MemoryQueue()
+
+    async def trainer_version() -> int:
+        return max(0, await broker.latest_version.remote())
+
+    driver = RolloutDriver(handle, queue, train.run_id,
+                           DriverConfig(max_in_flight=config.max_in_flight, batch_size=train.batch_size,
+                                        max_staleness=train.max_staleness, seed=config.seed),
+                           trainer_version=trainer_version)
+    stop = threading.Event()
+    stats: dict[str, Any] = {}
+
+    def drive() -> None:
+        async def main() -> None:
+            halt = asyncio.Event()
+
+            async def watch() -> None:
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+                halt.set()
+
+            watcher = asyncio.ensure_future(watch())
+            stats["driver"] = await driver.run(task_stream(tasks, config.seed), stop=halt)
+            watcher.cancel()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=drive, name="rollout-driver", daemon=True)
+    thread.start()
+    torch.set_num_threads(train.torch_threads)
+    torch.use_deterministic_algorithms(train.deterministic)
+    torch.manual_seed(train.seed)
+    policy = load_policy(train.policy_path)
+    tokenizer = load_tokenizer(train.policy_path)
+    learner = Learner(train.update, policy, Critic.from_policy(policy) if train.update.uses_critic else None)
+    ends, busy, staleness = [], [], []
+    try:
+        for version in range(train.total_steps):
+            batch = queue.take(train.batch_size, version, train.max_staleness)
+            t0 = time.perf_counter()
+            rows = records_to_arrow(batch).select(list(TRAIN_COLUMNS)).to_pylist()
+            metrics = compute_update(learner, rows, version)
+            save_checkpoint(Path(train.checkpoint_root) / "queue", version + 1, policy, tokenizer, learner.critic,
+                            learner.state_dict())
+            publish_weights(broker, version + 1, policy.state_dict())
+            busy.append(time.perf_counter() - t0)
+            ends.append(time.monotonic() - started)
+            staleness.append(metrics.get("batch/staleness_mean", 0.0))
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        serve.delete(config.app_name)
+    wall_s = time.monotonic() - started
+    driver_stats = stats.get("driver")
+    return _steady("async SAO (in-memory queue)", train.batch_size, ends, busy, 0.0, wall_s,
+                   slot_utilisation=None if driver_stats is None else driver_stats.slot_utilisation(config.max_in_flight),
+                   staleness_mean=statistics.fmean(staleness))
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+
+
+def _quantiles(values: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1], "mean": statistics.fmean(ordered)}
+
+
+def _plot(record: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = record["arms"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [a["name"] for a in arms]
+    left.barh(names, [a["per_s"] for a in arms], color=["#999", "#999", "#2a7", "#7a2", "#c44"][:len(arms)])
+    left.axvline(record["roofline_per_s"], color="k", linestyle="--", label="roofline")
+    left.set_xlabel("trajectories per second")
+    left.legend()
+    left.invert_yaxis()
+    for arm in arms:
+        if arm["name"].startswith(("async SAO (lake)", "sync GRPO")):
+            ends = [sum(arm["step_s"][:i]) for i in range(len(arm["step_s"]) + 1)]
+            right.plot(ends, [i * record["batch"] for i in range(len(ends))], label=arm["name"])
+    right.set_xlabel("seconds since the first step")
+    right.set_ylabel("trajectories trained")
+    right.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _markdown(record: dict[str, Any], plot: Path | None) -> str:
+    arms = {a["name"]: a for a in record["arms"]}
+    asyn, sync, queue = arms["async SAO (lake)"], arms["sync GRPO"], arms["async SAO (in-memory queue)"]
+    rollout_q = record["rollout_time_s"]
+
+    def opt(value: float | None, fmt: str) -> str:
+        return "" if value is None else format(value, fmt)
+
+    lines = [
+        "## Speed: asynchronous SAO vs synchronous GRPO (`sao bench speed`)", "",
+        f"Command: `{record['command']}`. {machine_line(record['machine'])} Benchmark wall time "
+        f"{record['wall_s']:.0f} s.", "",
+        f"Setup: one Serve rollout replica (engine on one core), the trainer in the driver's process on one "
+        f"torch thread, {record['in_flight']} rollouts at once, batch {record['batch']}; math_tool with "
+        f"log-normal tool latency per call (median {record['tool']['median_s']} s, sigma {record['tool']['sigma']}, "
+        f"cap {record['tool']['max_s']} s, keyed by task). Rollout wall times measured in the capacity arm: "
+        f"p50 {rollout_q['p50']:.1f} s, p90 {rollout_q['p90']:.1f} s, p99 {rollout_q['p99']:.1f} s, max "
+        f"{rollout_q['max']:.1f} s (mean {rollout_q['mean']:.1f} s). Async: max staleness {record['max_staleness']}; "
+        f"sync GRPO: {record['group']} rollouts per prompt, one batch per version.", "",
+        "| arm | trajectories/s | steady span (s) | trajectories | start-up to first step (s) | trainer busy | "
+        "rollout-slot use | mean staleness |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm in record["arms"]:
+        lines.append(f"| {arm['name']} | {arm['per_s']:.2f} | {arm['steady_s']:.1f} | {arm['trajectories']} | "
+                     f"{opt(arm['startup_s'], '.1f')} | {opt(arm['trainer_busy'], '.0%')} | "
+                     f"{opt(arm['slot_utilisation'], '.0%')} | {opt(arm['staleness_mean'], '.2f')} |")
+    speedup = asyn["per_s"] / sync["per_s"]
+    roof = asyn["per_s"] / record["roofline_per_s"]
+    lake_cost = 1 - asyn["per_s"] / queue["per_s"]
+    fixed = record["fixed_trajectories"]
+    lines += [
+        "",
+        f"Wall time to {fixed} trained trajectories (steady rate, start-up excluded): async "
+        f"{fixed / asyn['per_s']:.0f} s, sync {fixed / sync['per_s']:.0f} s. Mean sync step "
+        f"{statistics.fmean(sync['step_s']):.1f} s (the slowest rollout of the batch, then the update).", "",
+        "| target | measured | met |", "|---|---:|---|",
+        f"| async / sync >= 3x (AReaL 2.77x, ROLL Flash 2.72x, verl fully-async 2.67x) | {speedup:.2f}x | "
+        f"{'yes' if speedup >= 3 else 'NO'} |",
+        f"| async >= 90% of the roofline (min of rollout capacity {record['rollout_capacity_per_s']:.2f}/s and "
+        f"SAO trainer capacity {record['trainer_capacity_per_s']:.2f}/s) | {roof:.0%} | {'yes' if roof >= 0.9 else 'NO'} |",
+        f"| lake cost: throughput lost to Delta vs the in-memory queue < 5% | {lake_cost:.1%} | "
+        f"{'yes' if lake_cost < 0.05 else 'NO'} |",
+    ]
+    if record.get("notes"):
+        lines += ["", *record["notes"]]
+    if plot is not None:
+        lines += ["", f"![speed]({plot.as_posix().removeprefix('docs/')})"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    from sao.runs import math_tasks
+
+    started = time.monotonic()
+    _fresh(args.workdir / "lake")
+    for name in ("capacity", "async-lake", "async-queue", "sync-grpo"):
+        _fresh(args.workdir / name)
+    policy = _policy_dir(args)
+    tasks = math_tasks("train")
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    say("speed: rollout capacity, then trainer capacity ...")
+    rollouts, trainer = _capacity_arms(args, policy, tasks)
+    say(f"  rollouts {rollouts.per_s:.2f}/s, trainer {trainer.per_s:.2f}/s")
+    say("speed: async SAO with the lake ...")
+    asyn = _pipeline_arm("async SAO (lake)", _config(args, policy, "async-lake", "sao", steps=args.steps), tasks)
+    say(f"  {asyn.per_s:.2f}/s")
+    say("speed: async SAO with an in-memory queue ...")
+    queue = _queue_arm(_config(args, policy, "async-queue", "sao", steps=args.steps), tasks)
+    say(f"  {queue.per_s:.2f}/s")
+    say("speed: sync GRPO ...")
+    sync = _pipeline_arm("sync GRPO", _config(args, policy, "sync-grpo", "grpo", steps=args.sync_steps,
+                                              synchronous=True), tasks)
+    say(f"  {sync.per_s:.2f}/s")
+
+    arms = [rollouts, trainer, asyn, queue, sync]
+    roofline = min(rollouts.per_s, trainer.per_s)
+    record: dict[str, Any] = {
+        "machine": machine(), "command": "sao bench speed " + " ".join(argv), "wall_s": time.monotonic() - started,
+        "batch": args.batch, "group": args.group, "in_flight": args.in_flight, "max_staleness": args.max_staleness,
+        "tool": {"kind": "lognormal", "median_s": args.tool_median_s, "sigma": args.tool_sigma,
+                 "max_s": args.tool_max_s},
+        "rollout_time_s": _quantiles(rollouts.rollout_s),
+        "rollout_capacity_per_s": rollouts.per_s, "trainer_capacity_per_s": trainer.per_s,
+        "roofline_per_s": roofline, "fixed_trajectories": args.steps * args.batch,
+        "async_over_sync": asyn.per_s / sync.per_s, "async_over_roofline": asyn.per_s / roofline,
+        "lake_cost": 1 - asyn.per_s / queue.per_s,
+        "arms": [dataclasses.asdict(a) for a in arms],
+    }
+    plot = None if args.quick and args.out == Path("docs/results") else args.out / "speed.png"
+    if plot is not None:
+        _plot(record, plot)
+    markdown = _markdown(record, plot)
+    print(markdown)
+    if not (args.quick and args.out == Path("docs/results")):
+        write_json(args.out / "speed.json", record)
+    if not args.quick:
+        update_section(args.results_md, "speed", markdown)
+    return 0

@@ -1,0 +1,61 @@
+"""The speed benchmark: its in-memory queue (the lake's comparison) and a quick end-to-end run of every
+arm that writes nowhere under docs/."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.speed import MemoryQueue, _steady, main
+
+
+def _record(version):
+    return SimpleNamespace(min_policy_version=version)
+
+
+def test_the_queue_hands_out_fresh_records_in_arrival_order_and_drops_stale_ones():
+    queue = MemoryQueue()
+    queue.add_many([_record(0), _record(3), _record(1), _record(4)])
+    batch = queue.take(2, version=4, max_staleness=2)  # staleness 4, 1, 3, 0: the first and third are stale
+    assert [r.min_policy_version for r in batch] == [3, 4]
+    assert queue.dropped_stale == 2
+    with pytest.raises(TimeoutError, match="0 of 1"):
+        queue.take(1, version=4, max_staleness=2, timeout_s=0.05)
+
+
+def test_the_queue_waits_for_a_batch_to_arrive():
+    queue = MemoryQueue()
+    threading.Timer(0.1, queue.add_many, args=([_record(0), _record(0)],)).start()
+    started = time.monotonic()
+    assert len(queue.take(2, version=0, max_staleness=0, timeout_s=5)) == 2
+    assert time.monotonic() - started >= 0.09
+
+
+def test_steady_rate_counts_steps_after_the_first():
+    # steps end at 10, 12, 16 s; batch 8: two steps (16 trajectories) in 6 s; busy 1 + 3 of 6 s
+    arm = _steady("x", 8, [10.0, 12.0, 16.0], [5.0, 1.0, 3.0], 0.0, 20.0)
+    assert arm.trajectories == 16 and arm.steady_s == 6.0 and arm.per_s == pytest.approx(16 / 6)
+    assert arm.trainer_busy == pytest.approx(4 / 6) and arm.startup_s == 10.0 and arm.step_s == [2.0, 4.0]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_quick_run_measures_every_arm(tmp_path, ray_session):
+    out = tmp_path / "out"
+    assert main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(out),
+                 "--results-md", str(tmp_path / "RESULTS.md")]) == 0
+    data = json.loads((out / "speed.json").read_text())
+    names = [a["name"] for a in data["arms"]]
+    assert names == ["rollout capacity", "trainer capacity (SAO)", "async SAO (lake)", "async SAO (in-memory queue)",
+                     "sync GRPO"]
+    for arm in data["arms"]:
+        assert arm["per_s"] > 0 and arm["trajectories"] > 0
+    sync = data["arms"][-1]
+    assert sync["staleness_mean"] == 0.0  # every synchronous batch was sampled by the trainer's own version
+    assert data["roofline_per_s"] == min(data["rollout_capacity_per_s"], data["trainer_capacity_per_s"])
+    assert (out / "speed.png").stat().st_size > 0
+    assert not (tmp_path / "RESULTS.md").exists()  # --quick never writes a results section
