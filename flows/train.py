@@ -132,6 +132,8 @@ def train(
     algorithm: Algorithm = _DEFAULTS.algorithm,
     batch_size: int = _DEFAULTS.batch_size,
     max_staleness: int = _DEFAULTS.max_staleness,
+    group_size: int = _DEFAULTS.group_size,
+    synchronous: bool = _DEFAULTS.synchronous,
     lr_policy: float = _DEFAULTS.lr_policy,
     num_replicas: int = _DEFAULTS.num_replicas,
     trainer_workers: int = _DEFAULTS.trainer_workers,
@@ -147,7 +149,8 @@ def train(
     """Warm-start, pretrain the critic on version-0 rollouts, train asynchronously with SAO (or a
     baseline), evaluate before and after, report."""
     settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
-                           max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
+                           max_staleness=max_staleness, group_size=group_size, synchronous=synchronous,
+                           lr_policy=lr_policy, num_replicas=num_replicas,
                            trainer_workers=trainer_workers, eval_tasks=eval_tasks, value_samples=value_samples,
                            replica_resources=replica_resources or {}, trainer_resources=trainer_resources or {},
                            workdir=workdir,

@@ -90,6 +90,10 @@ class RunSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.batch_size % self.group_size:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
+        if self.synchronous and self.max_staleness != 0:
+            raise ValueError(f"synchronous runs need max_staleness 0, got {self.max_staleness}")
         if self.value_samples != 0 and self.value_samples < 2:
             raise ValueError(f"value_samples must be 0 (no value pretraining) or >= 2, got {self.value_samples}")
 

@@ -53,6 +53,7 @@ def run_flow(settings: RunSettings) -> dict:
 
     return train_flow(run_id=settings.run_id, steps=settings.steps, algorithm=settings.algorithm,
                       batch_size=settings.batch_size, max_staleness=settings.max_staleness,
+                      group_size=settings.group_size, synchronous=settings.synchronous,
                       lr_policy=settings.lr_policy, num_replicas=settings.num_replicas,
                       trainer_workers=settings.trainer_workers, eval_tasks=settings.eval_tasks,
                       replica_resources=settings.replica_resources, trainer_resources=settings.trainer_resources,
@@ -79,6 +80,10 @@ def train(
     algorithm: Algorithm = typer.Option(_DEFAULTS.algorithm.value, help="sao or a baseline."),  # noqa: B008
     batch_size: int = typer.Option(_DEFAULTS.batch_size, min=1, help="Trajectories per update."),
     max_staleness: int = typer.Option(_DEFAULTS.max_staleness, min=0, help="Most versions a trajectory may lag."),
+    group_size: int = typer.Option(_DEFAULTS.group_size, min=1,
+                                   help="Rollouts per task, launched together (GRPO's groups; 1 for SAO)."),
+    synchronous: bool = typer.Option(_DEFAULTS.synchronous, "--synchronous/--asynchronous",
+                                     help="Synchronous RL, one batch per version (needs --max-staleness 0)."),
     lr_policy: float = typer.Option(_DEFAULTS.lr_policy, min=0.0, help="Policy learning rate."),
     num_replicas: int = typer.Option(_DEFAULTS.num_replicas, min=1, help="Serve rollout replicas."),
     trainer_workers: int = typer.Option(_DEFAULTS.trainer_workers, min=1, help="Ray Train workers."),
@@ -102,7 +107,8 @@ def train(
         raise fail(f"--run-id {run_id!r} is not a valid run id (letters, digits, '.', '_', '-'; at most 128)")
     try:
         settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
-                               max_staleness=max_staleness, lr_policy=lr_policy, num_replicas=num_replicas,
+                               max_staleness=max_staleness, group_size=group_size, synchronous=synchronous,
+                               lr_policy=lr_policy, num_replicas=num_replicas,
                                trainer_workers=trainer_workers, eval_tasks=eval_tasks,
                                replica_resources=parse_resources(replica_resource, "--replica-resource"),
                                trainer_resources=parse_resources(trainer_resource, "--trainer-resource"),

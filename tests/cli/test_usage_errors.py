@@ -42,6 +42,8 @@ def usage_error(args: list[str], reason: str) -> str:
     (["train", "--trainer-resource", "trainer=-1"], "--trainer-resource 'trainer=-1': expected NAME=AMOUNT"),
     (["train", "--trainer-resource", "trainer=lots"], "--trainer-resource 'trainer=lots': expected NAME=AMOUNT"),
     (["train", "--batch-size", "0"], "Invalid value for '--batch-size'"),
+    (["train", "--batch-size", "12", "--group-size", "8"], "batch_size 12 is not a multiple of group_size 8"),
+    (["train", "--synchronous", "--max-staleness", "2"], "synchronous runs need max_staleness 0, got 2"),
 ])
 def test_bad_train_arguments_exit_2_with_the_reason(args, reason):
     usage_error(args, reason)
