@@ -8,8 +8,8 @@ What is simulated (one heap of timed events; numpy only):
 
 * **Rollout replicas.** The driver keeps up to ``max_in_flight`` trajectories running, spread over the
   replicas, and starts one only while the staleness gate allows (``(v + max_staleness + 1) * batch``
-  started at trainer version ``v``, :mod:`sao.rollout.staleness`; one that finishes already more than
-  ``max_staleness`` behind gives its place back). A trajectory is ``turns`` turns; a
+  started at trainer version ``v``, :mod:`sao.rollout.staleness`; one the trainer passes over as too
+  stale gives its place back). A trajectory is ``turns`` turns; a
   turn is a generation segment, then (except after the last) a tool call. A replica decodes all its
   generating requests together: with ``b`` of them it makes ``rate(b)`` tokens/s in all (a measured
   concurrency curve), shared equally (processor sharing). Each turn first costs ``turn_overhead_s`` of
@@ -307,8 +307,6 @@ class _Sim:
         t = self.traj.pop(tid)
         self.in_flight -= 1
         self.per_replica[t["replica"]] -= 1
-        if self.version - t["version"] > self.sc.max_staleness:
-            self.started -= self.weight  # the driver gives an untrainable rollout's place back to the gate
         self.buffer.append({"version": t["version"], "done": self.now})
         if self.buffer_since is None:
             self.buffer_since = self.now
@@ -349,10 +347,14 @@ class _Sim:
     def try_train(self) -> None:
         if self.trainer_state != "waiting":
             return
-        while self.committed and self.version - self.committed[0]["version"] > self.sc.max_staleness:
-            self.committed.popleft()
-            self.skipped += self.weight
-        eligible = [row for row in self.committed if self.version - row["version"] <= self.sc.max_staleness]
+        stale = [row for row in self.committed if self.version - row["version"] > self.sc.max_staleness]
+        if stale:  # passed over for good; the driver's gate gets their places back (via the broker)
+            passed = {id(row) for row in stale}
+            self.committed = deque(row for row in self.committed if id(row) not in passed)
+            self.skipped += self.weight * len(stale)
+            self.started -= self.weight * len(stale)
+            self.fill()
+        eligible = list(self.committed)
         if len(eligible) < self.need():
             return
         batch = eligible[: self.need()]

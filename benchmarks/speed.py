@@ -227,7 +227,8 @@ def _capacity_arms(args: argparse.Namespace, policy: Path, tasks) -> tuple[ArmRe
 
 class MemoryQueue:
     """Finished trajectories in memory (what systems without a lake use): the driver's sink and the
-    trainer's source. Stale ones are dropped and counted."""
+    trainer's source. Stale ones (and any without an action token) are dropped and counted, and the
+    count gives their places back to the driver's staleness gate, as the broker's does in a run."""
 
     def __init__(self) -> None:
         self._records: list = []
@@ -247,7 +248,7 @@ class MemoryQueue:
         with self._cond:
             while True:
                 fresh = [r for r in self._records
-                         if r.min_policy_version is None or version - r.min_policy_version <= max_staleness]
+                         if r.min_policy_version is not None and version - r.min_policy_version <= max_staleness]
                 self.dropped_stale += len(self._records) - len(fresh)
                 self._records = fresh
                 if len(fresh) >= count:
@@ -291,10 +292,13 @@ def _queue_arm(config, tasks) -> ArmResult:
     async def trainer_version() -> int:
         return max(0, await broker.latest_version.remote())
 
+    async def trainer_skipped() -> int:
+        return queue.dropped_stale
+
     driver = RolloutDriver(handle, queue, train.run_id,
                            DriverConfig(max_in_flight=config.max_in_flight, batch_size=train.batch_size,
                                         max_staleness=train.max_staleness, seed=config.seed),
-                           trainer_version=trainer_version)
+                           trainer_version=trainer_version, trainer_skipped=trainer_skipped)
     stop = threading.Event()
     stats: dict[str, Any] = {}
 

@@ -156,6 +156,9 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     async def trainer_version() -> int:
         return max(version, await broker.latest_version.remote())
 
+    async def trainer_skipped() -> int:
+        return await broker.skipped_total.remote()
+
     writer = TrajectoryWriter(lake, cfg.writer, writer_id=f"{train.run_id}-driver")
     issue_log = IssueLog(lake, cfg.writer, issuer_id=f"{train.run_id}-driver")
     driver = RolloutDriver(
@@ -163,6 +166,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
                      max_staleness=train.max_staleness, seed=cfg.seed + version, synchronous=cfg.synchronous),
         trainer_version=trainer_version, initial_version=version, on_record=on_record, issue_log=issue_log,
+        trainer_skipped=trainer_skipped,
     )
     stop_rollouts = threading.Event()
     driver_result: dict[str, object] = {}

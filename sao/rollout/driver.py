@@ -4,8 +4,10 @@ The sink is the lake writer in production (:class:`sao.lake.writer.TrajectoryWri
 idempotent); an in-memory queue exists only as a benchmark comparison. Back-pressure: a new trajectory
 starts only while fewer than ``max_in_flight`` run and the :class:`~sao.rollout.staleness.StalenessGate`
 allows it at the trainer's current version, so no trajectory is generated further ahead than the
-trainer can consume within ``max_staleness`` versions. A trajectory that finishes already too stale
-to be trained on, or without an action token, gives its place back to the gate.
+trainer can consume within ``max_staleness`` versions. A trajectory the trainer will never train on
+gives its place back to the gate: the trainer reports how many it passed over (``trainer_skipped``,
+the weight broker's count in a run); without that report, the driver releases those that finish
+already too stale, or without an action token.
 
 Every launched task ends in exactly one record handed to the sink (the agent loop turns failures into
 ``error`` / ``cancelled`` records); a replica that dies mid-rollout surfaces as an exception from the
@@ -96,7 +98,7 @@ class DriverStats:
     by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     wall_s: float = 0.0
     slot_busy_s: float = 0.0  # sum over trajectories of their generation wall time
-    released: int = 0  # finished too stale (or without actions) to be trained on: the gate's places freed
+    released: int = 0  # never to be trained on (too stale, or no actions): the gate's places freed
 
     def slot_utilisation(self, max_in_flight: int) -> float:
         return self.slot_busy_s / (self.wall_s * max_in_flight) if self.wall_s > 0 else 0.0
@@ -114,12 +116,15 @@ class RolloutDriver:
         initial_version: the version the run starts (or resumes) at.
         on_record: optional callback per finished record (progress bars, counters).
         issue_log: optional record of every launch (the lake's ``rollout_tasks``).
+        trainer_skipped: async callable returning how many trajectories the trainer has passed over
+            so far (too stale when it reached them, or without an action token).
     """
 
     def __init__(self, rollout, sink: TrajectorySink, run_id: str, config: DriverConfig | None = None,
                  trainer_version: Callable[[], Awaitable[int]] | None = None, initial_version: int = 0,
                  on_record: Callable[[TrajectoryRecord], None] | None = None,
-                 issue_log: IssueSink | None = None) -> None:
+                 issue_log: IssueSink | None = None,
+                 trainer_skipped: Callable[[], Awaitable[int]] | None = None) -> None:
         self.rollout = rollout
         self.sink = sink
         self.run_id = run_id
@@ -127,6 +132,8 @@ class RolloutDriver:
         self.trainer_version = trainer_version
         self.on_record = on_record
         self.issue_log = issue_log
+        self.trainer_skipped = trainer_skipped
+        self._skipped_seen = 0
         cfg = self.config
         self.gate = (StalenessGate(cfg.batch_size, cfg.max_staleness, initial_version)
                      if cfg.max_staleness is not None and trainer_version is not None else None)
@@ -139,6 +146,13 @@ class RolloutDriver:
         if self.gate is None:
             return room, None
         version = await self.trainer_version()
+        if self.trainer_skipped is not None:
+            skipped = await self.trainer_skipped()
+            if skipped > self._skipped_seen:
+                released = min(skipped - self._skipped_seen, self.gate.started)
+                self.gate.release(released)
+                self.stats.released += released
+                self._skipped_seen = skipped
         return min(room, self.gate.capacity(version)), version
 
     async def run(self, tasks: Iterable[Task], limit: int | None = None,
@@ -196,7 +210,7 @@ class RolloutDriver:
                     retry.append((task, attempt + 1, trajectory_id))
                     self.stats.retried += 1
             if records:
-                if self.gate is not None:
+                if self.gate is not None and self.trainer_skipped is None:
                     await self._release_untrainable(records)
                 self.stats.finished += len(records)
                 for record in records:

@@ -7,11 +7,11 @@ number of trajectories started may not exceed ``(v + max_staleness + 1) * batch_
 AReaL's staleness manager). Generation never runs further ahead than the trainer can absorb; with
 ``max_staleness = 0`` it degenerates to synchronous batches.
 
-A trajectory that will never be trained on does not hold its place: one that finishes already more
-than ``max_staleness`` versions behind (a long-tail rollout) or without an action token (an error) is
-:meth:`released <StalenessGate.release>` (AReaL's manager likewise counts only accepted and running
-rollouts). Without this, every such trajectory would shrink the window for good, and under heavy-tailed
-rollout times the number in flight would fall run after run.
+A trajectory that will never be trained on does not hold its place: one the trainer passed over (it
+was more than ``max_staleness`` versions behind when the trainer reached it, a long-tail rollout, or it
+has no action token, an error) is :meth:`released <StalenessGate.release>` (AReaL's manager likewise
+counts only accepted and running rollouts). Without this, every such trajectory would shrink the
+window for good, and under heavy-tailed rollout times the number in flight would fall step after step.
 """
 
 from __future__ import annotations

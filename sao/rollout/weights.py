@@ -28,19 +28,25 @@ def broker_name(app_name: str) -> str:
 
 
 class WeightBroker:
-    """Holds the newest (version, object ref) and the versions replicas report (a Ray actor)."""
+    """Holds the newest (version, object ref), the versions replicas report, and how many
+    trajectories the trainer has passed over without training on them (a Ray actor; the rollout
+    driver's staleness gate gives their places back: :mod:`sao.rollout.staleness`)."""
 
     def __init__(self) -> None:
         self._version = -1
+        self._skipped = 0
         self._refs: list = []
         self._published_at: dict[int, float] = {}
         self._acks: dict[str, tuple[int, float]] = {}
         self._newer: asyncio.Event | None = None  # set (and replaced) on each publish
 
-    async def publish(self, version: int, refs: list) -> int:
+    async def publish(self, version: int, refs: list, skipped: int = 0) -> int:
+        """Announce ``version``; ``skipped``: trajectories the step that made it passed over (too stale,
+        or without an action token), added to :meth:`skipped_total`."""
         if version <= self._version:
             raise ValueError(f"version {version} is not newer than the published version {self._version}")
         self._version, self._refs = version, refs
+        self._skipped += skipped
         self._published_at[version] = time.time()
         if self._newer is not None:
             self._newer.set()
@@ -51,6 +57,7 @@ class WeightBroker:
         """Start over at ``version`` (a run starting or resuming with this app name): nothing published,
         no acknowledgements. Waiting replicas are woken to look again."""
         self._version, self._refs = version, []
+        self._skipped = 0
         self._published_at.clear()
         self._acks.clear()
         if self._newer is not None:
@@ -73,6 +80,11 @@ class WeightBroker:
 
     def latest_version(self) -> int:
         return self._version
+
+    def skipped_total(self) -> int:
+        """Trajectories the trainer passed over since the last :meth:`reset` (a count that only grows,
+        also across trainer restarts: each publication adds its step's count)."""
+        return self._skipped
 
     def ack(self, replica_id: str, version: int) -> None:
         self._acks[replica_id] = (version, time.time())
@@ -97,14 +109,15 @@ def get_or_create_broker(app_name: str):
     return actor.options(name=broker_name(app_name), get_if_exists=True, lifetime="detached").remote()
 
 
-def publish_weights(broker, version: int, weights: Mapping[str, torch.Tensor]) -> float:
-    """Put ``weights`` into the object store and announce them; returns seconds spent."""
+def publish_weights(broker, version: int, weights: Mapping[str, torch.Tensor], skipped: int = 0) -> float:
+    """Put ``weights`` into the object store and announce them (with the trajectories the step passed
+    over: :meth:`WeightBroker.publish`); returns seconds spent."""
     import ray
 
     start = time.perf_counter()
     state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
     ref = ray.put(state)
-    ray.get(broker.publish.remote(version, [ref]))
+    ray.get(broker.publish.remote(version, [ref], skipped))
     return time.perf_counter() - start
 
 

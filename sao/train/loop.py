@@ -191,24 +191,26 @@ def _publisher(cfg: TrainConfig):
     from sao.rollout.weights import get_or_create_broker, publish_weights
 
     broker = get_or_create_broker(cfg.app_name)
-    return lambda version, policy: publish_weights(broker, version, policy.state_dict())
+    return lambda version, policy, skipped=0: publish_weights(broker, version, policy.state_dict(), skipped)
 
 
 def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int):
-    """Block until ``batch_size`` eligible trajectories are in the lake; returns the MicroBatch."""
+    """Block until ``batch_size`` eligible trajectories are in the lake; returns (snapshot version,
+    rows, stale rows passed over, rows without an action token passed over)."""
     deadline = time.monotonic() + cfg.wait_timeout_s
     held: list[pa.Table] = []
     snapshot = None
-    stale = 0
+    stale = no_actions = 0
     while True:
         want = cfg.batch_size - sum(t.num_rows for t in held)
         micro = reader.next_micro_batch(version, cfg.max_staleness, want)
         stale += micro.skipped_stale
+        no_actions += micro.skipped_no_actions
         if len(micro):
             held.append(micro.data)
         snapshot = micro.snapshot_version
         if sum(t.num_rows for t in held) >= cfg.batch_size:
-            return snapshot, pa.concat_tables(held), stale
+            return snapshot, pa.concat_tables(held), stale, no_actions
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"run {cfg.run_id!r}: only {sum(t.num_rows for t in held)} of {cfg.batch_size} trajectories "
@@ -260,11 +262,11 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         t0 = time.perf_counter()
         selection = None
         if rank == 0:
-            snapshot, table, stale = _wait_for_batch(reader, cfg, version)
+            snapshot, table, stale, no_actions = _wait_for_batch(reader, cfg, version)
             last = step + 1 == cfg.total_steps or (max_steps is not None and len(reports) + 1 == max_steps)
             due = last or time.monotonic() - last_report >= cfg.report_interval_s
-            selection = (snapshot, table.column("trajectory_id").to_pylist(), stale, due)
-        snapshot, ids, stale, due = _broadcast(selection)  # every worker makes the same Ray Train calls
+            selection = (snapshot, table.column("trajectory_id").to_pylist(), stale, no_actions, due)
+        snapshot, ids, stale, no_actions, due = _broadcast(selection)  # every worker makes the same Ray Train calls
         if due:
             last_report = time.monotonic()
         read_s = time.perf_counter() - t0
@@ -275,6 +277,7 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         update_s = time.perf_counter() - t1
         metrics = _merge_worker_metrics(metrics, world)
         metrics["batch/stale_skipped"] = float(stale)
+        metrics["batch/no_action_skipped"] = float(no_actions)
         metrics["batch/world_size"] = float(world)
         version += 1
         if rank == 0:
@@ -293,7 +296,7 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
             if cfg.retention is not None:
                 apply_retention(lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
             if publish is not None:  # after the commit: not in the step's row, only in its report
-                metrics = {**metrics, "time/publish_s": publish(version, policy)}
+                metrics = {**metrics, "time/publish_s": publish(version, policy, stale + no_actions)}
         report = StepReport(step, version, snapshot, tuple(ids), metrics, report_due=due)
         reports.append(report)
         if world > 1:

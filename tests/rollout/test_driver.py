@@ -210,3 +210,33 @@ def test_trainable_trajectories_keep_their_places():
 
     stats = asyncio.run(run())
     assert stats.launched == 6 and stats.released == 0  # (1 + 1 + 1) * 2, held until the trainer moves
+
+
+def test_what_the_trainer_passed_over_gives_its_places_back():
+    # The trainer stays at version 0 and reports that it passed over 3 of the 4 trajectories started
+    # (stale when it got to them): the gate of (0 + 0 + 1) * 4 = 4 places admits 3 more, and no more.
+    app, sink = FakeApp(), ListSink()
+    skipped = {"n": 0}
+
+    async def trainer_version():
+        return 0
+
+    async def trainer_skipped():
+        return skipped["n"]
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0,
+                                                        version_poll_s=0.01),
+                           trainer_version=trainer_version, trainer_skipped=trainer_skipped)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=20))
+        await asyncio.sleep(0.2)
+        before = driver.stats.launched
+        skipped["n"] = 3
+        await asyncio.sleep(0.2)
+        job.cancel()
+        return before, driver.stats
+
+    before, stats = asyncio.run(run())
+    assert before == 4  # fresh records of version 0 hold their places (no release at finish)
+    assert stats.launched == 7 and stats.released == 3
