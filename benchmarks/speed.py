@@ -14,7 +14,7 @@ another in one run:
                       (rollouts finished while the driver still launched, after a quarter of that time);
 ``trainer capacity``  the SAO trainer alone on those trajectories (already in the lake, never
                       waiting): trajectories per second;
-``async SAO (lake)``  the real pipeline: rollouts -> Delta -> trainer -> weights, max staleness 2;
+``async SAO (lake)``  the real pipeline: rollouts -> Delta -> trainer -> weights, max staleness 4;
 ``async SAO (queue)`` the same, with an in-memory queue in place of Delta (the comparison systems
                       without a lake use; it keeps the checkpoint per step and the weight publication,
                       so the difference is Delta alone);
@@ -59,7 +59,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--group", type=int, default=8, help="GRPO rollouts per prompt")
     parser.add_argument("--in-flight", type=int, default=64, help="rollouts at once (every arm)")
-    parser.add_argument("--max-staleness", type=int, default=2, help="of the asynchronous arms")
+    parser.add_argument("--max-staleness", type=int, default=4,
+                        help="of the asynchronous arms: the gate admits (max staleness + 1) x batch rollouts "
+                             "beyond what the trainer consumed, in flight or waiting; at 2 that window (96) "
+                             "held about 25 of the 64 slots busy here")
     parser.add_argument("--tool-median-s", type=float, default=1.0)
     parser.add_argument("--tool-sigma", type=float, default=1.0)
     parser.add_argument("--tool-max-s", type=float, default=30.0)
