@@ -188,3 +188,25 @@ def test_read_trajectories_by_ids_across_runs(local_lake):
         read_trajectories(local_lake, trajectory_ids=[first[0].trajectory_id])
     one = read_trajectories(local_lake, run_id="run-1", trajectory_ids=[first[0].trajectory_id])
     assert one["completion_ids"].to_pylist() == [shared.completion_ids.tolist()]
+
+
+def test_a_poll_without_a_new_commit_scans_nothing_and_the_next_commit_is_seen(lake, monkeypatch):
+    records = make_trajectories(12, seed=3, num_tokens=8)
+    write(lake, records[:6])
+    reader = TrajectoryReader(lake, RUN, columns=["completion_ids"])
+    scans = []
+    read_from = lake.read_from
+
+    def counting(table, name, **kw):
+        if "ingest_seq > " in (kw.get("predicate") or ""):  # the scan for new rows (not the fetch)
+            scans.append(table.version())
+        return read_from(table, name, **kw)
+
+    monkeypatch.setattr(lake, "read_from", counting)
+    assert len(reader.next_micro_batch(0, 4, 100)) == 6
+    assert len(reader.next_micro_batch(0, 4, 100)) == 0
+    assert len(reader.next_micro_batch(0, 4, 100)) == 0
+    assert len(scans) == 1  # the two idle polls found the same snapshot and did not scan
+    write(lake, records[6:])
+    batch = reader.next_micro_batch(0, 4, 100)
+    assert batch.trajectory_ids == [r.trajectory_id for r in records[6:]] and len(scans) == 2
