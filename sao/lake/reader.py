@@ -36,7 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 from deltalake import DeltaTable
+from deltalake.fs import DeltaStorageHandler
 
 from sao.lake.commit import CommitResult
 from sao.lake.config import CommitConfig
@@ -141,6 +144,8 @@ class TrajectoryReader:
         self._consumed: pa.Array | None = None
         self._cursor = 0
         self._scanned_version: int | None = None  # the snapshot the cursor has read up to
+        self._seen_files: set[str] = set()  # data files of the run already read
+        self._files: pafs.PyFileSystem | None = None  # the table's storage, for reading data files
         self._pending = _INDEX_SCHEMA.empty_table()
         self._stale = _INDEX_SCHEMA.empty_table()
         self._oldest_version: int | None = None
@@ -240,15 +245,31 @@ class TrajectoryReader:
         return self._table
 
     def _scan_new_rows(self, table: DeltaTable) -> None:
+        """Add the rows committed since the last scan to the candidates. Only data files not seen
+        before are read (a scan of the whole partition cost ~0.1-0.2 s of CPU at a few hundred files,
+        at every poll); a rewritten file (compaction) is read again, and its rows the cursor has
+        passed are dropped."""
         if self._consumed is None:
             self._consumed = consumed_ids(self.lake, self.run_id)
         if table.version() == self._scanned_version:
-            return  # no commit since the last scan: nothing new (a scan costs ~0.1-0.2 s of CPU)
+            return  # no commit since the last scan: nothing new
         self._scanned_version = table.version()
-        predicate = f"{self._predicate} AND ingest_seq > {self._cursor}"
-        new = self.lake.read_from(
-            table, trajectories.NAME, columns=list(INDEX_COLUMNS), predicate=predicate
-        )
+        actions = pa.table(table.get_add_actions(flatten=True))
+        mine = pc.equal(actions["partition.run_id"], self.run_id)
+        paths = [p for p in actions.filter(mine)["path"].to_pylist() if p not in self._seen_files]
+        if not paths:
+            return
+        if self._files is None:
+            self._files = pafs.PyFileSystem(
+                DeltaStorageHandler(self.lake.table_uri(trajectories.NAME), self.lake.storage_options))
+        try:
+            new = pq.read_table(paths, filesystem=self._files, columns=list(INDEX_COLUMNS))
+        except (OSError, pa.ArrowException) as error:
+            raise LakeError(f"reading {len(paths)} new files of run {self.run_id!r} at version "
+                            f"{table.version()} failed (a file vacuumed away?): {error}") from error
+        self._seen_files.update(paths)
+        new = new.select(list(INDEX_COLUMNS)).cast(_INDEX_SCHEMA)
+        new = new.filter(pc.greater(new["ingest_seq"], self._cursor))
         if new.num_rows == 0:
             return
         self._cursor = int(pc.max(new["ingest_seq"]).as_py())

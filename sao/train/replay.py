@@ -81,7 +81,7 @@ __all__ = [
     "torch_settings",
 ]
 
-NOT_REPLAYED = ("time/", "batch/stale_skipped")
+NOT_REPLAYED = ("time/", "batch/stale_skipped", "batch/no_action_skipped")
 """Metric name prefixes replay does not compare: timings, and what the reader skipped at the time."""
 
 

@@ -190,23 +190,25 @@ def test_read_trajectories_by_ids_across_runs(local_lake):
     assert one["completion_ids"].to_pylist() == [shared.completion_ids.tolist()]
 
 
-def test_a_poll_without_a_new_commit_scans_nothing_and_the_next_commit_is_seen(lake, monkeypatch):
+def test_a_poll_reads_only_data_files_it_has_not_read(lake, monkeypatch):
+    import sao.lake.reader as reader_module
+
     records = make_trajectories(12, seed=3, num_tokens=8)
     write(lake, records[:6])
     reader = TrajectoryReader(lake, RUN, columns=["completion_ids"])
-    scans = []
-    read_from = lake.read_from
+    reads = []
+    read_table = reader_module.pq.read_table
 
-    def counting(table, name, **kw):
-        if "ingest_seq > " in (kw.get("predicate") or ""):  # the scan for new rows (not the fetch)
-            scans.append(table.version())
-        return read_from(table, name, **kw)
+    def counting(paths, **kw):
+        reads.append(list(paths))
+        return read_table(paths, **kw)
 
-    monkeypatch.setattr(lake, "read_from", counting)
+    monkeypatch.setattr(reader_module.pq, "read_table", counting)
     assert len(reader.next_micro_batch(0, 4, 100)) == 6
     assert len(reader.next_micro_batch(0, 4, 100)) == 0
     assert len(reader.next_micro_batch(0, 4, 100)) == 0
-    assert len(scans) == 1  # the two idle polls found the same snapshot and did not scan
+    assert len(reads) == 1  # the two idle polls found the same snapshot and read nothing
     write(lake, records[6:])
     batch = reader.next_micro_batch(0, 4, 100)
-    assert batch.trajectory_ids == [r.trajectory_id for r in records[6:]] and len(scans) == 2
+    assert batch.trajectory_ids == [r.trajectory_id for r in records[6:]]
+    assert len(reads) == 2 and not set(reads[0]) & set(reads[1])  # only the new commit's files
