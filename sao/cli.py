@@ -23,6 +23,7 @@ app = typer.Typer(
 BENCHMARKS: dict[str, str] = {
     "lake": "lake_ingest",
     "learning": "learning",
+    "quality": "quality",
     "routing": "routing",
     "scale": "scale_model",
     "rollout": "rollout",
