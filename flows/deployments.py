@@ -23,8 +23,9 @@ FLOWS: dict[str, str] = {
     "evaluate": "flows.evaluate:evaluate",
     "replay": "flows.replay:replay",
     "pretrain_value": "flows.pretrain_value:pretrain_value_flow",
+    "online_shift": "flows.online_shift:online_shift",
 }
-"""Flow name -> ``module:function``. ``online_shift`` joins when its flow lands."""
+"""Flow name -> ``module:function``."""
 
 
 def load_flow(name: str) -> Flow:

@@ -5,20 +5,23 @@ dataset files), ``math_tool``, ``style_preference``, ``sandbox`` (the Python too
 (injected heavy-tailed tool delays).
 
 :func:`make_env` builds an environment by name from keyword options, which are the fields of that
-environment's config (nested configs may be given as dicts); ``style_preference`` also takes
-``trainer_step``.
+environment's config (nested configs may be given as dicts). An environment whose reward depends on
+the trainer's step (``style_preference``: its preference shifts) also takes ``trainer_step``;
+:func:`takes_trainer_step` says which do, so the rollout replica (the version its engine runs when an
+episode starts) and trajectory replay (the trajectory's ``min_policy_version``) can pass it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 from sao.envs.base import Environment
 from sao.envs.math_tool import MathToolConfig, MathToolEnv
 from sao.envs.style_preference import StylePreferenceConfig, StylePreferenceEnv
 
-__all__ = ["ENVIRONMENTS", "make_env"]
+__all__ = ["ENVIRONMENTS", "make_env", "takes_trainer_step"]
 
 # name -> (config class, environment class)
 ENVIRONMENTS: dict[str, tuple[type, type]] = {
@@ -42,12 +45,22 @@ def _build_config(config_class: type, options: dict[str, Any]) -> Any:
     return config_class(**values)
 
 
-def make_env(name: str, **options: Any) -> Environment:
-    """A new environment instance (one per episode). Raises ``ValueError`` for an unknown name or option."""
+def _classes(name: str) -> tuple[type, type]:
     if name not in ENVIRONMENTS:
         raise ValueError(f"unknown environment {name!r}; known: {sorted(ENVIRONMENTS)}")
-    config_class, env_class = ENVIRONMENTS[name]
+    return ENVIRONMENTS[name]
+
+
+def takes_trainer_step(name: str) -> bool:
+    """Whether environment ``name`` is built with the trainer's step (its constructor's
+    ``trainer_step``). Raises ``ValueError`` for an unknown name."""
+    return "trainer_step" in inspect.signature(_classes(name)[1]).parameters
+
+
+def make_env(name: str, **options: Any) -> Environment:
+    """A new environment instance (one per episode). Raises ``ValueError`` for an unknown name or option."""
+    config_class, env_class = _classes(name)
     extra = {}
-    if env_class is StylePreferenceEnv and "trainer_step" in options:
+    if takes_trainer_step(name) and "trainer_step" in options:
         extra["trainer_step"] = int(options.pop("trainer_step"))
     return env_class(_build_config(config_class, options), **extra)

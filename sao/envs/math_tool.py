@@ -12,7 +12,10 @@ numbers into a tool call and copy the tool's output into its answer:
 
 Reward 1.0 for a final answer equal to the reference (as integers), else 0.0. Up to
 ``max_tool_calls`` tool calls per episode (a further call ends it with ``turns``, reward 0); a turn that
-ends without a tool call or an answer ends the episode with reward 0.
+ends without a tool call or an answer ends the episode with reward 0. With ``max_tool_calls=0`` the task
+is single-turn, the same prompts answered without the tool: the first action ends the episode (a tool
+call with ``turns`` and reward 0, unrun), which is the shape single-turn trainers such as TRL's
+GRPOTrainer support (``sao bench peer``).
 
 Tasks come from a seeded generator (:func:`generate_tasks`), deduplicated, split into ``train`` and
 ``heldout``, and stored as JSON Lines (:func:`ensure_dataset`): the same config always writes the same
@@ -69,7 +72,8 @@ class MathToolConfig:
         seed: seeds the task generator.
         num_train / num_heldout: tasks per split.
         a_range / b_range / c_range: inclusive operand ranges (a and c up to 3 digits, b 2 digits).
-        max_tool_calls: tool calls allowed per episode; one more ends it with ``turns``.
+        max_tool_calls: tool calls allowed per episode; one more ends it with ``turns``. 0: no tool
+            (single-turn: the first action must be the answer).
         system_prompt: an optional system message before the question ('' = none, the default).
         sandbox: limits of the Python tool.
         latency: injected per-call delay (off by default).
@@ -93,8 +97,8 @@ class MathToolConfig:
                 raise ValueError(f"MathToolConfig.{name} must be (low, high) with 0 <= low <= high, got {(low, high)}")
         if self.num_train < 0 or self.num_heldout < 0:
             raise ValueError(f"MathToolConfig: num_train and num_heldout must be >= 0, got {self.num_train}, {self.num_heldout}")
-        if self.max_tool_calls < 1:
-            raise ValueError(f"MathToolConfig.max_tool_calls must be >= 1, got {self.max_tool_calls}")
+        if self.max_tool_calls < 0:
+            raise ValueError(f"MathToolConfig.max_tool_calls must be >= 0 (0: no tool), got {self.max_tool_calls}")
 
 
 def _draw(rng: random.Random, config: MathToolConfig) -> tuple[int, int, int, int]:

@@ -7,6 +7,12 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
 * decodes concurrent rollouts together in one :class:`~sao.rollout.torch_engine.TorchEngine`, run in a
   child process (:mod:`sao.rollout.engine_process`) unless ``engine_process=False``;
 * waits at the app's weight broker for newer weights and swaps them in between decode steps;
+* builds a fresh environment per episode from ``env_options``; an environment whose reward depends on
+  the trainer's step (:func:`sao.envs.takes_trainer_step`: ``style_preference``) is given the version
+  the engine runs when the episode starts, which is the number of trainer steps done (one version per
+  step). The first action token is sampled by that version or, if new weights land in between, a
+  later one: the trajectory's ``min_policy_version`` (what trajectory replay re-scores with) is never
+  smaller than the step its reward was observed at;
 * answers ``rollout(task, run_id, trajectory_id, seed) -> TrajectoryRecord``, ``generate(prompt_ids,
   sampling) -> Generation`` (raw, for benchmarks), ``health()`` and ``version()``.
 """
@@ -24,7 +30,8 @@ import torch
 from ray import serve
 from ray.serve import Application
 
-from sao.envs.base import Task
+from sao.envs import make_env, takes_trainer_step
+from sao.envs.base import Environment, Task
 from sao.rollout.agent import AgentConfig, AgentLoop
 from sao.rollout.engine import Generation, SamplingParams
 from sao.rollout.engine_process import TorchEngineProcess
@@ -93,7 +100,6 @@ class RolloutReplica:
     """One Serve replica (see the module docstring)."""
 
     def __init__(self, config: RolloutConfig) -> None:
-        from sao.envs import make_env
         from sao.models.policy import load_policy
         from sao.models.tokenizer import load_tokenizer
 
@@ -115,12 +121,17 @@ class RolloutReplica:
                                              version=config.initial_version, config=engine)
         else:
             self.engine = TorchEngine(load_policy(config.policy_path), version=config.initial_version, config=engine)
-        options = config.env_options
-        self.agent = AgentLoop(self.engine, tokenizer, lambda task: make_env(task.env, **options.get(task.env, {})),
-                               config.agent, worker_id=self.replica_id)
+        self.agent = AgentLoop(self.engine, tokenizer, self._new_env, config.agent, worker_id=self.replica_id)
         self.subscriber = WeightSubscriber(get_or_create_broker(config.app_name), self.replica_id,
                                            lambda: self.engine.version, self.engine.load_weights,
                                            wait_s=config.weight_wait_s)
+
+    def _new_env(self, task: Task) -> Environment:
+        """A fresh environment for one episode of ``task`` (see the module docstring)."""
+        options = dict(self.config.env_options.get(task.env, {}))
+        if takes_trainer_step(task.env):
+            options["trainer_step"] = self.engine.version
+        return make_env(task.env, **options)
 
     async def rollout(self, task: Task, run_id: str, trajectory_id: str, seed: int | None = None,
                       min_version: int | None = None):

@@ -1,12 +1,20 @@
-"""SFT warm start: teach the tiny policy the math_tool format, then save it as policy version 0.
+"""SFT warm start: teach the tiny policy an environment's format, then save it as policy version 0.
 
-Demonstrations are generated, not collected: for each train task, the ideal conversation of
-:func:`sao.envs.math_tool.demonstration` (tool call, tool output, answer), laid out as token segments
-exactly as the agent loop lays out a trajectory (:mod:`sao.models.chat`). The loss is the token-mean
+Demonstrations are generated, not collected, for the environment ``SFTConfig.env`` names:
+
+- ``math_tool`` (the default): for each train task, the ideal conversation of
+  :func:`sao.envs.math_tool.demonstration` (tool call, tool output, answer);
+- ``style_preference``: for each train task, one reply in **every** style
+  (:func:`style_demonstrations`, sentences of :func:`sao.envs.style_preference.render_in_style`), so
+  the warm-started policy writes all styles about equally often and RL can move the preference
+  between them (the online-learning benchmark). No style is preferred in the demonstrations.
+
+Each conversation is laid out as token segments exactly as the agent loop lays out a trajectory
+(:mod:`sao.models.chat`). The loss is the token-mean
 negative log-likelihood over **action tokens only** (what the assistant samples: the tool call up to
 ``</tool_call>``, the answer up to ``<|im_end|>``); prompt and observation tokens are context.
 
-The tool outputs in the demonstrations are the reference answers (the sandbox would print exactly
+The math tool outputs in the demonstrations are the reference answers (the sandbox would print exactly
 these; a test checks a sample), so building thousands of demonstrations costs no tool calls.
 
 SFT deliberately stops short, because RL needs room above it. Rather than a fixed step count (the
@@ -19,7 +27,9 @@ the probability that sampling at temperature 1 reproduces the demonstration exac
 teacher forcing on train-split tasks held out of training. Other correct paths are rare, so sampled
 accuracy tracks it closely and the target sets the warm start's accuracy (measured 0.42-0.48 on
 held-out tasks for the default 0.45, see docs/RESULTS.md). With ``target_success=None`` training runs
-``max_steps``. The result is saved
+``max_steps``; that is the setting for ``style_preference``, whose demonstrations are equally good
+alternatives (the success probability of one of them is at most about 1 / (styles x templates)).
+Validation tasks are whole tasks (all of a task's demonstrations) taken from the end of the train split. The result is saved
 with the tokenizer and ``sao_policy.json`` (version 0, tokenizer and template versions, the config
 and the training metrics), loadable with :func:`sao.models.policy.load_policy`.
 """
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,9 +48,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sao.algos.masked import aggregate
+from sao.envs import math_tool, style_preference
 from sao.envs.base import Split, Task
-from sao.envs.math_tool import MathToolConfig, demonstration, generate_tasks
-from sao.models.chat import ChatTokens, action_text, observation_ids, prompt_ids
+from sao.envs.math_tool import MathToolConfig, demonstration
+from sao.envs.style_preference import Style, StylePreferenceConfig, render_in_style, topic_of
+from sao.models.chat import ChatTokens, Message, action_text, observation_ids, prompt_ids
 from sao.models.policy import PolicyConfig, build_policy, save_policy
 from sao.models.tokenizer import TokenizerConfig, build_tokenizer
 
@@ -50,11 +63,17 @@ __all__ = [
     "SFTResult",
     "action_logprobs",
     "collate",
+    "conversation_example",
     "demonstration_example",
+    "demonstrations",
     "sft_loss",
     "sft_warm_start",
+    "style_demonstrations",
     "success_probability",
 ]
+
+SFT_ENVS: tuple[str, ...] = (math_tool.ENV_NAME, style_preference.ENV_NAME)
+"""Environments the warm start has demonstrations for."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +85,7 @@ class SFTConfig:
         target_success: stop once the validation success probability reaches this; ``None`` = never.
         eval_every: steps between validation measurements (and ``on_log`` callbacks).
         validation_tasks: train-split tasks set aside (never trained on) for the validation measure.
+        env: whose demonstrations to train on, one of :data:`SFT_ENVS`.
         batch_size: demonstrations per step.
         learning_rate: AdamW peak learning rate.
         warmup_steps: linear warm-up from 0 to the peak.
@@ -76,7 +96,8 @@ class SFTConfig:
         num_threads: torch intra-op threads.
         policy: architecture of the policy.
         tokenizer: tokenizer training.
-        math: the task generator (its train split supplies the demonstrations).
+        math: the math_tool task generator (its train split supplies the demonstrations).
+        style: the style_preference task generator (likewise, when ``env`` is ``style_preference``).
     """
 
     max_steps: int = 600
@@ -94,8 +115,12 @@ class SFTConfig:
     policy: PolicyConfig = PolicyConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     math: MathToolConfig = MathToolConfig()
+    env: str = math_tool.ENV_NAME
+    style: StylePreferenceConfig = StylePreferenceConfig()
 
     def __post_init__(self) -> None:
+        if self.env not in SFT_ENVS:
+            raise ValueError(f"SFTConfig.env must be one of {SFT_ENVS}, got {self.env!r}")
         for name in ("max_steps", "eval_every", "validation_tasks", "batch_size", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -151,12 +176,31 @@ class SFTResult:
     log: tuple[LogPoint, ...]
 
 
-def demonstration_example(tokenizer: PreTrainedTokenizerBase, task: Task) -> Example:
-    """Lay out ``task``'s demonstration as prompt / action / observation / action segments."""
-    messages = demonstration(task)
-    ids = prompt_ids(tokenizer, messages[:1])
+def style_demonstrations(task: Task, rng: random.Random) -> list[list[Message]]:
+    """One conversation per style (in :class:`~sao.envs.style_preference.Style` order): ``task``'s
+    prompt answered by a sentence about its topic in that style (templates drawn from ``rng``)."""
+    topic = topic_of(task)
+    return [[{"role": "user", "content": task.prompt},
+             {"role": "assistant", "content": render_in_style(topic, style, rng)}] for style in Style]
+
+
+def demonstrations(config: SFTConfig) -> list[list[list[Message]]]:
+    """The demonstrations of ``config.env``, grouped by train task (task order): math_tool one per
+    task, style_preference one per style; deterministic for a config."""
+    if config.env == style_preference.ENV_NAME:
+        rng = random.Random(config.seed)
+        tasks = style_preference.generate_tasks(config.style)
+        return [style_demonstrations(task, rng) for task in tasks if task.split is Split.TRAIN]
+    return [[demonstration(task)] for task in math_tool.generate_tasks(config.math) if task.split is Split.TRAIN]
+
+
+def conversation_example(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> Example:
+    """Lay out a conversation as prompt / action / observation / action segments: the messages before
+    the first assistant message are the prompt."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    ids = prompt_ids(tokenizer, messages[:first])
     mask = [0] * len(ids)
-    for message in messages[1:]:
+    for message in messages[first:]:
         if message["role"] == "tool":
             segment, flag = observation_ids(tokenizer, message["content"]), 0
         else:
@@ -164,6 +208,11 @@ def demonstration_example(tokenizer: PreTrainedTokenizerBase, task: Task) -> Exa
         ids += segment
         mask += [flag] * len(segment)
     return Example(ids, mask)
+
+
+def demonstration_example(tokenizer: PreTrainedTokenizerBase, task: Task) -> Example:
+    """Lay out math_tool ``task``'s demonstration (:func:`sao.envs.math_tool.demonstration`)."""
+    return conversation_example(tokenizer, demonstration(task))
 
 
 def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -233,7 +282,7 @@ def sft_warm_start(
     *,
     on_log: Callable[[LogPoint], None] | None = None,
 ) -> SFTResult:
-    """Build tokenizer and policy, train on math_tool demonstrations, save policy version 0 to ``out_dir``."""
+    """Build tokenizer and policy, train on ``config.env``'s demonstrations, save policy version 0 to ``out_dir``."""
     config = config or SFTConfig()
     start = time.monotonic()
     torch.set_num_threads(config.num_threads)
@@ -243,13 +292,14 @@ def sft_warm_start(
     chat = ChatTokens.from_tokenizer(tokenizer)
     model = build_policy(config.policy, seed=config.seed)
     model.train()
-    tasks = [t for t in generate_tasks(config.math) if t.split is Split.TRAIN]
-    if len(tasks) <= config.validation_tasks:
-        raise ValueError(
-            f"SFTConfig.math has {len(tasks)} train tasks, not more than validation_tasks={config.validation_tasks}"
-        )
-    examples = [demonstration_example(tokenizer, task) for task in tasks]
-    train, validation = examples[: -config.validation_tasks], examples[-config.validation_tasks :]
+    per_task = demonstrations(config)
+    if len(per_task) <= config.validation_tasks:
+        source = "math" if config.env == math_tool.ENV_NAME else "style"
+        raise ValueError(f"SFTConfig.{source} has {len(per_task)} train tasks, not more than "
+                         f"validation_tasks={config.validation_tasks}")
+    cut = len(per_task) - config.validation_tasks
+    train = [conversation_example(tokenizer, messages) for group in per_task[:cut] for messages in group]
+    validation = [conversation_example(tokenizer, messages) for group in per_task[cut:] for messages in group]
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=config.weight_decay
     )

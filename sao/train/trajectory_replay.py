@@ -13,6 +13,11 @@ says what happened:
   (``observation_ids`` of the environment's answer, re-run now).
 - **reward**: the environment re-scores the final action (math_tool: the answer checked against the
   task's reference), which must equal the stored reward; ends the environment did not decide carry 0.
+  An environment that rewards by the trainer's step (:func:`sao.envs.takes_trainer_step`:
+  style_preference, whose preference shifts) is rebuilt at the trajectory's ``min_policy_version``,
+  the version its replica ran when the episode started (:mod:`sao.rollout.serve`). Should new weights
+  have landed between the episode's start and its first token, that version is one step later than
+  the one the reward was observed at, and a shift at exactly that step shows as a reward mismatch.
 - **termination reason against the tokens**: ``stop``: the last action token is a stop id and the
   environment ended the episode; ``turns``: the environment's own budget ended it, or ``num_turns``
   reached the agent's ``max_turns``; ``length``: the completion reached ``sampling.max_tokens``, or the
@@ -36,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from sao.envs import make_env
+from sao.envs import make_env, takes_trainer_step
 from sao.envs.base import Task, Termination, read_tasks
 from sao.lake.reader import read_trajectories
 from sao.lake.store import Lake, LakeError
@@ -232,7 +237,10 @@ def _simulate(row: Mapping, task: Task, tokenizer, rollout: RolloutSettings, tur
     """Re-run the environment on the stored actions: (prompt check, expected observation tokens by
     segment index, the StepResult that ended the episode or None, the observation that would follow
     the last turn or None, problems)."""
-    env = make_env(task.env, **dict(rollout.env_options.get(task.env, {})))
+    options = dict(rollout.env_options.get(task.env, {}))
+    if takes_trainer_step(task.env):
+        options["trainer_step"] = int(row["min_policy_version"])
+    env = make_env(task.env, **options)
     prompt = prompt_ids(tokenizer, env.reset(task))
     prompt_check = Check("prompt", prompt == list(row["prompt_ids"]),
                          "" if prompt == list(row["prompt_ids"]) else "the task's prompt renders to other tokens")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sao.envs import ENVIRONMENTS, make_env
+from sao.envs import ENVIRONMENTS, make_env, takes_trainer_step
 from sao.envs.base import Environment
 from sao.envs.latency import LatencyKind
 from sao.envs.math_tool import MathToolEnv
@@ -29,6 +29,14 @@ def test_style_env_takes_the_trainer_step():
     env = make_env("style_preference", trainer_step=200, judge={"min_markers": 1})
     assert isinstance(env, StylePreferenceEnv)
     assert env.trainer_step == 200 and env.config.judge.min_markers == 1
+
+
+def test_only_step_dependent_environments_take_the_trainer_step():
+    assert takes_trainer_step("style_preference") and not takes_trainer_step("math_tool")
+    with pytest.raises(ValueError, match="unknown environment 'chess'"):
+        takes_trainer_step("chess")
+    with pytest.raises(ValueError, match="trainer_step"):  # never swallowed by an environment without one
+        make_env("math_tool", trainer_step=3)
 
 
 def test_unknown_name_or_option_is_named():

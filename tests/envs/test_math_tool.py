@@ -141,6 +141,18 @@ def test_tool_call_budget_ends_with_turns():
     assert result.done and result.reward == 0.0 and result.termination is Termination.TURNS
 
 
+def test_without_the_tool_the_first_action_ends_the_episode():
+    env = MathToolEnv(MathToolConfig(num_train=0, num_heldout=0, max_tool_calls=0))
+    env.reset(_task())
+    result = env.step("<tool_call>print(483*27+915)</tool_call>")  # not run: the tool is off
+    assert result.done and result.reward == 0.0 and result.termination is Termination.TURNS
+    env.reset(_task())
+    result = env.step("<answer>13956</answer>")
+    assert result.done and result.reward == 1.0 and result.termination is Termination.STOP
+    env.reset(_task())
+    assert env.step("13956<|im_end|>").reward == 0.0  # an answer needs its tags, as with the tool
+
+
 def test_demonstration_is_the_ideal_conversation():
     messages = demonstration(_task())
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
@@ -164,7 +176,7 @@ def test_system_prompt_option():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("a_range", (5, 1)), ("num_train", -1), ("max_tool_calls", 0)],
+    [("a_range", (5, 1)), ("num_train", -1), ("max_tool_calls", -1)],
 )
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -1,4 +1,5 @@
-"""The Ray Serve rollout app: two replicas roll math_tool tasks into the lake while weights change."""
+"""The Ray Serve rollout app: two replicas roll math_tool tasks into the lake while weights change; a
+replica builds each episode's environment, at its engine's version for step-dependent ones."""
 
 import asyncio
 import threading
@@ -19,9 +20,9 @@ from sao.rollout.serve import RolloutConfig, start_rollout_app
 from sao.rollout.weights import get_or_create_broker, publish_weights
 from sao.train.checkpoint import weights_hash
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-
+@pytest.mark.ray
+@pytest.mark.slow
 def test_two_replicas_roll_out_into_the_lake_across_a_weight_update(tmp_path, policy_dir, ray_session):
     from ray import serve
 
@@ -84,3 +85,45 @@ def test_replica_resources_place_the_deployment_and_are_checked():
         RolloutConfig(policy_path="unused", resources_per_replica={"CPU": 1.0})
     with pytest.raises(ValueError, match="resources_per_replica\\['rollout'\\]"):
         RolloutConfig(policy_path="unused", resources_per_replica={"rollout": 0.0})
+
+
+class _LocalSubscriber:
+    """Stands in for the weight subscriber (no Ray): the test hands the replica weights through it."""
+
+    def __init__(self, broker, replica_id, current_version, apply, wait_s=1.0) -> None:
+        self.apply = apply
+
+    def close(self) -> None:
+        pass
+
+
+def test_replica_builds_step_dependent_environments_at_its_engine_version(policy_dir, monkeypatch):
+    """style_preference rewards by the trainer's step: each episode's environment gets the version the
+    replica's engine runs when it starts (one version per trainer step); other environments get none."""
+    from sao.envs.math_tool import MathToolEnv
+    from sao.envs.style_preference import StylePreferenceConfig
+    from sao.envs.style_preference import generate_tasks as style_tasks
+    from sao.models.policy import load_policy
+    from sao.rollout import serve as serve_module
+
+    monkeypatch.setattr(serve_module, "get_or_create_broker", lambda name: None)
+    monkeypatch.setattr(serve_module, "WeightSubscriber", _LocalSubscriber)
+    shift = {"judge": {"schedule": {"styles": ["academic", "cute"], "shift_steps": [3]}}}
+    replica = serve_module.RolloutReplica(RolloutConfig(policy_path=str(policy_dir), engine_process=False,
+                                                        env_options={"style_preference": shift}))
+    style_task = style_tasks(StylePreferenceConfig())[0]
+    cute = "Hehe, the moon is so cute and fluffy, yay!"
+    try:
+        env = replica.agent.env_factory(style_task)  # what the agent loop calls at each episode's start
+        env.reset(style_task)
+        assert env.trainer_step == 0 and env.step(cute).reward == 0.0  # academic is preferred before step 3
+        replica.subscriber.apply(3, load_policy(policy_dir).state_dict())
+        replica.engine.wait_for_version(3)
+        env = replica.agent.env_factory(style_task)
+        env.reset(style_task)
+        assert env.trainer_step == 3 and env.step(cute).reward == 1.0
+        math = replica.agent.env_factory(generate_tasks(MathToolConfig(num_train=1, num_heldout=0))[0])
+        assert isinstance(math, MathToolEnv)
+    finally:
+        replica.engine.close()
+        replica.agent.close()

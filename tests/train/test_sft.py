@@ -9,6 +9,14 @@ import torch
 
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import ENV_NAME, MathToolConfig, demonstration
+from sao.envs.style_preference import (
+    ShiftSchedule,
+    Style,
+    StyleJudge,
+    StylePreferenceConfig,
+    classify_style,
+)
+from sao.envs.style_preference import generate_tasks as style_tasks
 from sao.models.chat import ChatTokens
 from sao.models.policy import PolicyConfig, load_policy, read_policy_metadata
 from sao.models.tokenizer import build_tokenizer, load_tokenizer, tokenizer_version
@@ -16,7 +24,9 @@ from sao.train.sft import (
     Example,
     SFTConfig,
     collate,
+    conversation_example,
     demonstration_example,
+    demonstrations,
     sft_loss,
     sft_warm_start,
     success_probability,
@@ -139,6 +149,34 @@ def test_config_errors_name_the_field(field, value):
 def test_too_few_train_tasks_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="validation_tasks"):
         sft_warm_start(dataclasses.replace(SHORT, validation_tasks=500), tmp_path)
+
+
+def test_style_demonstrations_answer_every_train_task_in_every_style(tokenizer):
+    config = SFTConfig(env="style_preference")
+    per_task = demonstrations(config)
+    train = [t for t in style_tasks(config.style) if t.split is Split.TRAIN]
+    assert len(per_task) == len(train) and per_task == demonstrations(config)  # deterministic
+    for task, group in zip(train, per_task, strict=True):
+        assert [m[0]["content"] for m in group] == [task.prompt] * len(Style)
+        replies = [m[1]["content"] for m in group]
+        assert [classify_style(r) for r in replies] == list(Style)  # one per style, no style favoured
+        for style, reply in zip(Style, replies, strict=True):  # each earns full reward when its style is preferred
+            assert StyleJudge(ShiftSchedule(styles=(style,), shift_steps=())).reward(reply, step=0) == 1.0
+    example = conversation_example(tokenizer, per_task[0][1])
+    actions = tokenizer.decode([t for t, m in zip(example.input_ids, example.action_mask, strict=True) if m])
+    assert actions == per_task[0][1][1]["content"] + "<|im_end|>"
+    with pytest.raises(ValueError, match="SFTConfig.env"):
+        SFTConfig(env="chess")
+
+
+def test_a_short_style_sft_learns_and_saves_version_zero(tmp_path):
+    config = dataclasses.replace(SHORT, env="style_preference", max_steps=20, eval_every=10, validation_tasks=4,
+                                 style=StylePreferenceConfig(seed=3))
+    result = sft_warm_start(config, tmp_path)
+    assert result.steps == 20 and result.log[-1].loss < result.log[0].loss
+    assert read_policy_metadata(result.path).extra["sft_config"]["env"] == "style_preference"
+    with pytest.raises(ValueError, match="SFTConfig.style has .* validation_tasks=500"):
+        sft_warm_start(dataclasses.replace(config, validation_tasks=500), tmp_path)
 
 
 def test_chat_tokens_of_the_sft_tokenizer(tokenizer):

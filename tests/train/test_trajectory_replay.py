@@ -1,6 +1,7 @@
 """Trajectory replay on real torch-engine rollouts, including weights swapped mid-generation."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -11,12 +12,17 @@ from sao.cli import app
 from sao.envs import make_env
 from sao.envs.base import write_tasks
 from sao.envs.math_tool import MathToolConfig, generate_tasks
+from sao.envs.style_preference import StylePreferenceConfig
+from sao.envs.style_preference import generate_tasks as style_tasks
 from sao.lake.config import WriterConfig
 from sao.lake.reader import read_trajectories
+from sao.lake.records import SamplingParams as RecordedSampling
+from sao.lake.records import Segment, Timings, TrajectoryRecord, utc_now
 from sao.lake.store import Lake
 from sao.lake.writer import TrajectoryWriter
-from sao.models.chat import ChatTokens
+from sao.models.chat import IM_END, ChatTokens, prompt_ids
 from sao.models.policy import build_policy, save_policy
+from sao.models.tokenizer import chat_template_version, tokenizer_version
 from sao.rollout.agent import AgentConfig, AgentLoop
 from sao.rollout.torch_engine import TorchEngine
 from sao.train.batch import collate
@@ -28,6 +34,7 @@ from sao.train.run_config import RolloutSettings
 from sao.train.step import policy_logprobs
 from sao.train.trajectory_replay import replay_trajectory
 from schemas import trajectories
+from schemas.trajectories import SegmentKind
 from tests.train.test_loop import make_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -180,3 +187,56 @@ def test_a_task_that_does_not_resolve_is_a_clear_error(swapped, tmp_path):
     result = runner.invoke(app, ["replay", "--lake", cfg.lake.root, "--trajectory", records[0].trajectory_id,
                                  "--tasks", str(other)])
     assert result.exit_code == 2 and "is not in the task file" in result.output
+
+
+SHIFT_AT_1 = {"judge": {"schedule": {"styles": ["academic", "cute"], "shift_steps": [1]}}}
+
+
+def style_record(policy, version, tokenizer, task, text, run_id, trajectory_id):
+    """A one-turn style_preference trajectory answering ``task`` with ``text`` as sampled by
+    ``version``: its log-probabilities are ``policy``'s (teacher-forced, as the engine records them) and
+    its reward is the one a replica at ``version`` observes (the judge at trainer step ``version``)."""
+    env = make_env("style_preference", trainer_step=version, **SHIFT_AT_1)
+    prompt = prompt_ids(tokenizer, env.reset(task))
+    completion = tokenizer.encode(text + IM_END, add_special_tokens=False)
+    now = utc_now()
+    record = TrajectoryRecord(
+        trajectory_id=trajectory_id, run_id=run_id, task_id=task.task_id, env_name=task.env, prompt_ids=prompt,
+        completion_ids=completion, action_mask=[True] * len(completion), logprobs=[-1.0] * len(completion),
+        logprob_kind="sampling", segments=(Segment(SegmentKind.ACTION, 0, len(completion), version),),
+        reward=env.step(text + IM_END).reward, termination_reason="stop", num_turns=1,
+        sampling=RecordedSampling(temperature=1.0, top_p=1.0, top_k=None, max_tokens=AGENT.max_tokens, seed=0),
+        tokenizer_version=tokenizer_version(tokenizer), chat_template_version=chat_template_version(tokenizer),
+        engine_name="torch", engine_version="test", worker_id="test",
+        timings=Timings(created_at=now, started_at=now, finished_at=now, generation_s=0.0, tool_s=0.0),
+    )
+    with torch.no_grad():
+        logprobs = policy_logprobs(policy, collate([record.to_row()], trainer_version=version))[0]
+    return dataclasses.replace(record, logprobs=logprobs.numpy())
+
+
+def test_a_step_dependent_reward_is_rescored_at_the_trajectory_s_policy_version(tmp_path, tokenizer):
+    """style_preference prefers academic before trainer step 1 and cute from it: a cute reply sampled by
+    version 1 earned 1.0, and the replay must judge it at step 1 (its min_policy_version), not step 0."""
+    tasks = [t for t in style_tasks(StylePreferenceConfig()) if t.split == "train"][:6]
+    cfg = make_config(tmp_path, tool_calling_policy_dir(tmp_path / "sft", tokenizer), total_steps=1,
+                      rollout=RolloutSettings(tasks_path=str(write_tasks(tmp_path / "tasks.jsonl", tasks)),
+                                          env_options={"style_preference": SHIFT_AT_1}, max_turns=1))
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    v0 = load_checkpoint(cfg.checkpoint_root, 0).policy
+    academic = "Moreover, the moon presents a significant case; consequently, the hypothesis is supported."
+    cute = "Hehe, the moon is so cute and fluffy, yay!"
+    first = [style_record(v0, 0, tokenizer, task, text, cfg.run_id, f"v0-{i}")
+             for i, (task, text) in enumerate(zip(tasks[:4], [academic, cute, academic, cute], strict=True))]
+    write(lake, first)
+    run_training(cfg)
+    v1 = load_checkpoint(cfg.checkpoint_root, 1).policy
+    later = [style_record(v1, 1, tokenizer, tasks[4], cute, cfg.run_id, "v1-cute"),
+             style_record(v1, 1, tokenizer, tasks[5], academic, cfg.run_id, "v1-academic")]
+    write(lake, later)
+    assert [r.reward for r in first + later] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]  # the preference shifted
+    for record in first + later:
+        report = replay_trajectory(lake, record.trajectory_id)
+        assert report.ok, report
+        assert report.reward_rescored == record.reward

@@ -1,0 +1,108 @@
+"""Online learning under preference shifts (SAO.md section 5): training on ``style_preference`` while
+the preferred writing style shifts at chosen trainer steps, and how many steps a run needs to recover.
+
+    style_warm_start     the version-0 policy for style_preference (SFT on demonstrations in every style)
+    shift_options        the environment options that put the shifts at given steps
+    online_pipeline      the pipeline of a run on style_preference with those shifts
+    smooth, recovery     the reward curve's trailing mean and the recovery after one shift
+
+Used by the ``online_shift`` flow (one run) and ``sao bench online`` (methods side by side).
+
+Recovery after a shift at step S (``recovery``): the pre-shift reward is the mean batch reward of steps
+S - ``pre_window`` .. S - 1; the threshold is ``fraction`` of it; after the shift the smoothed reward
+first falls below the threshold (the dip: the new preference reaches the batches), and the run has
+recovered at the first later step at which the smoothed reward is back at or above it. Steps to
+recover = that step - S; None when it does not get back before ``end``; 0 when it never dips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sao.config import RunSettings
+from sao.pipeline import PipelineConfig
+
+__all__ = ["online_pipeline", "recovery", "shift_options", "smooth", "style_tasks", "style_warm_start"]
+
+
+def style_warm_start(path: str | Path, seed: int = 0, steps: int = 120) -> Path:
+    """The style_preference version-0 policy at ``path`` (made by SFT unless it is there already)."""
+    from sao.models.policy import read_policy_metadata
+    from sao.train.sft import SFTConfig, sft_warm_start
+
+    path = Path(path)
+    if (path / "config.json").exists() and read_policy_metadata(path) is not None:
+        return path
+    config = SFTConfig(env="style_preference", target_success=None, max_steps=steps, warmup_steps=min(20, steps),
+                       eval_every=max(1, steps // 3), validation_tasks=8, seed=seed)
+    return sft_warm_start(config, path).path
+
+
+def style_tasks(path: str | Path):
+    """(the training tasks of style_preference, the task file they were written to)."""
+    from sao.envs.base import Split, write_tasks
+    from sao.envs.style_preference import generate_tasks
+
+    tasks = generate_tasks()
+    written = write_tasks(Path(path), tasks)
+    return [t for t in tasks if t.split is Split.TRAIN], written
+
+
+def shift_options(shifts: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """``env_options`` of style_preference with the preference shifting at trainer steps ``shifts``
+    (the styles in the schedule's default order, cycling after four phases)."""
+    from sao.envs.style_preference import ShiftSchedule, Style
+
+    if list(shifts) != sorted(set(shifts)) or any(s <= 0 for s in shifts):
+        raise ValueError(f"shifts must be increasing positive steps, got {list(shifts)}")
+    order = list(ShiftSchedule().styles) + [s for s in Style if s not in ShiftSchedule().styles]
+    styles = [str(order[i % len(order)]) for i in range(len(shifts) + 1)]
+    return {"style_preference": {"judge": {"schedule": {"styles": styles, "shift_steps": list(shifts)}}}}
+
+
+def online_pipeline(settings: RunSettings, policy_path: str | Path, shifts: Sequence[int], tasks_file: str | Path,
+                    max_tokens: int = 64) -> PipelineConfig:
+    """The pipeline of a style_preference run with shifts at ``shifts``: one turn per episode, the
+    shift schedule in the rollouts' environment options and in the run's stored settings (so a
+    trajectory replay rewards under the same preference)."""
+    from sao import runs
+    from sao.rollout.agent import AgentConfig
+    from sao.train.run_config import RolloutSettings
+
+    options = shift_options(shifts)
+    config = runs.pipeline_config(settings, policy_path)
+    rollout = RolloutSettings(tasks_path=str(Path(tasks_file).resolve()), env_options=options, max_turns=1)
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, rollout=rollout),
+                               agent=AgentConfig(max_tokens=max_tokens, max_turns=1), env_options=options)
+
+
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean: element s is the mean of ``values[max(0, s - window + 1) : s + 1]``."""
+    out, total = [], 0.0
+    for s, value in enumerate(values):
+        total += value
+        if s >= window:
+            total -= values[s - window]
+        out.append(total / min(s + 1, window))
+    return out
+
+
+def recovery(rewards: Sequence[float], window: int, shift: int, end: int, pre_window: int,
+             fraction: float) -> dict[str, Any]:
+    """Recovery after the shift at step ``shift``, searched up to step ``end`` (exclusive: the next shift
+    or the end of the run), by the definitions of the module docstring."""
+    smoothed = smooth(rewards, window)
+    pre = statistics.fmean(rewards[max(0, shift - pre_window):shift])
+    threshold = fraction * pre
+    dip = next((s for s in range(shift, end) if smoothed[s] < threshold), None)
+    recovered = None if dip is None else next((s for s in range(dip + 1, end) if smoothed[s] >= threshold), None)
+    if dip is None:
+        recovered = shift
+    post = smoothed[shift:end]
+    return {"shift": shift, "pre_shift_reward": pre, "threshold": threshold, "dip_step": dip,
+            "min_smoothed": min(post) if post else None, "recovered_step": recovered,
+            "steps_to_recover": None if recovered is None else recovered - shift}

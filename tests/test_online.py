@@ -1,0 +1,33 @@
+"""sao.online: the smoothed reward curve and the recovery after a shift, worked by hand, and the shift
+schedule's options."""
+
+import pytest
+
+from sao.online import recovery, shift_options, smooth
+
+
+def test_smooth_is_a_trailing_mean():
+    assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert smooth([2.0], 5) == [2.0]
+
+
+def test_recovery_worked_by_hand():
+    # pre-shift (steps 2, 3) mean 1.0 -> threshold 0.9; with window 1 the curve is the rewards:
+    # dips below 0.9 at step 4, back at >= 0.9 at step 6 -> 2 steps to recover
+    rewards = [1.0, 1.0, 1.0, 1.0, 0.2, 0.5, 0.95, 1.0]
+    row = recovery(rewards, window=1, shift=4, end=8, pre_window=2, fraction=0.9)
+    assert row["pre_shift_reward"] == 1.0 and row["threshold"] == pytest.approx(0.9)
+    assert row["dip_step"] == 4 and row["recovered_step"] == 6 and row["steps_to_recover"] == 2
+    assert row["min_smoothed"] == pytest.approx(0.2)
+    never = recovery([1.0, 1.0, 0.1, 0.1], window=1, shift=2, end=4, pre_window=2, fraction=0.9)
+    assert never["recovered_step"] is None and never["steps_to_recover"] is None
+    steady = recovery([1.0, 1.0, 1.0, 1.0], window=1, shift=2, end=4, pre_window=2, fraction=0.9)
+    assert steady["dip_step"] is None and steady["steps_to_recover"] == 0
+
+
+def test_shift_options_cycle_the_styles_and_check_the_steps():
+    options = shift_options([150, 300])["style_preference"]["judge"]["schedule"]
+    assert options == {"styles": ["academic", "cute", "classical"], "shift_steps": [150, 300]}
+    assert len(shift_options([1, 2, 3, 4, 5])["style_preference"]["judge"]["schedule"]["styles"]) == 6
+    with pytest.raises(ValueError, match="increasing"):
+        shift_options([300, 150])
