@@ -244,8 +244,8 @@ def _findings(r: dict[str, Any]) -> list[str]:
                f"share (staleness at training and DIS masking together).")
     masked = 1 - min(r["kept_frac_by_staleness"].values()) if r["kept_frac_by_staleness"] else 0.0
     out.append(f"DIS masked at most {masked:.2%} of the action tokens at any staleness: at this model size and "
-               "learning rate the policy moves little within the staleness window, so masking itself shifts the "
-               "mix much less than staleness-based skipping and arrival order do." if masked < 0.05 else
+               "learning rate the policy moves little within the staleness window, so masking changes the mix "
+               "little." if masked < 0.05 else
                f"DIS masked up to {masked:.2%} of the action tokens at the highest staleness.")
     return out
 
