@@ -23,11 +23,13 @@ app = typer.Typer(
 BENCHMARKS: dict[str, str] = {
     "lake": "lake_ingest",
     "learning": "learning",
+    "online": "online",
     "quality": "quality",
     "routing": "routing",
     "scale": "scale_model",
     "rollout": "rollout",
     "sft": "sft_warmstart",
+    "peer": "peer",
     "speed": "speed",
     "bias": "bias",
 }
