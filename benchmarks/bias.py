@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._report import machine, machine_line, update_section, write_json
-from benchmarks.speed import DEFAULT_SFT
+from benchmarks.speed import DEFAULT_SFT, policy_dir
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -59,24 +59,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.steps, args.batch, args.in_flight, args.replicas, args.max_staleness = 3, 4, 12, 1, 2
         args.tool_median_s = 0.02
     return args
-
-
-def _policy_dir(args: argparse.Namespace) -> Path:
-    from sao import runs
-    from sao.config import RunSettings
-    from sao.models.policy import build_policy, save_policy
-    from sao.models.tokenizer import build_tokenizer
-
-    if args.sft is not None:
-        return args.sft
-    if args.quick:
-        path = args.workdir / "random-policy"
-        if not (path / "config.json").exists():
-            save_policy(build_policy(seed=0), path, build_tokenizer())
-        return path
-    if (DEFAULT_SFT / "config.json").exists():
-        return DEFAULT_SFT
-    return runs.warm_start(RunSettings(run_id="bench-learning", workdir="runs/bench"))
 
 
 def length_label(tokens: int) -> str:
@@ -259,7 +241,7 @@ def main(argv: list[str]) -> int:
     from schemas import train_steps
 
     started = time.monotonic()
-    policy = _policy_dir(args)
+    policy = policy_dir(args)
     run_id = "bias"
     import shutil
 

@@ -88,7 +88,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 # -- settings shared by the arms ---------------------------------------------------------------------------
 
 
-def _policy_dir(args: argparse.Namespace) -> Path:
+def policy_dir(args: argparse.Namespace) -> Path:
+    """The version-0 policy of a benchmark with ``--sft``, ``--quick`` and ``--workdir`` options: the given
+    one, a random policy (quick), or the SFT warm start of ``sao bench learning``."""
     from sao import runs
     from sao.config import RunSettings
     from sao.models.policy import build_policy, save_policy
@@ -450,7 +452,7 @@ def main(argv: list[str]) -> int:
     _fresh(args.workdir / "lake")
     for name in ("capacity", "async-lake", "async-queue", "sync-grpo"):
         _fresh(args.workdir / name)
-    policy = _policy_dir(args)
+    policy = policy_dir(args)
     tasks = math_tasks("train")
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
 
