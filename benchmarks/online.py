@@ -33,7 +33,9 @@ Definitions (what the table reports):
   first falls below it (the dip: the new preference reaches the batches), and the run has
   **recovered** at the first step after the dip at which the smoothed reward is back at or above the
   threshold; **steps to recover** = that step - S. A run that does not get back before the next shift
-  (or the end) has "not recovered"; one whose smoothed reward never dips is reported with 0 steps;
+  (or the end) has "not recovered"; one whose smoothed reward never dips is reported with 0 steps; a
+  pre-shift reward below 0.1 (``--min-pre``: nothing left to recover to) makes the shift "n/a" for
+  that run, counted as not recovered in the target;
 - final reward: the mean reward of the last 20 steps.
 
 Target (issue 8): SAO recovers in fewer steps than both baselines after every shift. Writes
@@ -49,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -65,6 +68,7 @@ from sao.online import shift_options as schedule_options
 METHODS: tuple[str, ...] = ("sao", "running_mean", "grpo_dis")
 LABELS = {"sao": "SAO (critic + GAE + DIS)", "running_mean": "running mean (window 8) + DIS",
           "grpo_dis": "group baseline (GRPO + DIS)"}
+TARGET_WALL_S = 20 * 60
 COLORS = {"sao": "tab:blue", "running_mean": "tab:orange", "grpo_dis": "tab:green"}
 
 
@@ -91,6 +95,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--smooth", type=int, default=10, help="trailing window of the smoothed reward (steps)")
     parser.add_argument("--pre-window", type=int, default=20, help="steps before a shift that set its pre-shift reward")
     parser.add_argument("--fraction", type=float, default=0.9, help="share of the pre-shift reward that counts as recovered")
+    parser.add_argument("--min-pre", type=float, default=0.1, help="least pre-shift reward for a measurable recovery")
     parser.add_argument("--name", default="online",
                         help="names the JSON, the figures and the section of the results file")
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench/online"))
@@ -205,12 +210,14 @@ def style_mix(counts: dict[int, Counter[str]], bucket: int, shifts: Sequence[int
 # Runs -------------------------------------------------------------------------------------------
 
 
-def warm_start(args: argparse.Namespace) -> tuple[Path, float]:
-    """The version-0 policy (style_preference SFT, cached per seed and step count) and the seconds spent."""
+def warm_start(args: argparse.Namespace) -> tuple[Path, float | None]:
+    """The version-0 policy (style_preference SFT, cached per seed and step count) and the seconds its
+    SFT took (None: cached)."""
     path = args.workdir / f"sft-style-seed{args.seed}-steps{args.sft_steps}"
+    cached = (path / "config.json").exists()
     started = time.monotonic()
     style_warm_start(path, seed=args.seed, steps=args.sft_steps)
-    return path, time.monotonic() - started
+    return path, None if cached else time.monotonic() - started
 
 
 def _pretrain_critic(config, tasks, samples: int) -> None:
@@ -280,9 +287,17 @@ def analyse(record: dict[str, Any], args: argparse.Namespace) -> None:
     record["rewards"] = rewards
     record["smoothed"] = smooth(rewards, args.smooth)
     ends = [*args.shifts[1:], len(rewards)]
-    record["recovery"] = [recovery(rewards, args.smooth, shift, end, args.pre_window, args.fraction)
-                          for shift, end in zip(args.shifts, ends, strict=True)]
+    record["recovery"] = [measurable(recovery(rewards, args.smooth, shift, end, args.pre_window, args.fraction),
+                                     args.min_pre) for shift, end in zip(args.shifts, ends, strict=True)]
     record["final_reward"] = statistics.fmean(rewards[-args.pre_window:])
+
+
+def measurable(row: dict[str, Any], min_pre: float) -> dict[str, Any]:
+    """``row`` (a :func:`sao.online.recovery` result) marked ``measurable``: a pre-shift reward below
+    ``min_pre`` leaves nothing to recover to, and its recovery is None (not a trivial 0 steps)."""
+    ok = row["pre_shift_reward"] >= min_pre
+    return row | {"measurable": ok} if ok else row | {"measurable": False, "recovered_step": None,
+                                                        "steps_to_recover": None}
 
 
 def target_met(results: dict[str, dict[str, Any]]) -> bool | None:
@@ -356,17 +371,19 @@ def plot_styles(results: dict[str, dict[str, Any]], args: argparse.Namespace, pa
 
 
 def _fmt_steps(rec: dict[str, Any]) -> str:
+    if not rec["measurable"]:
+        return "n/a (nothing to recover)"
     return "not recovered" if rec["steps_to_recover"] is None else str(rec["steps_to_recover"])
 
 
 def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
-    results = record["methods"]
+    results = {m: record["methods"][m] for m in METHODS if m in record["methods"]}
     shifts = args.shifts
     head = "| method | " + " | ".join(f"pre-shift reward (step {s}) | steps to recover (shift at {s})" for s in shifts)
-    head += " | final reward (last 20 steps) | run wall (s) | s / step |"
+    head += f" | final reward (last {args.pre_window} steps) | run wall (s) | trainer wall / step (s) |"
     lines = [
         "## Online learning under preference shifts (`sao bench online`)", "",
-        f"Command: `{record['command']}`. {machine_line(record['machine'])}", "",
+        f"Command: `{record['command'].strip()}`. {machine_line(record['machine'])}", "",
         f"Three asynchronous runs on style_preference from one SFT warm start ({args.sft_steps} steps on replies "
         f"in all four styles), same seed {args.seed}, batch {args.batch}, {args.steps} steps, max staleness "
         f"{args.max_staleness}, policy lr {args.lr_policy:g}, {args.replicas} rollout replica(s), reply budget "
@@ -386,7 +403,7 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
     for method, res in results.items():
         cells = [f"{r['pre_shift_reward']:.3f} | {_fmt_steps(r)}" for r in res["recovery"]]
         lines.append(f"| {LABELS[method]} | " + " | ".join(cells)
-                     + f" | {res['final_reward']:.3f} | {res['wall_s']:.0f} | {res['step_wall_s_mean']:.2f} |")
+                     + f" | {res['final_reward']:.3f} | {res['wall_s']:.0f} | {res['train_s'] / res['steps']:.2f} |")
     lines += ["", f"Style shares (by markers; versions = the trajectory's oldest policy version) over the "
               f"{args.pre_window} versions before each shift and the last {args.pre_window} versions of the phase "
               "after it:", "",
@@ -406,8 +423,16 @@ def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
                   f"{g['rows_in_split_groups']} of {g['rows']} rows were in split groups, {g['rows_alone']} alone "
                   f"(advantage 0). Group sizes seen in batches (size: count): "
                   + ", ".join(f"{k}: {v}" for k, v in g["group_sizes_in_batches"].items()) + "."]
-    lines += ["", f"Total wall time of the runs: {record['runs_wall_s']:.0f} s (SFT warm start "
-              f"{record['sft_s']:.0f} s{', cached' if record['sft_s'] == 0 else ''}).", "",
+    sft = "cached" if record["sft_s"] is None else f"{record['sft_s']:.0f} s"
+    end_load = record.get("load_average_1m_end")
+    lines += ["", f"Wall time of the runs: {record['runs_wall_s']:.0f} s; of the benchmark {record['wall_s']:.0f} s "
+              f"(SFT warm start: {sft}; target at the default size: under {TARGET_WALL_S / 60:.0f} min, "
+              + ("**met**" if record["wall_s"] < TARGET_WALL_S else "**missed**") + "). A step's `train_steps` row "
+              f"spans {min(r['step_wall_s_mean'] for r in results.values()):.2f}-"
+              f"{max(r['step_wall_s_mean'] for r in results.values()):.2f} s on average (waiting for the batch, the "
+              "update, the checkpoint, the row); the rest of the trainer wall per step comes after the row (the "
+              "`policy_versions` row and the weight publication, not timed separately)."
+              + ("" if end_load is None else f" 1-minute load average at the end: {end_load}."), "",
               f"![reward curves]({record['figures'][0]})", "", f"![style shares]({record['figures'][1]})"]
     return "\n".join(lines)
 
@@ -446,9 +471,10 @@ def main(argv: list[str]) -> int:
     figures = [plot(results, args, args.out / f"{args.name}.png"),
                plot_styles(results, args, args.out / f"{args.name}-styles.png")]
     record: dict[str, Any] = {
-        "machine": info, "command": "sao bench online " + " ".join(argv), "settings": {
+        "machine": info, "command": " ".join(["sao bench online", *argv]), "settings": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "sft_s": sft_s, "runs_wall_s": runs_wall_s, "wall_s": time.monotonic() - started,
+        "load_average_1m_end": round(os.getloadavg()[0], 2),
         "methods": results, "target_met": target_met(results),
         "figures": [str(_relative(f, args.results_md.parent)) for f in figures],
     }

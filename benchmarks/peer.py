@@ -587,6 +587,16 @@ def _cpu_table(s: dict[str, dict[str, Any]]) -> list[str]:
     return rows
 
 
+def _contention(s: dict[str, dict[str, Any]], limit: float = 0.2) -> list[str]:
+    """A warning naming the arms during which other processes took more than ``limit`` cores."""
+    loaded = [f"{name} ({v['outside_cpu_s_per_s']:.2f} cores)" for name, v in s.items() if v["outside_cpu_s_per_s"] > limit]
+    if not loaded:
+        return []
+    return ["", f"**Contention**: other processes on the machine took more than {limit:g} of a core during "
+            + ", ".join(loaded) + "; those arms' rates are lower than on a quiet machine (TRL, at two threads, "
+            "suffers most: its OpenMP team waits for its slowest thread)."]
+
+
 THREAD_GROUPS = ("main thread", "rollout driver", "lake writer", "other Python threads", "native threads")
 
 
@@ -747,7 +757,7 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
     lines += ["", "CPU milliseconds per trained completion in the steady state, by component (the arm's process "
               "tree sampled every 0.5 s; on 2 cores at most 2,000 CPU-ms pass per second), and the CPU other "
               "processes used on the machine meanwhile (its busy time less the tree's, steal included):", "",
-              *_cpu_table(s), "",
+              *_cpu_table(s), *_contention(s), "",
               "The arm's own process by thread (CPU ms per trained completion; main thread: our in-process trainer "
               "or TRL's loop; rollout driver: the asyncio driver and its Serve handle calls; lake writer: the "
               "commits of trajectories and issued tasks; native: Ray's core worker and gRPC threads, torch's "

@@ -1,5 +1,6 @@
-"""The online-learning benchmark: its recovery measure on hand-worked curves, and a ``--quick`` run of all
-three methods end to end (Serve rollouts on style_preference, the lake, the trainer) into tmp_path."""
+"""The online-learning benchmark: recovery after stale batches and with nothing to recover to, the target,
+and a ``--quick`` run of all three methods end to end (Serve rollouts on style_preference, the lake, the
+trainer) into tmp_path."""
 
 from __future__ import annotations
 
@@ -7,12 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.online import METHODS, main, recovery, schedule_options, smooth, target_met
-
-
-def test_smooth_is_a_trailing_mean():
-    assert smooth([1.0, 0.0, 0.5, 0.5], 2) == [1.0, 0.5, 0.25, 0.5]
-    assert smooth([0.2, 0.4], 5) == pytest.approx([0.2, 0.3])
+from benchmarks.online import METHODS, main, measurable, recovery, target_met
 
 
 def test_recovery_counts_from_the_shift_to_the_first_step_back_above_the_threshold_after_the_dip():
@@ -27,6 +23,9 @@ def test_recovery_counts_from_the_shift_to_the_first_step_back_above_the_thresho
     assert never["dip_step"] == 5 and never["recovered_step"] is None and never["steps_to_recover"] is None
     flat = recovery([0.5] * 8, window=2, shift=4, end=8, pre_window=4, fraction=0.9)
     assert flat["dip_step"] is None and flat["steps_to_recover"] == 0
+    assert measurable(flat, min_pre=0.1)["measurable"] and measurable(flat, min_pre=0.1)["steps_to_recover"] == 0
+    collapsed = measurable(recovery([0.05] * 8, window=2, shift=4, end=8, pre_window=4, fraction=0.9), min_pre=0.1)
+    assert not collapsed["measurable"] and collapsed["steps_to_recover"] is None  # nothing to recover to
 
 
 def test_target_needs_sao_strictly_faster_than_every_baseline_after_every_shift():
@@ -38,12 +37,6 @@ def test_target_needs_sao_strictly_faster_than_every_baseline_after_every_shift(
     assert target_met(runs([10, 20], [10, 30], [50, 50])) is False  # a tie is not fewer
     assert target_met(runs([None, 20], [None, 30], [None, 40])) is False  # SAO must recover
     assert target_met({"sao": runs([1], [2], [3])["sao"]}) is None
-
-
-def test_schedule_cycles_the_default_styles():
-    schedule = schedule_options([5, 9, 12, 20])["style_preference"]["judge"]["schedule"]
-    assert schedule == {"styles": ["academic", "cute", "classical", "chuunibyou", "academic"],
-                        "shift_steps": [5, 9, 12, 20]}
 
 
 @pytest.mark.slow
