@@ -26,6 +26,7 @@ from sao.runtime import init_ray
 from sao.train.checkpoint import checkpoint_dir
 from sao.train.loop import StepReport, TrainConfig, prepare_run
 from sao.train.pretrain import PretrainReport
+from sao.train.retention import RetentionConfig
 from sao.train.run_config import RolloutSettings
 
 __all__ = ["Evaluation", "evaluate", "math_tasks", "pipeline_config", "policy_dir", "pretrain_value", "summarize",
@@ -64,7 +65,13 @@ def _absolute_lake(lake: LakeConfig) -> LakeConfig:
 
 def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineConfig:
     """The pipeline of ``settings``. Local paths are made absolute here: Ray Train workers run in
-    their own working directory, where ``runs/...`` or ``lake`` would name nothing."""
+    their own working directory, where ``runs/...`` or ``lake`` would name nothing.
+
+    Checkpoints are pruned as the run goes (:class:`~sao.train.retention.RetentionConfig`'s defaults):
+    every version keeps its policy weights (trajectory replay, evaluation), and the full state
+    (critic, optimisers) stays for version 0, the newest versions and every ``keep_every``-th, which
+    is what step replay and resume start from. Kept whole, a 150-step demo's checkpoints took about
+    2 GB."""
     train = TrainConfig(
         run_id=settings.run_id, lake=_absolute_lake(settings.lake()),
         checkpoint_root=str(settings.checkpoint_root.resolve()),
@@ -72,6 +79,7 @@ def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineC
         max_staleness=settings.max_staleness, total_steps=settings.steps, seed=settings.seed,
         num_workers=settings.trainer_workers, resources_per_worker=dict(settings.trainer_resources),
         rollout=RolloutSettings(tasks_path=str(tasks_path(settings).resolve()), max_turns=settings.agent().max_turns),
+        retention=RetentionConfig(),
     )
     return PipelineConfig(train=train, ray=settings.ray(), num_replicas=settings.num_replicas,
                           resources_per_replica=dict(settings.replica_resources),
