@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	touch $@
 
 install: $(VENV)/.installed
