@@ -48,8 +48,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--window-s", type=float, default=10.0, help="measurement window per point")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each measurement")
     parser.add_argument("--publish-repeats", type=int, default=5, help="weight versions published")
-    parser.add_argument("--out-json", type=Path, default=Path("docs/results/rollout.json"))
-    parser.add_argument("--results-md", type=Path, default=Path("docs/RESULTS.md"))
+    parser.add_argument("--out-json", type=Path, default=None,
+                        help="the JSON result (default docs/results/rollout.json; --quick writes only where told)")
+    parser.add_argument("--results-md", type=Path, default=None,
+                        help="the results file whose section is replaced (default docs/RESULTS.md; likewise)")
     args = parser.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -278,7 +280,8 @@ def main(argv: list[str]) -> int:
               "serve": {str(c): v for c, v in served.items()}, "publish": publish, "notes": notes}
     markdown = _markdown(result, command)
     print(markdown)
-    if not args.quick:
-        write_json(args.out_json, result)
-        update_section(args.results_md, "rollout", markdown)
+    if args.out_json is not None or not args.quick:
+        write_json(args.out_json or Path("docs/results/rollout.json"), result)
+    if args.results_md is not None or not args.quick:
+        update_section(args.results_md or Path("docs/RESULTS.md"), "rollout", markdown)
     return 0

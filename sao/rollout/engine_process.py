@@ -8,8 +8,9 @@ fifth of the process's time and the engine decoded at roughly half its speed in 
 API server. :class:`TorchEngineProcess` starts a child process (``spawn``) that builds the model and
 runs a :class:`~sao.rollout.torch_engine.TorchEngine`; the parent keeps the engine interface
 (``submit``, ``generate``, ``load_weights``, ``cancel``, ``pause`` / ``resume``, ``progress``,
-``stats``, ``version``) and talks to the child over a pipe: one message per request and one per result,
-weights as one ``torch.save`` buffer per version.
+``stats``, ``version``) and talks to the child over a pipe: one message per request and one per result
+(its routing record as a numpy array, see :func:`_to_wire`), weights as one ``torch.save`` buffer per
+version.
 
 Requests are checked in the parent (:func:`~sao.rollout.torch_engine.check_request`), so a bad one is
 refused at ``submit`` with the same message as the in-process engine. If the child dies, every request
@@ -20,6 +21,7 @@ turns false (a Serve replica then fails its health check and is replaced).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import io
 import itertools
 import logging
@@ -202,7 +204,7 @@ class TorchEngineProcess(FutureEngine):
                 with self._cond:
                     future = self._futures.pop(request_id, None)
                 if future is not None:
-                    future.set_result(generation)
+                    future.set_result(_from_wire(generation))
             elif kind == "version":
                 with self._cond:
                     self._version = message[1]
@@ -234,6 +236,23 @@ class TorchEngineProcess(FutureEngine):
             call.set_exception(RuntimeError(error or "the engine is closed"))
 
 
+def _to_wire(generation: Generation) -> Generation:
+    """The generation as the child sends it: routing as a numpy array. A torch tensor sent through a
+    ``multiprocessing`` pipe travels through shared memory, and its file descriptor through a socket
+    connection to the sender's resource-sharer thread for every result (about 0.2 ms of CPU per result
+    across both processes, against 0.03 ms for a numpy array, which pickles by value)."""
+    if generation.routed_experts is None:
+        return generation
+    return dataclasses.replace(generation, routed_experts=generation.routed_experts.numpy())
+
+
+def _from_wire(generation: Generation) -> Generation:
+    """The inverse of :func:`_to_wire`: routing back as a torch tensor."""
+    if generation.routed_experts is None:
+        return generation
+    return dataclasses.replace(generation, routed_experts=torch.from_numpy(generation.routed_experts))
+
+
 def _child_main(conn, model_factory: Callable[[], torch.nn.Module], version: int, config: TorchEngineConfig,
                 seed: int) -> None:
     """The child: build the model, run the engine, serve the pipe until ``close`` or the parent goes."""
@@ -260,7 +279,7 @@ def _child_main(conn, model_factory: Callable[[], torch.nn.Module], version: int
                     engine.engine_version)))
 
     def finished(request_id: str, future: concurrent.futures.Future[Generation]) -> None:
-        send(("done", request_id, future.result()))
+        send(("done", request_id, _to_wire(future.result())))
 
     try:
         while True:

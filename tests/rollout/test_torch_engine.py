@@ -1,14 +1,23 @@
 """Torch-engine behaviour beyond the shared contract (``test_engine_contract.py`` runs that on every engine)."""
 
+import random
+
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from sao.models.routing import record_routing
 from sao.rollout.engine import SamplingParams
-from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
+from sao.rollout.torch_engine import (
+    TorchEngine,
+    TorchEngineConfig,
+    _slot_attention,
+    _SlotLayout,
+    chunked_columns,
+)
 from tests.rollout.conftest import tiny_policy
-from tests.rollout.test_engine_contract import PROMPTS, wait_for_progress
+from tests.rollout.test_engine_contract import PROMPTS, recompute, wait_for_progress
 
 
 def test_weights_queued_without_a_pause_apply_at_the_next_decode_step(engine):
@@ -19,6 +28,58 @@ def test_weights_queued_without_a_pause_apply_at_the_next_decode_step(engine):
     assert all(len(r.token_ids) == 40 for r in results)
     assert all(r.spans[-1].version == 7 for r in results)
     assert all(r.spans[0].start == 0 and r.spans[-1].end == 40 for r in results)
+
+
+# Decode attention in chunks, rows grouped by length ------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_chunked_decode_attention_equals_plain_attention_row_by_row(chunk):
+    """The fast path (chunks of rows, each reading up to its own longest row, batched products with the
+    query heads of a KV group stacked) against the slow reference: one row at a time, its own columns only,
+    KV heads repeated for every query head."""
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, head_dim, capacity = 7, 4, 2, 8, 40
+    key = torch.randn(rows + 2, kv_heads, capacity, head_dim, generator=generator)  # spare slots are never read
+    value = torch.randn(rows + 2, kv_heads, capacity, head_dim, generator=generator)
+    query = torch.randn(1, heads, rows, head_dim, generator=generator)
+    positions = torch.tensor([3, 30, 0, 17, 39, 8, 22])
+    none = torch.zeros(0, dtype=torch.long)
+    layout = _SlotLayout.build(rows, positions, none, none, kv_heads, chunk, torch.float32)
+    out, _ = _slot_attention(None, query, key, value, None, scaling=0.3, sao_slot_layout=layout)
+    assert out.shape == (1, rows, heads, head_dim)
+    for row, position in enumerate(positions.tolist()):
+        k = key[row, :, : position + 1].repeat_interleave(heads // kv_heads, 0)
+        v = value[row, :, : position + 1].repeat_interleave(heads // kv_heads, 0)
+        expected = F.scaled_dot_product_attention(query[:, :, row : row + 1], k[None], v[None], scale=0.3)[0, :, 0]
+        torch.testing.assert_close(out[0, row], expected, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_columns_counts_each_chunk_up_to_its_longest_row():
+    assert chunked_columns([5, 9, 2, 2, 7], 2) == 2 * 9 + 2 * 2 + 7
+    assert chunked_columns([5, 9, 2, 2, 7], 5) == 5 * 9
+
+
+def test_rows_regrouped_by_length_keep_tokens_logprobs_and_routing(engine):
+    """Requests of many lengths leave at different times, so rows are compacted and regrouped (their cache
+    rows move) again and again; every request still gets the tokens it gets alone, log-probabilities equal
+    to a teacher-forced recomputation and the routing of a plain forward."""
+    rng = random.Random(0)
+    requests = [([rng.randrange(9, 512) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=rng.randint(4, 40), seed=i))
+                for i in range(12)]
+    grouped = TorchEngine(tiny_policy(), config=TorchEngineConfig(attention_chunk=2, reorder_slack=0.0))
+    try:
+        together = [f.result(timeout=120) for f in [grouped.submit(p, s) for p, s in requests]]
+        assert grouped.stats().reorders > 0
+    finally:
+        grouped.close()
+    for index, ((prompt, sampling), result) in enumerate(zip(requests, together, strict=True)):
+        alone = engine.generate_sync(prompt, sampling, timeout=120)
+        assert result.token_ids == alone.token_ids, f"request {index}: tokens differ from the request alone"
+        gap = (torch.tensor(result.logprobs) - recompute(engine.reference, prompt, result, sampling)).abs().max().item()
+        assert gap <= 1e-5, f"request {index}: recorded log-probabilities differ from recomputation by {gap:.3g}"
+        expected = teacher_forced_routing(engine.reference, (prompt + list(result.token_ids))[:-1])
+        assert bool(same_sets(result.routed_experts, expected).all()), f"request {index}: routing differs"
 
 
 # Routing record (R3) ------------------------------------------------------------------------------

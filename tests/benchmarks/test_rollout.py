@@ -1,0 +1,31 @@
+"""The rollout-throughput benchmark runs end to end (``--quick``): the static loop, the engine in its own
+process and the Serve app at each concurrency, the weight publication, and nothing written under docs/."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.rollout import main
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_quick_run_measures_every_arm_and_the_publication(tmp_path):
+    out, md = tmp_path / "rollout.json", tmp_path / "RESULTS.md"
+    md.write_text("# Results\n")
+    assert main(["--quick", "--out-json", str(out), "--results-md", str(md)]) == 0
+    data = json.loads(out.read_text())
+    levels = [str(c) for c in data["concurrency"]]
+    for arm in ("static", "engine", "serve"):
+        assert set(data[arm]) == set(levels), arm
+    for level in levels:
+        for arm in ("engine", "serve"):
+            point = data[arm][level]
+            assert point["tokens_s"] > 0 and 0.0 < point["busy_fraction"] <= 1.0
+            assert 1.0 <= point["mean_batch"] <= int(level) + 1e-9  # never more requests than clients
+    publish = data["publish"]
+    assert publish["parameters"] > 0 and publish["bytes"] == 4 * publish["parameters"]  # fp32
+    assert 0 < publish["put_and_announce_s_median"] and 0 < publish["reach_all_replicas_s_median"] <= publish["reach_all_replicas_s_max"]
+    assert "Rollout throughput" in md.read_text()
