@@ -2,7 +2,10 @@
 
 Compaction rewrites the many small files of batched appends into a few large ones (within each
 partition, keeping their order, so ``ingest_seq`` statistics still prune). It is a new Delta version;
-older versions still point at the small files, which become tombstones.
+older versions still point at the small files, which become tombstones. The trainer compacts its
+ledger (``train_steps``, ``policy_versions``: :func:`compact_ledger`) itself every
+``TrainConfig.compact_ledger_every`` steps, because each of its commits reads those tables first;
+``sao lake compact`` does every table on demand.
 
 Vacuum deletes tombstoned files older than the retention, and files no commit ever referenced (left
 by commits that lost a race). Replay of a step reads ``trajectories`` at the version the step recorded,
@@ -18,15 +21,20 @@ so vacuum is told to keep the files of every ``trajectories`` version listed in 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from deltalake.exceptions import CommitFailedError
 
 from sao.lake.config import MaintenanceConfig
 from sao.lake.ledger import protected_versions
 from sao.lake.store import Lake, LakeError
 from schemas import TABLES, table_spec, trajectories
 
-__all__ = ["CompactReport", "MaintenanceError", "VacuumReport", "compact", "vacuum"]
+log = logging.getLogger(__name__)
+
+__all__ = ["LEDGER_TABLES", "CompactReport", "MaintenanceError", "VacuumReport", "compact", "compact_ledger", "vacuum"]
 
 
 class MaintenanceError(LakeError):
@@ -84,6 +92,25 @@ def compact(
                 version_after=table.version(),
             )
         )
+    return reports
+
+
+LEDGER_TABLES: tuple[str, ...] = ("train_steps", "policy_versions")
+"""The trainer's ledger: one small file per commit, and each commit reads the run's rows first (to
+check order and exactly-once consumption), so without compaction a step's commits slow down in
+proportion to the steps before it."""
+
+
+def compact_ledger(lake: Lake) -> list[CompactReport]:
+    """Compact the ledger tables (:data:`LEDGER_TABLES`); the trainer calls this every
+    ``TrainConfig.compact_ledger_every`` steps. A table whose compaction lost a race with another
+    writer (another run's trainer on the same lake) is left for the next call and not reported."""
+    reports = []
+    for name in LEDGER_TABLES:
+        try:
+            reports += compact(lake, [name])
+        except CommitFailedError as error:
+            log.info("compacting %s lost a race with another writer (%s); next time", name, error)
     return reports
 
 

@@ -65,3 +65,30 @@ def test_short_retention_is_refused_unless_forced(local_lake):
         "rollout_tasks",
     }
     assert all(r.dry_run for r in reports)
+
+
+def test_ledger_compaction_keeps_every_row_and_the_order_checks(local_lake):
+    from sao.lake.ledger import LedgerError, register_policy_version
+    from sao.lake.maintenance import compact_ledger
+    from sao.lake.records import PolicyVersionRecord
+
+    def register(version):
+        return register_policy_version(local_lake, PolicyVersionRecord(
+            "ledger-run", version, f"/ckpt/v{version}", f"{version:064d}", None if version == 0 else version - 1, version))
+
+    for version in range(5):
+        register(version)
+    before = len(local_lake.table("policy_versions").file_uris())
+    assert before >= 5  # one file per commit
+    reports = {r.table: r for r in compact_ledger(local_lake)}
+    assert set(reports) == {"train_steps", "policy_versions"}
+    assert (reports["policy_versions"].files_removed, reports["policy_versions"].files_added) == (before, 1)
+    assert len(local_lake.table("policy_versions").file_uris()) == 1
+    rows = local_lake.read("policy_versions", predicate="run_id = 'ledger-run'").sort_by("version").to_pylist()
+    assert [r["version"] for r in rows] == [0, 1, 2, 3, 4]
+    assert register(4).version is None  # the same row again: a no-op, found in the compacted file
+    with pytest.raises(LedgerError, match="out of order"):
+        register(6)
+    register(5)
+    assert sorted(local_lake.read("policy_versions", predicate="run_id = 'ledger-run'").column("version").to_pylist()) == [
+        0, 1, 2, 3, 4, 5]

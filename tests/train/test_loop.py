@@ -51,7 +51,7 @@ def roll_out(policy_dir, tokenizer, lake, run_id, count, seed=0):
 
 @pytest.fixture
 def cfg(tmp_path, policy_dir):
-    return make_config(tmp_path, policy_dir)
+    return make_config(tmp_path, policy_dir, compact_ledger_every=1)
 
 
 def test_steps_read_from_the_lake_commit_and_register_versions(cfg, policy_dir, tokenizer):
@@ -74,6 +74,8 @@ def test_steps_read_from_the_lake_commit_and_register_versions(cfg, policy_dir, 
     metrics = dict(steps[0]["metrics"])
     assert 0.0 <= metrics["actor/kept_frac"] <= 1.0 and "critic/loss" in metrics
     assert steps[1]["trajectories_version"] >= steps[0]["trajectories_version"]
+    # The ledger was compacted after every step: one file each, every row still there.
+    assert len(lake.table("train_steps").file_uris()) == 1 == len(lake.table("policy_versions").file_uris())
     # A resumed run continues at step 2 with the remaining four trajectories.
     more = run_training(TrainConfig(**{**cfg.__dict__, "total_steps": 3}))
     assert [r.step for r in more] == [2]
