@@ -1,7 +1,7 @@
 """Benchmark: rollout throughput of the torch engine, alone and through the Serve app, against a plain
 static-batch decode loop, and the latency of publishing weights to the replicas.
 
-    sao bench rollout [--quick] [--concurrency 1,4,16,64] [--window-s 10]
+    sao bench rollout [--quick] [--concurrency 1,4,16,64] [--window-s 10] [--engine-cpu N|none]
 
 Measured side by side in one run, on the tiny policy (fp32), all with the same torch threads (1 by
 default: see the results' notes on 2):
@@ -15,6 +15,11 @@ default: see the results' notes on 2):
 * ``serve``: the same closed loop through the Ray Serve app (one replica, deployment handle calls; the
   replica runs its engine in a child process, :mod:`sao.rollout.engine_process`).
 
+With ``--engine-cpu`` (default: the machine's last CPU, when it has more than one) every decode loop
+runs on that CPU: the static loop's thread, and the engine thread of the two others
+(``TorchEngineConfig.cpus``); the clients, Serve's request handling and the engine process's pipe thread
+run on the other CPUs (:mod:`sao.rollout.cpus`). ``--engine-cpu none`` leaves placement to the OS.
+
 Throughput is generated tokens per second over a window after a warm-up. Target: ``serve`` at least
 80% of ``static`` at concurrency 16 and 64. Weight publication: time from ``ray.put`` of a new state
 dict until both replicas of a two-replica app run it (median of several versions).
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import multiprocessing
 import random
 import statistics
@@ -39,6 +45,7 @@ from benchmarks._report import machine, machine_line, update_section, write_json
 
 TARGET_RATIO = 0.8
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
+DEFAULT_JSON, DEFAULT_RESULTS = Path("docs/results/rollout.json"), Path("docs/RESULTS.md")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -48,10 +55,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--window-s", type=float, default=10.0, help="measurement window per point")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each measurement")
     parser.add_argument("--publish-repeats", type=int, default=5, help="weight versions published")
+    parser.add_argument("--engine-cpu", default=None,
+                        help="CPU of every decode loop, the others' threads kept off it (default: the last CPU "
+                             "on a machine with more than one; 'none': the OS places them)")
     parser.add_argument("--out-json", type=Path, default=None,
-                        help="the JSON result (default docs/results/rollout.json; --quick writes only where told)")
+                        help=f"the JSON result (default {DEFAULT_JSON}; --quick writes only where told)")
     parser.add_argument("--results-md", type=Path, default=None,
-                        help="the results file whose section is replaced (default docs/RESULTS.md; likewise)")
+                        help=f"the results file whose section is replaced (default {DEFAULT_RESULTS}; likewise)")
     args = parser.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -59,7 +69,62 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
     if args.quick:
         args.concurrency, args.window_s, args.publish_repeats = [1, 4], 1.5, 2
+    args.engine_cpus = _engine_cpus(parser, args.engine_cpu)
     return args
+
+
+def _engine_cpus(parser: argparse.ArgumentParser, value: str | None) -> tuple[int, ...] | None:
+    import os
+
+    from sao.rollout.cpus import check_cpus
+
+    if value is None:
+        count = os.cpu_count() or 1
+        return (count - 1,) if count > 1 and hasattr(os, "sched_setaffinity") else None
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return check_cpus([int(value)])
+    except ValueError as exc:
+        parser.error(f"--engine-cpu {value!r}: {exc}")
+
+
+@contextlib.contextmanager
+def _thread_on(cpus: tuple[int, ...] | None):
+    """Run the calling thread on ``cpus`` inside the block (no change for None)."""
+    if cpus is None:
+        yield
+        return
+    import os
+
+    from sao.rollout.cpus import pin_thread
+
+    before = os.sched_getaffinity(0)
+    pin_thread(cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def _process_off(cpus: tuple[int, ...] | None):
+    """Keep every thread of this process off ``cpus`` inside the block, then give them back their CPUs."""
+    if cpus is None:
+        yield
+        return
+    import os
+
+    from sao.rollout.cpus import keep_process_off
+
+    before = os.sched_getaffinity(0)
+    keep_process_off(cpus)
+    try:
+        yield
+    finally:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.sched_setaffinity(int(tid), before)
 
 
 def static_loop(model, batch: int, new_tokens: int, seed: int = 0) -> float:
@@ -123,17 +188,21 @@ def _measure(generate, stats, concurrency: int, window_s: float, vocab: int) -> 
             / max(after["prefills"] - before["prefills"], 1)}
 
 
-def bench_engine(policy_dir: Path, levels: list[int], window_s: float, threads: int) -> dict[int, dict[str, float]]:
+def bench_engine(policy_dir: Path, levels: list[int], window_s: float, threads: int,
+                 cpus: tuple[int, ...] | None = None) -> dict[int, dict[str, float]]:
     """The closed loop against an engine in this process (run it in a fresh process: see below)."""
     import dataclasses
 
     import torch
 
     from sao.models.policy import load_policy
+    from sao.rollout.cpus import keep_process_off
     from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
     torch.set_num_threads(1)  # parallel torch work in the engine thread only (TorchEngineConfig.threads)
-    engine = TorchEngine(load_policy(policy_dir), config=TorchEngineConfig(threads=threads))
+    if cpus is not None:  # the clients off the engine thread's CPU, as a Serve replica does
+        keep_process_off(cpus)
+    engine = TorchEngine(load_policy(policy_dir), config=TorchEngineConfig(threads=threads, cpus=cpus))
     try:
         vocab = engine.model.config.vocab_size
         stats = lambda: dataclasses.asdict(engine.stats())  # noqa: E731
@@ -142,14 +211,15 @@ def bench_engine(policy_dir: Path, levels: list[int], window_s: float, threads: 
         engine.close()
 
 
-def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: int) -> dict[int, dict[str, float]]:
+def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: int,
+                cpus: tuple[int, ...] | None = None) -> dict[int, dict[str, float]]:
     from ray import serve
 
     from sao.rollout.serve import RolloutConfig, start_rollout_app
     from sao.rollout.torch_engine import TorchEngineConfig
 
     app = RolloutConfig(policy_path=str(policy_dir), app_name="bench-rollout", num_replicas=1, cpus_per_replica=1,
-                        torch_threads=threads, engine=TorchEngineConfig(threads=threads))
+                        torch_threads=threads, engine=TorchEngineConfig(threads=threads, cpus=cpus))
     handle = start_rollout_app(app)
     try:
         async def generate(prompt, sampling):
@@ -159,7 +229,8 @@ def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: i
             return handle.health.remote().result()["engine_stats"]
 
         vocab = 512
-        return {c: _measure(generate, stats, c, window_s, vocab) for c in levels}
+        with _process_off(cpus):  # the clients, handle and router off the engine's CPU
+            return {c: _measure(generate, stats, c, window_s, vocab) for c in levels}
     finally:
         serve.delete("bench-rollout")
 
@@ -199,12 +270,17 @@ def _markdown(result: dict[str, Any], command: str) -> str:
     lines = [
         "## Rollout throughput and weight publication (`sao bench rollout`)",
         "",
-        f"Command: `{command}`. {machine_line(result['machine'])} Raw data: `docs/results/rollout.json`.",
+        f"Command: `{command}`. {machine_line(result['machine'])} Raw data: `{DEFAULT_JSON}`.",
         "",
         f"Generated tokens/s of the tiny policy ({result['threads']} torch thread(s) in every measurement). `static`: fixed batch, 64-token prompts, 128 "
         "new tokens, no bookkeeping. `engine` / `serve`: closed loop of C clients with prompts of 32-96 "
         "tokens and budgets of 64-192 new tokens, in a process of its own / through the Serve app (one replica). "
         f"Target: `serve` >= {TARGET_RATIO:.0%} of `static` at 16 and 64.",
+        "",
+        (f"Decode loops on CPU {', '.join(map(str, result['engine_cpus']))} (`--engine-cpu`): the static loop's thread and "
+         "the engine thread (`TorchEngineConfig.cpus`); the clients, Serve's request handling and the engine "
+         "process's pipe thread on the other CPUs." if result.get("engine_cpus") else
+         "No CPU pinning (`--engine-cpu none`): the OS places every thread."),
         "",
         "The last columns describe the Serve replica's engine over the same loop: mean requests per decode "
         "step, the fraction of time its thread was busy (the rest it waited for requests), and requests "
@@ -248,20 +324,22 @@ def main(argv: list[str]) -> int:
 
     def measure_static() -> None:  # three times over the run (start, middle, end): the machine's load moves
         print("static decode loop ...", file=sys.stderr)
-        static_loop(model, 4, 8)  # warm-up
-        for c in args.concurrency:
-            static_runs[c].append(static_loop(model, c, NEW_TOKENS if not args.quick else 16))
+        with _thread_on(args.engine_cpus):
+            static_loop(model, 4, 8)  # warm-up
+            for c in args.concurrency:
+                static_runs[c].append(static_loop(model, c, NEW_TOKENS if not args.quick else 16))
 
     measure_static()
     print("engine in process ...", file=sys.stderr)
     # A fresh process: the static loop's OpenMP team in this main thread would slow the engine thread's.
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        engine = pool.submit(bench_engine, policy_dir, args.concurrency, args.window_s, args.threads).result()
+        engine = pool.submit(bench_engine, policy_dir, args.concurrency, args.window_s, args.threads,
+                             args.engine_cpus).result()
     measure_static()
     init_ray(RayConfig())
     try:
         print("engine through Serve ...", file=sys.stderr)
-        served = bench_serve(policy_dir, args.concurrency, args.window_s, args.threads)
+        served = bench_serve(policy_dir, args.concurrency, args.window_s, args.threads, args.engine_cpus)
         print("weight publication ...", file=sys.stderr)
         publish = bench_publish(policy_dir, args.publish_repeats)
     finally:
@@ -275,13 +353,14 @@ def main(argv: list[str]) -> int:
              f"**Target missed** at concurrency {', '.join(map(str, misses))}: serve/static = "
              + ", ".join(f"{ratios[c]:.2f}" for c in misses) + "."]
     result = {"machine": machine(), "command": command, "threads": args.threads, "concurrency": args.concurrency,
+              "engine_cpus": list(args.engine_cpus) if args.engine_cpus is not None else None,
               "static": {str(c): v for c, v in static.items()},
               "static_runs": {str(c): v for c, v in static_runs.items()}, "engine": {str(c): v for c, v in engine.items()},
               "serve": {str(c): v for c, v in served.items()}, "publish": publish, "notes": notes}
     markdown = _markdown(result, command)
     print(markdown)
     if args.out_json is not None or not args.quick:
-        write_json(args.out_json or Path("docs/results/rollout.json"), result)
+        write_json(args.out_json or DEFAULT_JSON, result)
     if args.results_md is not None or not args.quick:
-        update_section(args.results_md or Path("docs/RESULTS.md"), "rollout", markdown)
+        update_section(args.results_md or DEFAULT_RESULTS, "rollout", markdown)
     return 0

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from sao.algos.sampling import LogprobKind
+from sao.rollout.cpus import keep_process_off
 from sao.rollout.engine import FinishReason, FutureEngine, Generation, SamplingParams
 from sao.rollout.torch_engine import EngineStats, TorchEngineConfig, check_request
 
@@ -259,6 +260,8 @@ def _child_main(conn, model_factory: Callable[[], torch.nn.Module], version: int
     from sao.rollout.torch_engine import TorchEngine
 
     torch.set_num_threads(1)  # parallel torch work on the engine thread only (TorchEngineConfig.threads)
+    if config.cpus is not None:  # this thread reads the pipe: off the engine thread's CPUs
+        keep_process_off(config.cpus)
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:

@@ -5,7 +5,9 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
 
 * loads the policy and tokenizer from ``RolloutConfig.policy_path`` (a Hugging Face directory);
 * decodes concurrent rollouts together in one :class:`~sao.rollout.torch_engine.TorchEngine`, run in a
-  child process (:mod:`sao.rollout.engine_process`) unless ``engine_process=False``;
+  child process (:mod:`sao.rollout.engine_process`) unless ``engine_process=False``; with
+  ``engine.cpus`` the engine thread runs on those CPUs and the replica's own threads on the others
+  (:mod:`sao.rollout.cpus`);
 * waits at the app's weight broker for newer weights and swaps them in between decode steps;
 * builds a fresh environment per episode from ``env_options``; an environment whose reward depends on
   the trainer's step (:func:`sao.envs.takes_trainer_step`: ``style_preference``) is given the version
@@ -33,6 +35,7 @@ from ray.serve import Application
 from sao.envs import make_env, takes_trainer_step
 from sao.envs.base import Environment, Task
 from sao.rollout.agent import AgentConfig, AgentLoop
+from sao.rollout.cpus import keep_process_off
 from sao.rollout.engine import Generation, SamplingParams
 from sao.rollout.engine_process import TorchEngineProcess
 from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
@@ -116,6 +119,8 @@ class RolloutReplica:
         engine = config.engine
         if engine.threads is None:
             engine = dataclasses.replace(engine, threads=config.torch_threads)
+        if engine.cpus is not None:  # request handling off the engine's CPUs (sao.rollout.cpus)
+            keep_process_off(engine.cpus)
         if config.engine_process:
             self.engine = TorchEngineProcess(functools.partial(load_policy, config.policy_path),
                                              version=config.initial_version, config=engine)

@@ -45,6 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
@@ -53,7 +54,9 @@ from transformers.cache_utils import Cache
 
 from sao.algos.sampling import LogprobKind, sampling_logprobs
 from sao.models.routing import RoutingRecorder, moe_routers
+from sao.rollout.cpus import check_cpus, pin_thread
 from sao.rollout.engine import FinishReason, FutureEngine, Generation, SamplingParams, VersionSpan
+from sao.rollout.kernels import decode_attention
 
 __all__ = ["EngineStats", "TorchEngine", "TorchEngineConfig", "check_request"]
 
@@ -77,12 +80,18 @@ class TorchEngineConfig:
             pass, and this caps how long one step can take).
         record_routing: return the experts each token was routed to (``Generation.routed_experts``);
             None: on for a mixture-of-experts model, off for a dense one. True on a dense model is an error.
-        attention_chunk: running requests per decode-attention call. Each call reads the cache up to the
+        decode_kernel: compute the running requests' one-token attention with the compiled kernel
+            (:func:`sao.rollout.kernels.decode_attention`: each row read once, up to its own length) when
+            the model is float32; False, or another dtype: batched products in chunks of rows (below).
+        attention_chunk: chunked path (see ``decode_kernel``): running requests per decode-attention call. Each call reads the cache up to the
             longest request of its own chunk, not of the whole batch, and the engine keeps the running
             requests grouped by length (see ``reorder_slack``), so short requests are not padded to the
             longest one. Smaller chunks read less padding but make more calls (16: measured best of 8
             and 16 on the tiny policy at 16 and 64 requests).
-        reorder_slack: regroup the running requests by length (the longest ``attention_chunk`` in the
+        cpus: run the engine thread on these CPUs only (Linux; see :mod:`sao.rollout.cpus`). A Serve
+            replica and the engine's child process then keep their other threads off them. None: the OS
+            places it.
+        reorder_slack: chunked path: regroup the running requests by length (the longest ``attention_chunk`` in the
             first chunk, and so on; the rows in the wrong chunk move, cache included) when the decode
             attention of the current grouping would read more than ``1 + reorder_slack`` times the cache
             columns of that one. Checked only after requests join or leave. None: never regroup.
@@ -93,10 +102,14 @@ class TorchEngineConfig:
     threads: int | None = None
     max_prefill_tokens: int = 2048
     record_routing: bool | None = None
+    decode_kernel: bool = True
     attention_chunk: int = 16
     reorder_slack: float | None = 0.15
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.cpus is not None:
+            object.__setattr__(self, "cpus", check_cpus(self.cpus))
         if self.attention_chunk < 1:
             raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
         if self.reorder_slack is not None and self.reorder_slack < 0:
@@ -215,6 +228,8 @@ class TorchEngine(FutureEngine):
         slots = self.config.max_batch
         self._rows: list[_Request] = []
         self._kv = _SlotCache(model.config, slots, next(model.parameters()).dtype)
+        # Rows per decode-attention chunk; None: the compiled kernel reads each row to its own length.
+        self._chunk = None if self.config.decode_kernel and self._kv.dtype == torch.float32 else self.config.attention_chunk
         self._lengths = torch.zeros(slots, dtype=torch.long)
         self._slot_ids = torch.arange(slots)
         self._next_logits = torch.zeros(slots, model.config.vocab_size)
@@ -229,6 +244,12 @@ class TorchEngine(FutureEngine):
         self.weight_updates_applied = 0
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()
+        if self.config.cpus is not None:
+            try:
+                pin_thread(self.config.cpus, self._thread.native_id)
+            except ValueError:
+                self.close()
+                raise
 
     # ----- public API ---------------------------------------------------------------------------
 
@@ -422,7 +443,7 @@ class TorchEngine(FutureEngine):
         if len(keep) < len(self._rows):
             self._compact(keep, tokens_list)
             self._reordered = False
-        if not self._reordered and self.config.reorder_slack is not None:
+        if not self._reordered and self.config.reorder_slack is not None and self._chunk is not None:
             self._order_by_length(tokens_list)
         return tokens_list[: len(self._rows)]
 
@@ -443,7 +464,7 @@ class TorchEngine(FutureEngine):
         else:  # decode only: one token per row
             sizes = starts = self._slot_ids[:0]
             ids, token_slots, token_positions, last = torch.tensor(pending_tokens), slots, positions, slots
-        layout = _SlotLayout.build(n, positions, sizes, starts, self._kv.kv_heads, self.config.attention_chunk,
+        layout = _SlotLayout.build(n, positions, sizes, starts, self._kv.kv_heads, self._chunk,
                                    self._kv.dtype)
         self._kv.reserve(layout.width)
         self._kv.bind(token_slots, token_positions)
@@ -579,8 +600,9 @@ class _SlotLayout:
     """
 
     decode: int
-    chunks: tuple[tuple[int, int, int], ...]  # decode rows [start, end) read cache columns 0 .. width-1
-    decode_bias: torch.Tensor | None  # (decode * kv_heads, 1, width): 0 where row i sees a column, -inf after its position
+    lengths: np.ndarray | None  # (decode,) int64 columns each decode row reads (the compiled kernel's input)
+    chunks: tuple[tuple[int, int, int], ...]  # chunked path: decode rows [start, end) read cache columns 0 .. width-1
+    decode_bias: torch.Tensor | None  # chunked path: (decode * kv_heads, 1, width), -inf after each row's position
     joiners: int
     gather: torch.Tensor | None  # (joiners, longest): packed index of each joiner's token (padding: 0)
     prefill_mask: torch.Tensor | None  # (joiners, 1, longest, longest): causal within the joiner's context
@@ -589,11 +611,16 @@ class _SlotLayout:
 
     @classmethod
     def build(cls, decode: int, positions: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor,
-              kv_heads: int, chunk: int, dtype: torch.dtype) -> _SlotLayout:
+              kv_heads: int, chunk: int | None, dtype: torch.dtype) -> _SlotLayout:
+        """``chunk`` None: the decode rows go to the compiled kernel (:func:`sao.rollout.kernels.decode_attention`),
+        which reads each row up to its own length; otherwise batched products in chunks of ``chunk`` rows."""
         width = int(positions.max()) + 1 if decode else 0
+        lengths = None
         chunks: tuple[tuple[int, int, int], ...] = ()
         decode_bias = None
-        if decode:
+        if decode and chunk is None:
+            lengths = positions[:decode].numpy() + 1
+        elif decode:
             listed = positions.tolist()
             chunks = tuple((s, min(s + chunk, decode), max(listed[s : s + chunk]) + 1) for s in range(0, decode, chunk))
             hidden = torch.arange(width)[None, None, None, :] > positions[:, None, None, None]
@@ -608,7 +635,7 @@ class _SlotLayout:
             prefill_mask = ((columns[:, None] >= columns[None, :])[None] & real[:, None, :])[:, None]
             valid = real.reshape(-1)
             width = max(width, longest)
-        return cls(decode, chunks, decode_bias, len(sizes), gather, prefill_mask, valid, width)
+        return cls(decode, lengths, chunks, decode_bias, len(sizes), gather, prefill_mask, valid, width)
 
 
 def chunked_columns(lengths: Sequence[int], chunk: int) -> int:
@@ -630,6 +657,8 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     columns after each row's position (its chunk may be wider). Decoding one token per row reads the
     cache once and does little arithmetic on it: this is a memory-bound step, and the chunks keep short
     rows from reading the padding up to the batch's longest row."""
+    if layout.lengths is not None:
+        return decode_attention(query, key, value, layout.lengths, scaling)
     _, kv_heads, _, head_dim = key.shape
     group = query.shape[1] // kv_heads
     parts = []

@@ -4,6 +4,7 @@ process and the Serve app at each concurrency, the weight publication, and nothi
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -17,6 +18,8 @@ def test_quick_run_measures_every_arm_and_the_publication(tmp_path):
     md.write_text("# Results\n")
     assert main(["--quick", "--out-json", str(out), "--results-md", str(md)]) == 0
     data = json.loads(out.read_text())
+    cpus = os.cpu_count() or 1
+    assert data["engine_cpus"] == ([cpus - 1] if cpus > 1 else None)  # the default: decode loops on the last CPU
     levels = [str(c) for c in data["concurrency"]]
     for arm in ("static", "engine", "serve"):
         assert set(data[arm]) == set(levels), arm
