@@ -11,9 +11,10 @@ One background thread owns the model. Each loop iteration:
 4. runs one forward pass over the running requests' new tokens and the joining requests' whole contexts,
    packed into one sequence: every per-token layer runs once for all of them, and attention reads each
    request's own slot (a join costs the compute of its prompt, not a forward pass of its own, and no
-   copy of anyone's cache). The running requests' one-token attention is computed in chunks of rows,
-   each reading the cache up to its own longest row; the engine keeps the rows grouped by length, so a
-   short request does not read padding up to the batch's longest one.
+   copy of anyone's cache). The running requests' one-token attention is a compiled kernel
+   (:mod:`sao.rollout.kernels`) that reads each request's cache once, up to its own length; for a
+   bfloat16 / float16 model it is batched products in chunks of rows, each chunk reading up to its own
+   longest row, with the rows kept grouped by length so that a short request reads little padding.
 
 Departure from engines that keep the KV cache across a weight update (vLLM in-place reloads): after
 new weights are loaded, the cache of every in-flight request is recomputed with them (one prefill), so
@@ -83,18 +84,19 @@ class TorchEngineConfig:
         decode_kernel: compute the running requests' one-token attention with the compiled kernel
             (:func:`sao.rollout.kernels.decode_attention`: each row read once, up to its own length) when
             the model is float32; False, or another dtype: batched products in chunks of rows (below).
-        attention_chunk: chunked path (see ``decode_kernel``): running requests per decode-attention call. Each call reads the cache up to the
-            longest request of its own chunk, not of the whole batch, and the engine keeps the running
-            requests grouped by length (see ``reorder_slack``), so short requests are not padded to the
-            longest one. Smaller chunks read less padding but make more calls (16: measured best of 8
-            and 16 on the tiny policy at 16 and 64 requests).
+        attention_chunk: chunked path (see ``decode_kernel``): running requests per decode-attention
+            call. Each call reads the cache up to the longest request of its own chunk, not of the whole
+            batch, and the engine keeps the running requests grouped by length (see ``reorder_slack``),
+            so short requests are not padded to the longest one. Smaller chunks read less padding but
+            make more calls (16: measured best of 8 and 16 on the tiny policy at 16 and 64 requests).
+        reorder_slack: chunked path: regroup the running requests by length (the longest
+            ``attention_chunk`` in the first chunk, and so on; the rows in the wrong chunk move, cache
+            included) when the decode attention of the current grouping would read more than
+            ``1 + reorder_slack`` times the cache columns of that one. Checked only after requests join
+            or leave. None: never regroup.
         cpus: run the engine thread on these CPUs only (Linux; see :mod:`sao.rollout.cpus`). A Serve
             replica and the engine's child process then keep their other threads off them. None: the OS
             places it.
-        reorder_slack: chunked path: regroup the running requests by length (the longest ``attention_chunk`` in the
-            first chunk, and so on; the rows in the wrong chunk move, cache included) when the decode
-            attention of the current grouping would read more than ``1 + reorder_slack`` times the cache
-            columns of that one. Checked only after requests join or leave. None: never regroup.
     """
 
     max_batch: int = 64
@@ -656,7 +658,8 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     group stacked (grouped KV heads are read once, never copied per query head); ``decode_bias`` hides the
     columns after each row's position (its chunk may be wider). Decoding one token per row reads the
     cache once and does little arithmetic on it: this is a memory-bound step, and the chunks keep short
-    rows from reading the padding up to the batch's longest row."""
+    rows from reading the padding up to the batch's longest row. A layout built for the compiled kernel
+    (``layout.lengths``) goes to :func:`sao.rollout.kernels.decode_attention` instead."""
     if layout.lengths is not None:
         return decode_attention(query, key, value, layout.lengths, scaling)
     _, kv_heads, _, head_dim = key.shape
