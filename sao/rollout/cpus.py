@@ -3,11 +3,11 @@
 A CPU engine's decode step is one thread of short, memory-bound kernels. When request handling shares
 its core (a Serve replica's request threads, the caller's handle and router, Ray's I/O threads), each
 wake-up preempts it and evicts part of its working set from the core's cache: on the rollout benchmark
-the engine thread was preempted 400-840 times a second through Serve, against 3 times a second alone
-(docs/RESULTS.md). :attr:`TorchEngineConfig.cpus <sao.rollout.torch_engine.TorchEngineConfig.cpus>` pins
-the engine thread to the CPUs given, and the replica moves its other threads off them
-(:func:`keep_process_off`), as vLLM's CPU backend binds its OpenMP threads to cores of their own
-(``VLLM_CPU_OMP_THREADS_BIND``). Which CPUs to give is a property of the machine and of how many replicas
+at 64 requests through Serve the engine thread got 0.89 of a core and was preempted 737 times a second
+while the machine's two cores were only 73% busy (docs/RESULTS.md).
+:attr:`TorchEngineConfig.cpus <sao.rollout.torch_engine.TorchEngineConfig.cpus>` pins the engine thread
+to the CPUs given, and the replica moves its other threads off them (:func:`keep_process_off`), as vLLM's
+CPU backend binds its OpenMP threads to cores of their own (``VLLM_CPU_OMP_THREADS_BIND``). Which CPUs to give is a property of the machine and of how many replicas
 share it, so nothing is pinned by default.
 """
 
