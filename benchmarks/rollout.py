@@ -90,41 +90,28 @@ def _engine_cpus(parser: argparse.ArgumentParser, value: str | None) -> tuple[in
 
 
 @contextlib.contextmanager
-def _thread_on(cpus: tuple[int, ...] | None):
-    """Run the calling thread on ``cpus`` inside the block (no change for None)."""
+def _cpus_during(cpus: tuple[int, ...] | None, *, whole_process: bool):
+    """Inside the block, the calling thread on ``cpus`` or (``whole_process``) every thread of this process
+    off them; afterwards back on the CPUs they had. No change for None."""
     if cpus is None:
         yield
         return
     import os
 
-    from sao.rollout.cpus import pin_thread
+    from sao.rollout.cpus import keep_process_off, pin_thread, set_process_cpus
 
     before = os.sched_getaffinity(0)
-    pin_thread(cpus)
+    if whole_process:
+        keep_process_off(cpus)
+    else:
+        pin_thread(cpus)
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
-
-
-@contextlib.contextmanager
-def _process_off(cpus: tuple[int, ...] | None):
-    """Keep every thread of this process off ``cpus`` inside the block, then give them back their CPUs."""
-    if cpus is None:
-        yield
-        return
-    import os
-
-    from sao.rollout.cpus import keep_process_off
-
-    before = os.sched_getaffinity(0)
-    keep_process_off(cpus)
-    try:
-        yield
-    finally:
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.sched_setaffinity(int(tid), before)
+        if whole_process:
+            set_process_cpus(before)
+        else:
+            os.sched_setaffinity(0, before)
 
 
 def static_loop(model, batch: int, new_tokens: int, seed: int = 0) -> float:
@@ -229,7 +216,7 @@ def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: i
             return handle.health.remote().result()["engine_stats"]
 
         vocab = 512
-        with _process_off(cpus):  # the clients, handle and router off the engine's CPU
+        with _cpus_during(cpus, whole_process=True):  # the clients, handle and router off the engine's CPU
             return {c: _measure(generate, stats, c, window_s, vocab) for c in levels}
     finally:
         serve.delete("bench-rollout")
@@ -324,7 +311,7 @@ def main(argv: list[str]) -> int:
 
     def measure_static() -> None:  # three times over the run (start, middle, end): the machine's load moves
         print("static decode loop ...", file=sys.stderr)
-        with _thread_on(args.engine_cpus):
+        with _cpus_during(args.engine_cpus, whole_process=False):
             static_loop(model, 4, 8)  # warm-up
             for c in args.concurrency:
                 static_runs[c].append(static_loop(model, c, NEW_TOKENS if not args.quick else 16))

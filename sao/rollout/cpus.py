@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-__all__ = ["check_cpus", "keep_process_off", "pin_thread"]
+__all__ = ["check_cpus", "keep_process_off", "pin_thread", "set_process_cpus"]
 
 
 def _machine_cpus() -> set[int]:
@@ -59,9 +59,16 @@ def keep_process_off(cpus: Iterable[int]) -> set[int]:
     others = (current - wanted) or (_machine_cpus() - wanted)
     if not others:
         return current
+    set_process_cpus(others)
+    return others
+
+
+def set_process_cpus(cpus: Iterable[int]) -> None:
+    """Run every thread of this process on ``cpus`` (threads it starts afterwards inherit their
+    creator's)."""
+    wanted = set(cpus)
     for tid in os.listdir("/proc/self/task"):
         try:
-            os.sched_setaffinity(int(tid), others)
+            os.sched_setaffinity(int(tid), wanted)
         except (ProcessLookupError, PermissionError):  # the thread ended meanwhile / is not ours to move
             pass
-    return others
