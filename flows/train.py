@@ -2,7 +2,9 @@
 
 Each stage is a task calling a function of :mod:`sao.runs`; the flow's parameters are typed, so the
 Prefect UI shows them as a form. Re-running the flow with the same ``run_id`` resumes the run (every
-stage is idempotent: the warm start is reused, training continues from the last committed step).
+stage is idempotent: the warm start is reused, training continues from the last committed step), and
+so does retrying a crashed, failed or cancelled flow run from the UI (it runs again with the same
+parameters). A run that has reached its steps returns its recorded result at once.
 
 While training runs, the flow run shows a progress artifact (steps done) and a table artifact with the
 latest metrics; at the end, a markdown artifact with accuracy before / after and the learning curve.
@@ -155,12 +157,19 @@ def train(
                            replica_resources=replica_resources or {}, trainer_resources=trainer_resources or {},
                            workdir=workdir,
                            lake_root=lake_root, ray_address=ray_address, seed=seed)
+    done = runs.finished(settings)
+    if done is not None:
+        get_run_logger().info("run %s finished already (%d steps, version %d); nothing to do",
+                              run_id, done["steps"], done["version"])
+        return done
     policy_path = warm_start(settings)
     before = evaluate(settings, 0)
     pretrain_value(settings, policy_path)
     trained = train_async(settings, policy_path)
     after = evaluate(settings, trained["version"])
     summary = report(settings, [before, after], trained)
-    return {"run_id": run_id, "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
-            "version": trained["version"], "trajectories": trained["trajectories"], "summary": summary,
-            "settings": settings.public()}
+    result = {"run_id": run_id, "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
+              "steps": trained["steps"], "version": trained["version"], "trajectories": trained["trajectories"],
+              "summary": summary, "settings": settings.public()}
+    runs.record_finished(settings, result)
+    return result

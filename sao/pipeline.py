@@ -10,6 +10,12 @@ The trainer and the rollouts meet only in the lake and the weight broker: the dr
 reads the trainer's version from the broker, the trainer reads what the writer committed. Stopping the
 run never loses a trajectory: in-flight rollouts finish and are written; those the trainer did not
 consume stay in the table for a resumed run.
+
+Resume: a run that starts again first closes out the rollouts its predecessor left in flight (a
+driver process that died: :func:`sao.lake.issued.close_out_unresolved`) and launches their tasks again
+as new attempts. A Ctrl-C (:mod:`sao.interrupt`) stops launching, lets the trainer commit the step it
+is in, gives in-flight rollouts :data:`sao.interrupt.GRACE_S` to finish, cancels the rest (stored as
+``cancelled``), and the run's result says ``interrupted``.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from sao import interrupt
 from sao.envs.base import Task
 from sao.lake.config import WriterConfig
-from sao.lake.issued import IssueLog
+from sao.lake.issued import IssuedRollout, IssueLog, close_out_unresolved
 from sao.lake.store import Lake, sql_literal
 from sao.lake.writer import TrajectoryWriter
 from sao.rollout.agent import AgentConfig
@@ -64,6 +71,7 @@ class PipelineConfig:
         use_ray_train: run the trainer on Ray Train workers (False: in this process, one worker).
         seed: shuffles the task stream and seeds rollouts.
         app_name: Serve application name.
+        stop_grace_s: after a Ctrl-C, how long rollouts in flight may finish before they are cancelled.
     """
 
     train: TrainConfig
@@ -81,6 +89,7 @@ class PipelineConfig:
     use_ray_train: bool = True
     seed: int = 0
     app_name: str = "rollout"
+    stop_grace_s: float = interrupt.GRACE_S
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -102,6 +111,8 @@ class PipelineResult:
     driver: DriverStats
     wall_s: float
     train_s: float
+    interrupted: bool = False
+    relaunched: int = 0  # rollouts a dead predecessor left in flight, closed out and launched again
 
 
 def task_stream(tasks: Sequence[Task], seed: int, start: int = 0, repeat: int = 1) -> Iterator[Task]:
@@ -127,6 +138,46 @@ def _current_policy_path(train: TrainConfig, version: int) -> str:
     return str(checkpoint_dir(train.checkpoint_root, version) / "policy")
 
 
+def _relaunches(lake: Lake, run_id: str, issuer_id: str,
+                tasks: Sequence[Task]) -> list[tuple[Task, IssuedRollout]]:
+    """Close out what a dead predecessor of the run left in flight; (task, abandoned launch) for each
+    one whose task is still among ``tasks`` (the others stay closed out, with a warning)."""
+    abandoned = close_out_unresolved(lake, run_id, issuer_id)
+    if not abandoned:
+        return []
+    by_id = {(task.env, task.task_id): task for task in tasks}
+    pairs = [(by_id[(a.env_name, a.task_id)], a) for a in abandoned if (a.env_name, a.task_id) in by_id]
+    log.warning("run %s: %d rollouts were in flight when the run last stopped without closing them; closed out "
+                "as abandoned, %d launched again", run_id, len(abandoned), len(pairs))
+    if len(pairs) < len(abandoned):
+        log.warning("run %s: %d abandoned rollouts name tasks that are no longer in the task set: not relaunched",
+                    run_id, len(abandoned) - len(pairs))
+    return pairs
+
+
+async def _drive(driver: RolloutDriver, tasks: Iterator[Task], *, stop_when: threading.Event | None = None,
+                 grace_s: float, limit: int | None = None,
+                 relaunch: Sequence[tuple[Task, IssuedRollout]] = ()) -> DriverStats:
+    """Run ``driver``: launching stops when ``stop_when`` is set or on a Ctrl-C (:mod:`sao.interrupt`);
+    after a Ctrl-C, what is still in flight ``grace_s`` later is cancelled."""
+    stop, cancel = asyncio.Event(), asyncio.Event()
+
+    async def watch() -> None:
+        while not (interrupt.requested() or (stop_when is not None and stop_when.is_set())):
+            await asyncio.sleep(0.05)
+        stop.set()
+        while not interrupt.requested():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(grace_s)
+        cancel.set()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await driver.run(tasks, limit=limit, stop=stop, cancel=cancel, relaunch=relaunch)
+    finally:
+        watcher.cancel()
+
+
 def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
                  on_step: Callable[[StepReport], None] | None = None,
                  on_record: Callable[[object], None] | None = None) -> PipelineResult:
@@ -143,6 +194,8 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     version = prepare_run(train)
     lake = Lake.open(train.lake)
     done_before = last_committed_step(lake, train.run_id)
+    issuer_id = f"{train.run_id}-driver"
+    relaunch = _relaunches(lake, train.run_id, issuer_id, tasks)
     rollout = RolloutConfig(
         policy_path=_current_policy_path(train, version), app_name=cfg.app_name, initial_version=version,
         num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
@@ -159,8 +212,9 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     async def trainer_skipped() -> int:
         return await broker.skipped_total.remote()
 
-    writer = TrajectoryWriter(lake, cfg.writer, writer_id=f"{train.run_id}-driver")
-    issue_log = IssueLog(lake, cfg.writer, issuer_id=f"{train.run_id}-driver")
+    issue_log = IssueLog(lake, cfg.writer, issuer_id=issuer_id)
+    # No record is committed before its launch: the issue log is flushed before each trajectory commit.
+    writer = TrajectoryWriter(lake, cfg.writer, writer_id=issuer_id, before_flush=issue_log.flush)
     driver = RolloutDriver(
         handle, writer, train.run_id,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
@@ -172,53 +226,65 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     driver_result: dict[str, object] = {}
 
     def drive() -> None:
-        async def main() -> None:
-            stop = asyncio.Event()
-
-            async def watch() -> None:
-                while not stop_rollouts.is_set():
-                    await asyncio.sleep(0.05)
-                stop.set()
-
-            watcher = asyncio.ensure_future(watch())
-            try:
-                driver_result["stats"] = await driver.run(task_stream(tasks, cfg.seed + version, repeat=cfg.group_size),
-                                                           stop=stop)
-            finally:
-                watcher.cancel()
-
+        stream = task_stream(tasks, cfg.seed + version, repeat=cfg.group_size)
         try:
-            asyncio.run(main())
+            driver_result["stats"] = asyncio.run(_drive(driver, stream, stop_when=stop_rollouts,
+                                                        grace_s=cfg.stop_grace_s, relaunch=relaunch))
         except BaseException as exc:  # surfaced to the caller below
             driver_result["error"] = exc
 
     thread = threading.Thread(target=drive, name="rollout-driver", daemon=True)
-    thread.start()
     watcher = _StepWatcher(lake, train.run_id, done_before, on_step) if on_step is not None else None
     train_started = time.monotonic()
-    try:
-        if cfg.use_ray_train:
-            from sao.train.ray_trainer import fit
-
-            fit(train)
-        else:
-            from sao.train.loop import run_training
-
-            run_training(train)
-        train_s = time.monotonic() - train_started
-    finally:
-        stop_rollouts.set()
-        if watcher is not None:
-            watcher.close()
-        thread.join(timeout=max(cfg.agent.timeout_s * 2, 60.0))
-        issue_log.flush()
-        writer.close()
-        serve.delete(cfg.app_name)
+    with interrupt.graceful():
+        thread.start()
+        try:
+            _train_until_done_or_stopped(cfg.use_ray_train, train, broker)
+            train_s = time.monotonic() - train_started
+        finally:
+            stop_rollouts.set()
+            if watcher is not None:
+                watcher.close()
+            thread.join(timeout=max(cfg.agent.timeout_s * 2, 60.0))
+            issue_log.flush()
+            writer.close()
+            serve.delete(cfg.app_name)
     if "error" in driver_result:
         raise RuntimeError("the rollout driver failed") from driver_result["error"]
     last = last_committed_step(lake, train.run_id)
     return PipelineResult(steps=0 if last is None else last[0] + 1, version=0 if last is None else last[1],
-                          driver=driver_result["stats"], wall_s=time.monotonic() - started, train_s=train_s)
+                          driver=driver_result["stats"], wall_s=time.monotonic() - started, train_s=train_s,
+                          interrupted=interrupt.requested(), relaunched=len(relaunch))
+
+
+def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker) -> None:
+    """Run the trainer on a thread of its own while this (main) thread watches for a Ctrl-C, which it
+    passes to the trainer through the weight broker (the trainer commits its step and returns)."""
+    outcome: dict[str, BaseException] = {}
+
+    def target() -> None:
+        try:
+            if use_ray_train:
+                from sao.train.ray_trainer import fit
+
+                fit(train)
+            else:
+                from sao.train.loop import run_training
+
+                run_training(train)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    trainer = threading.Thread(target=target, name="trainer", daemon=True)
+    trainer.start()
+    asked = False
+    while trainer.is_alive():
+        trainer.join(0.2)
+        if interrupt.requested() and not asked:
+            broker.request_stop.remote()
+            asked = True
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, count: int, *,
@@ -231,26 +297,34 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
 
     init_ray(cfg.ray)
     lake = Lake.open(cfg.train.lake)
+    issuer_id = f"{run_id}-driver"
+    relaunch = _relaunches(lake, run_id, issuer_id, tasks)  # closes out a dead predecessor's rollouts
     stored = lake.read("trajectories", columns=["trajectory_id"], predicate=f"run_id = {sql_literal(run_id)}").num_rows
     missing = count - stored
     if missing <= 0:
         return DriverStats()
+    relaunch = relaunch[:missing]
     app_name = f"{cfg.app_name}-collect"
     rollout = RolloutConfig(policy_path=_current_policy_path(cfg.train, 0), app_name=app_name, initial_version=0,
                             num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
                             agent=cfg.agent, env_options=cfg.env_options,
                             resources_per_replica=cfg.resources_per_replica)
     handle = start_rollout_app(rollout)
-    writer = TrajectoryWriter(lake, cfg.writer, writer_id=f"{run_id}-driver")
-    issue_log = IssueLog(lake, cfg.writer, issuer_id=f"{run_id}-driver")
+    issue_log = IssueLog(lake, cfg.writer, issuer_id=issuer_id)
+    writer = TrajectoryWriter(lake, cfg.writer, writer_id=issuer_id, before_flush=issue_log.flush)
     driver = RolloutDriver(handle, writer, run_id, DriverConfig(max_in_flight=cfg.max_in_flight, seed=cfg.seed),
                            on_record=on_record, issue_log=issue_log)
     try:
-        return asyncio.run(driver.run(task_stream(tasks, cfg.seed, start=stored), limit=missing))
+        with interrupt.graceful():
+            stats = asyncio.run(_drive(driver, task_stream(tasks, cfg.seed, start=stored), limit=missing,
+                                       grace_s=cfg.stop_grace_s, relaunch=relaunch))
     finally:
         issue_log.flush()
         writer.close()
         serve.delete(app_name)
+    if interrupt.requested():
+        raise interrupt.RunInterrupted(f"run {run_id}: stopped while collecting version-0 rollouts")
+    return stats
 
 
 class _StepWatcher:

@@ -23,10 +23,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-__all__ = ["LOOPBACK", "LocalPrefectServer", "PrefectServerError", "free_port", "port_in_use", "prefect_env"]
+__all__ = ["LOOPBACK", "LocalPrefectServer", "PrefectServerError", "free_port", "port_in_use", "prefect_env",
+           "temporary_server"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -76,11 +77,16 @@ class LocalPrefectServer:
         port: TCP port of the API and the UI.
         home: ``PREFECT_HOME`` of the server (its database); None keeps the user's.
         log_path: where the server's output goes (None: discarded).
+        ui: serve the UI as well as the API.
+        die_with_parent: on Linux, the server gets SIGTERM when this process dies, however it dies
+            (a SIGKILL included): a temporary server never outlives its run.
     """
 
-    def __init__(self, port: int = 4200, home: str | Path | None = None, log_path: str | Path | None = None) -> None:
+    def __init__(self, port: int = 4200, home: str | Path | None = None, log_path: str | Path | None = None,
+                 *, ui: bool = True, die_with_parent: bool = False) -> None:
         self.port, self.home = port, home
         self.log_path = None if log_path is None else Path(log_path)
+        self.ui, self.die_with_parent = ui, die_with_parent
         self.process: subprocess.Popen | None = None
 
     @property
@@ -114,12 +120,15 @@ class LocalPrefectServer:
         env.pop("PREFECT_UI_URL")  # the server serves the API; it is not a client of one
         env |= {"PREFECT_SERVER_API_HOST": LOOPBACK, "PREFECT_SERVER_API_PORT": str(self.port),
                 "PREFECT_SERVER_UI_API_URL": self.api_url}
+        if not self.ui:
+            env["PREFECT_UI_ENABLED"] = "false"
         command = [sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(self.port),
                    "--analytics-off"]
         output = subprocess.DEVNULL if self.log_path is None else open(self.log_path, "wb")
         try:
             self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=output,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_term_on_parent_death if self.die_with_parent else None)
         finally:
             if output is not subprocess.DEVNULL:
                 output.close()
@@ -167,7 +176,52 @@ class LocalPrefectServer:
             self.process.wait(timeout=timeout_s)
 
     def __enter__(self) -> LocalPrefectServer:
-        return self.start().wait_healthy()
+        try:
+            return self.start().wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _term_on_parent_death() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def temporary_server(log_path: str | Path | None = None) -> Iterator[str | None]:
+    """A Prefect API for this process: the configured one (``PREFECT_API_URL``) if set, else a
+    temporary local server (no UI) on a free port, stopped on exit; yields its API URL (None: the
+    configured one).
+
+    This takes the place of Prefect's ephemeral mode for ``sao train``: Prefect starts its temporary
+    server in the caller's process group, so the terminal's Ctrl-C (sent to the whole group) stops it
+    under the running flow, which then cannot report its end. This one runs in a session of its own
+    and dies with this process (:attr:`LocalPrefectServer.die_with_parent`)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value():
+        yield None
+        return
+    with LocalPrefectServer(port=free_port(), log_path=log_path, ui=False, die_with_parent=True) as server, \
+            temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        try:
+            yield server.api_url
+        finally:
+            _drain_prefect_clients()
+
+
+def _drain_prefect_clients(timeout_s: float = 10.0) -> None:
+    """Send the logs and events Prefect's client still holds while the temporary server lives: its
+    workers drain at interpreter exit otherwise, after the server is gone, and retry for ever."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout_s)

@@ -6,16 +6,25 @@
     evaluate        sampled accuracy (temperature 1) of a version on held-out tasks
     summarize       plots from the lake and a short text summary
 
-Every stage is idempotent for a run id: re-running a run resumes it.
+Every stage is idempotent for a run id: re-running a run resumes it, from wherever it stopped (a
+Ctrl-C, a crash, a kill). The warm start and each evaluation write their result atomically (a stage
+stopped half-way leaves nothing that a resume would mistake for its result); value pretraining and
+training resume from what the lake and the checkpoints hold. A run that reached its steps records its
+result (:func:`record_finished`); running it again with no more steps prints that result
+(:func:`finished`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from sao import interrupt
 from sao.config import RunSettings
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
@@ -29,8 +38,11 @@ from sao.train.pretrain import PretrainReport
 from sao.train.retention import RetentionConfig
 from sao.train.run_config import RolloutSettings
 
-__all__ = ["Evaluation", "evaluate", "math_tasks", "pipeline_config", "policy_dir", "pretrain_value", "summarize",
-           "train_async", "value_data_run", "warm_start"]
+__all__ = ["Evaluation", "evaluate", "finished", "math_tasks", "pipeline_config", "policy_dir", "pretrain_value",
+           "record_finished", "summarize", "train_async", "value_data_run", "warm_start"]
+
+RESULT_FILE = "result.json"
+"""Under the run's folder: the result of a run that reached its steps (:func:`record_finished`)."""
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +68,22 @@ def warm_start(settings: RunSettings, on_log: Callable | None = None) -> Path:
     if (path / "config.json").exists() and read_policy_metadata(path) is not None:
         log.info("warm start: reusing %s", path)
         return path
-    return sft_warm_start(SFTConfig(seed=settings.sft_seed), path, on_log=on_log).path
+    # Written beside, then renamed: a warm start stopped half-way leaves no directory that looks done.
+    partial = path.with_name(path.name + ".partial")
+    for leftover in (partial, path):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    sft_warm_start(SFTConfig(seed=settings.sft_seed), partial, on_log=on_log)
+    partial.rename(path)
+    return path
+
+
+def _write_json(path: Path, data: object) -> None:
+    """Write ``data`` as JSON atomically (a temporary file renamed over ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 def _absolute_lake(lake: LakeConfig) -> LakeConfig:
@@ -126,7 +153,11 @@ def train_async(settings: RunSettings, policy_path: str | Path,
                 on_step: Callable[[StepReport], None] | None = None) -> PipelineResult:
     """Run (or resume) the asynchronous training of ``settings`` from ``policy_path`` (version 0)."""
     config = pipeline_config(settings, policy_path)
-    return run_pipeline(config, math_tasks(Split.TRAIN, config.train.rollout.tasks_path), on_step=on_step)
+    result = run_pipeline(config, math_tasks(Split.TRAIN, config.train.rollout.tasks_path), on_step=on_step)
+    if result.interrupted:
+        raise interrupt.RunInterrupted(f"run {settings.run_id}: stopped after {result.steps} of {settings.steps} "
+                                       f"steps (policy version {result.version})")
+    return result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +178,37 @@ def policy_dir(settings: RunSettings, version: int) -> Path:
 
 
 def evaluate(settings: RunSettings, version: int) -> Evaluation:
-    """Sampled accuracy (temperature 1, the policy's own distribution) of ``version`` on held-out tasks."""
+    """Sampled accuracy (temperature 1, the policy's own distribution) of ``version`` on held-out tasks.
+    Kept under the run's folder, so a resumed run does not evaluate a version again (the evaluation is
+    seeded: the same version, tasks and seed give the same figure)."""
     from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
     from sao.train.evaluate import EvalConfig, evaluate_math
 
+    kept = settings.run_dir / "evaluations" / f"v{version:06d}-tasks{settings.eval_tasks}-seed{settings.seed}.json"
+    if kept.exists():
+        return Evaluation(**json.loads(kept.read_text()))
     path = policy_dir(settings, version)
     result = evaluate_math(load_policy(path), load_tokenizer(path), math_tasks(Split.HELDOUT),
                            EvalConfig(num_tasks=settings.eval_tasks, seed=settings.seed))
-    return Evaluation(version, result.accuracy, result.stderr, result.num_tasks)
+    evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks)
+    _write_json(kept, dataclasses.asdict(evaluation))
+    return evaluation
+
+
+def finished(settings: RunSettings) -> dict | None:
+    """The recorded result of run ``settings.run_id`` if it has reached ``settings.steps`` steps
+    (None: it has not, or never ran)."""
+    path = settings.run_dir / RESULT_FILE
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    return result if result.get("steps", -1) >= settings.steps else None
+
+
+def record_finished(settings: RunSettings, result: dict) -> None:
+    """Record the result of a run that reached its steps (what :func:`finished` returns)."""
+    _write_json(settings.run_dir / RESULT_FILE, result)
 
 
 def summarize(settings: RunSettings, evaluations: list[Evaluation]) -> tuple[list[Path], str]:

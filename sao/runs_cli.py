@@ -1,9 +1,17 @@
-"""`sao train` and `sao demo`: run the Prefect flow ``train`` (ephemeral Prefect when no server is
-configured), with progress in the terminal and a summary at the end."""
+"""`sao train` and `sao demo`: run the Prefect flow ``train`` (a temporary local Prefect server when
+none is configured), with progress in the terminal and a summary at the end.
+
+Stopping and resuming: the same command resumes a run from wherever it stopped. The first Ctrl-C stops
+the run cleanly and the second at once (:mod:`sao.interrupt`); either way the command exits with
+status 130 and prints the command that resumes the run. A run that has reached its steps prints its
+recorded summary and exits 0 (ask for more ``--steps`` to train on).
+"""
 
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 import time
 
 import typer
@@ -47,11 +55,21 @@ def _prefect_environment() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
 
 
+def resume_command() -> str:
+    """The command line of this process as a user would type it again (``sao train ...``)."""
+    return shlex.join(["sao", *sys.argv[1:]])
+
+
 def run_flow(settings: RunSettings) -> dict:
+    """Run the ``train`` flow for ``settings`` in this process, against the configured Prefect server
+    or a temporary local one (Ctrl-C handling: :func:`run_or_resume`)."""
     _prefect_environment()
     from flows.train import train as train_flow
+    from sao.prefect_server import temporary_server
 
-    return train_flow(run_id=settings.run_id, steps=settings.steps, algorithm=settings.algorithm,
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    with temporary_server(settings.run_dir / "prefect-server.log"):
+        return train_flow(run_id=settings.run_id, steps=settings.steps, algorithm=settings.algorithm,
                       batch_size=settings.batch_size, max_staleness=settings.max_staleness,
                       group_size=settings.group_size, synchronous=settings.synchronous,
                       lr_policy=settings.lr_policy, num_replicas=settings.num_replicas,
@@ -62,11 +80,40 @@ def run_flow(settings: RunSettings) -> dict:
                       seed=settings.seed)
 
 
-def _print_summary(result: dict, settings: RunSettings, wall_s: float) -> None:
+def run_or_resume(settings: RunSettings) -> None:
+    """Run (or resume) ``settings`` with the run's Ctrl-C handling and print the summary; a finished
+    run prints its recorded summary instead. Exits 130 when stopped."""
+    from sao import interrupt, runs
+    from sao.prefect_server import PrefectServerError
+
+    done = runs.finished(settings)
+    if done is not None:
+        typer.echo(f"run {settings.run_id!r} finished already: {done['steps']} steps, policy version "
+                   f"{done['version']} (ask for more --steps to train on). Its summary:")
+        _print_summary(done, settings, None)
+        return
+    started = time.monotonic()
+    hint = resume_command()
+    with interrupt.handle_ctrl_c(hint, echo=lambda line: typer.echo(line, err=True)):
+        try:
+            result = run_flow(settings)
+        except (interrupt.RunInterrupted, KeyboardInterrupt) as stopped:
+            detail = f" ({stopped})" if str(stopped) else ""
+            typer.echo(f"\nrun {settings.run_id!r} stopped{detail}. Resume with: {hint}", err=True)
+            raise typer.Exit(130) from None
+        except PrefectServerError as error:
+            from sao.cli import fail
+
+            raise fail(f"could not start a temporary Prefect server: {error}") from None
+    _print_summary(result, settings, time.monotonic() - started)
+
+
+def _print_summary(result: dict, settings: RunSettings, wall_s: float | None) -> None:
     typer.echo("")
     typer.echo(result["summary"])
+    took = "" if wall_s is None else f"; {wall_s / 60:.1f} min in all"
     typer.echo(f"\nAccuracy on held-out tasks: {result['accuracy_before']:.3f} (version 0) -> "
-               f"{result['accuracy_after']:.3f} (version {result['version']}); {wall_s / 60:.1f} min in all.")
+               f"{result['accuracy_after']:.3f} (version {result['version']}){took}.")
     typer.echo("\nSQL to try:")
     for question, query in SQL_TO_TRY:
         typer.echo(f"  # {question}\n  sao sql --lake {settings.lake_root} \"{query}\"")
@@ -116,9 +163,7 @@ def train(
                                ray_address=ray_address, seed=seed)
     except ValueError as error:
         raise fail(str(error)) from None
-    started = time.monotonic()
-    result = run_flow(settings)
-    _print_summary(result, settings, time.monotonic() - started)
+    run_or_resume(settings)
 
 
 def demo() -> None:
@@ -128,6 +173,4 @@ def demo() -> None:
     settings = RunSettings()
     typer.echo(f"sao demo: run '{settings.run_id}' in {settings.run_dir}, lake at ./{settings.lake_root} "
                f"({settings.steps} SAO steps of {settings.batch_size} trajectories; about 6-10 minutes on 2 cores)")
-    started = time.monotonic()
-    result = run_flow(settings)
-    _print_summary(result, settings, time.monotonic() - started)
+    run_or_resume(settings)

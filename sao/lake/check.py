@@ -7,7 +7,11 @@ Issued rollouts (``rollout_tasks``, written by the driver's :class:`~sao.lake.is
     ``lost``                 issued, but neither a ``trajectories`` row nor a ``quarantine`` row exists;
     ``stored_and_quarantined`` issued once, ended both stored and quarantined;
     ``duplicate_issue``      one ``trajectory_id`` issued twice;
-    ``not_issued``           stored, but never issued (only when the run has an issue log).
+    ``not_issued``           stored, but never issued (only when the run has an issue log);
+    ``abandoned_resolved``   closed out as abandoned on a resume, yet stored or quarantined as well.
+    A launch that was in flight when the run's driver process died, and that the resume closed out as
+    ``abandoned`` (:func:`sao.lake.issued.close_out_unresolved`), is information, not a finding: the
+    report counts it as "in flight at a crash, closed out on resume".
 Stored rows and consumption (``trajectories``, ``train_steps``):
     ``duplicate_trajectory`` one ``trajectory_id`` stored twice in the run;
     ``deleted``              a commit removed or rewrote trajectory rows (only appends and compaction
@@ -85,6 +89,7 @@ class FindingKind(enum.StrEnum):
     STORED_AND_QUARANTINED = "stored_and_quarantined"
     DUPLICATE_ISSUE = "duplicate_issue"
     NOT_ISSUED = "not_issued"
+    ABANDONED_RESOLVED = "abandoned_resolved"
     DUPLICATE_TRAJECTORY = "duplicate_trajectory"
     DELETED = "deleted"
     CONSUMED_TWICE = "consumed_twice"
@@ -135,6 +140,7 @@ class CheckReport:
     run_id: str
     issued: int | None
     stored: int
+    abandoned: int
     by_reason: dict[str, int]
     quarantined: int
     quarantined_by_rule: dict[str, int]
@@ -161,7 +167,8 @@ class CheckReport:
         rules = ", ".join(f"{k} {v}" for k, v in sorted(self.quarantined_by_rule.items())) or "-"
         out = [
             f"run {self.run_id}",
-            f"issued rollouts: {issued}",
+            f"issued rollouts: {issued}" + (f" ({self.abandoned} in flight at a crash, closed out on resume)"
+                                             if self.abandoned else ""),
             f"stored trajectories: {self.stored} ({reasons})",
             f"quarantined deliveries: {self.quarantined} ({rules})",
             f"steps: {self.steps}, consumed trajectories: {self.consumed}",
@@ -235,7 +242,10 @@ def check_run(
         lake, trajectories.NAME, run_id,
         ["trajectory_id", "termination_reason", "min_policy_version", "ingest_seq"],
     )  # fmt: skip
-    issued = _read_run(lake, rollout_tasks.NAME, run_id, ["trajectory_id"])
+    events = _read_run(lake, rollout_tasks.NAME, run_id, ["trajectory_id", "event"])
+    is_abandoned = pc.equal(events["event"], rollout_tasks.ABANDONED).fill_null(False)
+    issued = events.filter(pc.invert(is_abandoned))
+    abandoned = events.filter(is_abandoned)["trajectory_id"].to_pylist()
     bad = _quarantined(lake, run_id, set(issued["trajectory_id"].to_pylist()))
     steps = _read_run(
         lake, train_steps.NAME, run_id, ["step", "policy_version_before", "trajectory_ids"]
@@ -251,7 +261,7 @@ def check_run(
     findings.append(_finding(FindingKind.DUPLICATE_TRAJECTORY, _repeated(stored_ids),
                              "stored more than once in the run"))  # fmt: skip
     findings.append(_deleted_rows(lake))
-    findings += _account_issued(issued["trajectory_id"].to_pylist(), set(stored_ids), bad, notes)
+    findings += _account_issued(issued["trajectory_id"].to_pylist(), set(stored_ids), bad, set(abandoned), notes)
     limit = max_staleness if max_staleness is not None else _stored_max_staleness(versions, notes)
     findings += _check_consumption(stored, steps, limit)
     verified = 0
@@ -269,6 +279,7 @@ def check_run(
         run_id=run_id,
         issued=issued.num_rows if issued.num_rows else None,
         stored=len(stored_ids),
+        abandoned=len(set(abandoned)),
         by_reason=dict(Counter(stored["termination_reason"].to_pylist())),
         quarantined=bad.num_rows,
         quarantined_by_rule=dict(Counter(bad["reason"].to_pylist())),
@@ -305,7 +316,7 @@ def _deleted_rows(lake: Lake) -> Finding | None:
 
 
 def _account_issued(
-    issued: list[str], stored: set[str], bad: pa.Table, notes: list[str]
+    issued: list[str], stored: set[str], bad: pa.Table, abandoned: set[str], notes: list[str]
 ) -> list[Finding | None]:
     quarantined = [i for i in bad["record_id"].to_pylist() if i is not None]
     redelivered = _repeated(quarantined)
@@ -318,8 +329,10 @@ def _account_issued(
     issued_set, rejected = set(issued), set(quarantined)
     return [
         _finding(FindingKind.DUPLICATE_ISSUE, _repeated(issued), "issued twice under one id"),
-        _finding(FindingKind.LOST, sorted(issued_set - stored - rejected),
-                 "issued, but neither stored in trajectories nor quarantined"),
+        _finding(FindingKind.LOST, sorted(issued_set - stored - rejected - abandoned),
+                 "issued, but neither stored in trajectories nor quarantined, nor closed out on resume"),
+        _finding(FindingKind.ABANDONED_RESOLVED, sorted(abandoned & (stored | rejected)),
+                 "closed out as abandoned on resume, but stored or quarantined too"),
         _finding(FindingKind.STORED_AND_QUARANTINED, sorted(issued_set & stored & rejected),
                  "issued once, but both stored and quarantined"),
         _finding(FindingKind.NOT_ISSUED, sorted(stored - issued_set),

@@ -5,6 +5,12 @@ them into blind Delta appends (every row is a new event; nothing is read before 
 calls it on the same single thread that feeds the trajectory writer, before it hands over any record of
 the rollouts, and flushes it before the writer's last flush, so a finished run's issue log is complete.
 ``sao lake check`` (:mod:`sao.lake.check`) then accounts for every issued ``trajectory_id``.
+
+A driver process that dies (SIGKILL, out of memory, a node restart) leaves the rollouts it had in
+flight issued but never stored. When the run resumes, :func:`close_out_unresolved` records each of them
+as ``abandoned`` (with the reason and the time of the resume) before the new driver launches anything,
+and returns them so the driver can launch their tasks again as new attempts (``retry_of``). It must run
+while no other driver of the run is alive: a live driver's in-flight rollouts look the same.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ import pyarrow as pa
 from sao.lake.commit import append_blind
 from sao.lake.config import WriterConfig
 from sao.lake.records import utc_now
-from sao.lake.store import Lake
+from sao.lake.store import Lake, sql_literal
 from schemas import rollout_tasks
 
-__all__ = ["IssueLog", "IssuedRollout"]
+__all__ = ["IssueLog", "IssuedRollout", "close_out_unresolved", "unresolved_rollouts"]
+
+CRASH_REASON = "in flight when the run's driver process stopped without closing it (crash or kill); closed out on resume"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +43,9 @@ class IssuedRollout:
         run_id, trajectory_id, task_id, env_name: what was launched, under which id.
         attempt: 0 for a task's first rollout, +1 per retry of a failed one.
         retry_of: the failed attempt's ``trajectory_id`` (None for a first attempt).
-        issued_at: launch time (timezone-aware UTC).
+        issued_at: launch time (timezone-aware UTC); for ``abandoned``, the time of the close-out.
+        event: ``issued`` (a launch) or ``abandoned`` (a close-out, see the module docstring).
+        reason: why an abandoned rollout was closed out (None for a launch).
     """
 
     run_id: str
@@ -45,6 +55,12 @@ class IssuedRollout:
     attempt: int = 0
     retry_of: str | None = None
     issued_at: dt.datetime = dataclasses.field(default_factory=utc_now)
+    event: str = rollout_tasks.ISSUED
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.event not in rollout_tasks.EVENTS:
+            raise ValueError(f"event must be one of {rollout_tasks.EVENTS}, got {self.event!r}")
 
 
 class IssueLog:
@@ -103,3 +119,45 @@ class IssueLog:
         self.written += count
         self._buffer, self._oldest = [], None
         return count
+
+
+def unresolved_rollouts(lake: Lake, run_id: str) -> tuple[list[IssuedRollout], list[IssuedRollout]]:
+    """The run's launches that have no outcome yet, as ``(open, abandoned_without_retry)``:
+
+    * ``open``: issued, neither stored in ``trajectories`` nor quarantined, nor closed out;
+    * ``abandoned_without_retry``: closed out as abandoned, but no launch names them in ``retry_of``
+      (a resume that died between its close-out and its re-launch)."""
+    from schemas import quarantine, trajectories
+
+    literal = sql_literal(run_id)
+    events = lake.read(rollout_tasks.NAME, predicate=f"run_id = {literal}").to_pylist()
+    if not events:
+        return [], []
+    stored = set(lake.read(trajectories.NAME, columns=["trajectory_id"],
+                           predicate=f"run_id = {literal}")["trajectory_id"].to_pylist())
+    rejected = set(lake.read(quarantine.NAME, columns=["record_id"],
+                             predicate=f"run_id = {literal} OR run_id IS NULL")["record_id"].to_pylist())
+    launches = [row for row in events if row["event"] in (None, rollout_tasks.ISSUED)]
+    abandoned = {row["trajectory_id"] for row in events if row["event"] == rollout_tasks.ABANDONED}
+    retried = {row["retry_of"] for row in launches if row["retry_of"] is not None}
+    fields = [f.name for f in dataclasses.fields(IssuedRollout)]
+    as_rollout = [IssuedRollout(**{k: row[k] if k != "event" else rollout_tasks.ISSUED for k in fields})
+                  for row in launches]
+    open_ = [r for r in as_rollout
+             if r.trajectory_id not in stored and r.trajectory_id not in rejected and r.trajectory_id not in abandoned]
+    unretried = [r for r in as_rollout if r.trajectory_id in abandoned and r.trajectory_id not in retried]
+    return open_, unretried
+
+
+def close_out_unresolved(lake: Lake, run_id: str, issuer_id: str, reason: str = CRASH_REASON) -> list[IssuedRollout]:
+    """Record every open launch of the run as ``abandoned`` (one blind append) and return the
+    launches whose tasks should be launched again: those closed out now and those an earlier resume
+    closed out without re-launching. Idempotent: a second call closes out nothing new."""
+    open_, unretried = unresolved_rollouts(lake, run_id)
+    if open_:
+        now = utc_now()
+        closing = [dataclasses.replace(r, issued_at=now, event=rollout_tasks.ABANDONED, reason=reason) for r in open_]
+        log = IssueLog(lake, issuer_id=issuer_id)
+        log.add_many(closing)
+        log.flush()
+    return sorted(unretried + open_, key=lambda r: r.issued_at)

@@ -37,7 +37,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -135,9 +135,17 @@ class TrajectoryWriter:
     """
 
     def __init__(
-        self, lake: Lake, config: WriterConfig | None = None, *, writer_id: str | None = None
+        self,
+        lake: Lake,
+        config: WriterConfig | None = None,
+        *,
+        writer_id: str | None = None,
+        before_flush: Callable[[], object] | None = None,
     ) -> None:
+        """``before_flush`` runs (under the writer's lock) before each flush that has records: the
+        pipeline flushes its issue log there, so no record is committed before its launch is."""
         self.lake = lake
+        self.before_flush = before_flush
         self.config = config or WriterConfig()
         self.writer_id = writer_id or f"writer-{uuid.uuid4().hex[:12]}"
         self.stats = WriterStats()
@@ -245,6 +253,8 @@ class TrajectoryWriter:
         )
         if not batch:
             return FlushReport(0, 0, 0, 0, None, 0, 0.0)
+        if self.before_flush is not None:
+            self.before_flush()
         records, rejected = self._to_records(batch)
         table, kept, unconvertible = self._to_arrow(records)
         rejected += unconvertible

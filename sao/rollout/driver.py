@@ -17,6 +17,13 @@ task under a new trajectory id.
 With an ``issue_log`` (:class:`sao.lake.issued.IssueLog`), every launch is also recorded in the lake's
 ``rollout_tasks`` table (a retry names the attempt it retries), on the sink's thread and before any of
 its records, so ``sao lake check`` can account for every issued rollout.
+
+Stopping: ``stop`` ends launching; the rollouts in flight then finish and are handed to the sink. With
+``cancel`` as well (a Ctrl-C of the run, after its grace period), every rollout still in flight is
+cancelled on its replica and recorded as a ``cancelled`` trajectory with no tokens, so the run stops
+promptly and every launch still ends in exactly one record. A resumed run passes the rollouts its dead
+predecessor left in flight (closed out as ``abandoned``: :func:`sao.lake.issued.close_out_unresolved`)
+as ``relaunch``; their tasks are launched first, as new attempts naming the abandoned id.
 """
 
 from __future__ import annotations
@@ -156,11 +163,15 @@ class RolloutDriver:
         return min(room, self.gate.capacity(version)), version
 
     async def run(self, tasks: Iterable[Task], limit: int | None = None,
-                  stop: asyncio.Event | None = None) -> DriverStats:
-        """Roll out tasks until ``tasks`` is exhausted, ``limit`` trajectories finished, or ``stop``."""
+                  stop: asyncio.Event | None = None, cancel: asyncio.Event | None = None,
+                  relaunch: Iterable[tuple[Task, IssuedRollout]] = ()) -> DriverStats:
+        """Roll out tasks until ``tasks`` is exhausted, ``limit`` trajectories finished, or ``stop``;
+        ``cancel`` cancels what is in flight (see the module docstring); ``relaunch``: (task, abandoned
+        launch) pairs launched first, each as the next attempt of its abandoned launch."""
         started = time.monotonic()
         source: Iterator[Task] = iter(tasks)
-        retry: collections.deque[tuple[Task, int, str]] = collections.deque()
+        retry: collections.deque[tuple[Task, int, str]] = collections.deque(
+            (task, abandoned.attempt + 1, abandoned.trajectory_id) for task, abandoned in relaunch)
         running: dict[asyncio.Future, tuple[Task, int, float, str]] = {}
         exhausted = False
         index = 0
@@ -198,13 +209,20 @@ class RolloutDriver:
                     break
                 await asyncio.sleep(self.config.version_poll_s)  # gate closed: wait for the trainer
                 continue
-            done, _ = await asyncio.wait(running, timeout=self.config.version_poll_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            if cancel is not None and cancel.is_set():
+                done = await self._cancel_all(running)
+            else:
+                done, _ = await asyncio.wait(running, timeout=self.config.version_poll_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
             records = []
             for future in done:
                 task, attempt, began, trajectory_id = running.pop(future)
                 self.stats.slot_busy_s += time.monotonic() - began
-                record, failed = future.result()
+                if future.cancelled():
+                    record, failed = failed_record(task, self.run_id, trajectory_id, "the run was stopped (Ctrl-C) "
+                                                   "while it was in flight", reason="cancelled"), False
+                else:
+                    record, failed = future.result()
                 records.append(record)
                 if failed and self.config.retry_failed and attempt < self.config.max_retries and not stopping:
                     retry.append((task, attempt + 1, trajectory_id))
@@ -227,6 +245,15 @@ class RolloutDriver:
         await loop.run_in_executor(self._sink_thread, self.sink.flush)
         self.stats.wall_s = time.monotonic() - started
         return self.stats
+
+    @staticmethod
+    async def _cancel_all(running: dict[asyncio.Future, tuple]) -> set[asyncio.Future]:
+        """Cancel every rollout in flight (the Serve request is cancelled on its replica) and wait until
+        each has ended; one that finished meanwhile keeps its record."""
+        for future in running:
+            future.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        return set(running)
 
     async def _release_untrainable(self, records: list[TrajectoryRecord]) -> None:
         """Give back the gate's places of records the trainer will never consume (see the module
@@ -254,16 +281,18 @@ class RolloutDriver:
             return failed_record(task, self.run_id, trajectory_id, f"{type(exc).__name__}: {exc}"), True
 
 
-def failed_record(task: Task, run_id: str, trajectory_id: str, message: str) -> TrajectoryRecord:
-    """An ``error`` trajectory with no tokens, for a rollout whose replica failed before answering."""
+def failed_record(task: Task, run_id: str, trajectory_id: str, message: str,
+                  reason: str = "error") -> TrajectoryRecord:
+    """A trajectory with no tokens that ended with ``reason``: ``error`` for a rollout whose replica
+    failed before answering, ``cancelled`` for one the driver cancelled."""
     from sao.lake.records import SamplingParams, Timings, utc_now
 
     now = utc_now()
-    log.info("recording %s as error: %s", trajectory_id, message)
+    log.info("recording %s as %s: %s", trajectory_id, reason, message)
     return TrajectoryRecord(
         trajectory_id=trajectory_id, run_id=run_id, task_id=task.task_id, env_name=task.env, prompt_ids=[],
         completion_ids=[], action_mask=[], logprobs=[], logprob_kind="sampling", segments=(), reward=0.0,
-        termination_reason="error", num_turns=0,
+        termination_reason=reason, num_turns=0,
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=None, max_tokens=1, seed=None),
         tokenizer_version="unknown", chat_template_version="unknown", engine_name="unknown",
         engine_version="unknown", worker_id="driver", timings=Timings(now, now, now, 0.0, 0.0),

@@ -39,12 +39,21 @@ class WeightBroker:
         self._published_at: dict[int, float] = {}
         self._acks: dict[str, tuple[int, float]] = {}
         self._newer: asyncio.Event | None = None  # set (and replaced) on each publish
+        self._stop_requested = False
 
     async def publish(self, version: int, refs: list, skipped: int = 0) -> int:
         """Announce ``version``; ``skipped``: trajectories the step that made it passed over (too stale,
-        or without an action token), added to :meth:`skipped_total`."""
-        if version <= self._version:
-            raise ValueError(f"version {version} is not newer than the published version {self._version}")
+        or without an action token), added to :meth:`skipped_total`.
+
+        Publishing the version already announced again is allowed and replaces its weights: a resumed
+        trainer re-publishes the version it resumed at, which the run has just :meth:`reset` the broker
+        to. An older version is refused."""
+        if version < self._version:
+            raise ValueError(f"version {version} is older than the published version {self._version}")
+        if version == self._version and self._refs and version in self._published_at:
+            self._refs = refs  # the same version again: replicas already run it; keep the first time
+            self._skipped += skipped
+            return version
         self._version, self._refs = version, refs
         self._skipped += skipped
         self._published_at[version] = time.time()
@@ -58,6 +67,7 @@ class WeightBroker:
         no acknowledgements. Waiting replicas are woken to look again."""
         self._version, self._refs = version, []
         self._skipped = 0
+        self._stop_requested = False
         self._published_at.clear()
         self._acks.clear()
         if self._newer is not None:
@@ -85,6 +95,14 @@ class WeightBroker:
         """Trajectories the trainer passed over since the last :meth:`reset` (a count that only grows,
         also across trainer restarts: each publication adds its step's count)."""
         return self._skipped
+
+    def request_stop(self) -> None:
+        """Ask the run's trainer to stop after the step it is in (a Ctrl-C of the run: the trainer
+        polls :meth:`stop_requested` between steps and while it waits for a batch)."""
+        self._stop_requested = True
+
+    def stop_requested(self) -> bool:
+        return self._stop_requested
 
     def ack(self, replica_id: str, version: int) -> None:
         self._acks[replica_id] = (version, time.time())

@@ -39,6 +39,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from sao.faults import crash_point
 from sao.lake.config import LakeConfig
 from sao.lake.ledger import register_policy_version
 from sao.lake.maintenance import compact_ledger
@@ -49,7 +50,7 @@ from sao.models.critic import Critic, load_critic
 from sao.models.policy import load_policy
 from sao.models.tokenizer import load_tokenizer
 from sao.train.batch import collate
-from sao.train.checkpoint import load_checkpoint, save_checkpoint, weights_hash
+from sao.train.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint, weights_hash
 from sao.train.config import UpdateConfig
 from sao.train.retention import RetentionConfig, apply_retention
 from sao.train.run_config import RolloutSettings, write_run_config
@@ -193,23 +194,36 @@ def _load_models(cfg: TrainConfig, version: int):
     return policy, critic, None
 
 
-def _publisher(cfg: TrainConfig):
+def _broker_calls(cfg: TrainConfig):
+    """(publish(version, policy, skipped), stop_requested()) through the run's weight broker, or
+    (None, a function that is always False) when the trainer publishes nowhere."""
     if cfg.app_name is None:
-        return None
+        return None, lambda: False
+    import ray
+
     from sao.rollout.weights import get_or_create_broker, publish_weights
 
     broker = get_or_create_broker(cfg.app_name)
-    return lambda version, policy, skipped=0: publish_weights(broker, version, policy.state_dict(), skipped)
+    return (lambda version, policy, skipped=0: publish_weights(broker, version, policy.state_dict(), skipped),
+            lambda: ray.get(broker.stop_requested.remote()))
 
 
-def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int):
+class _Stopped(Exception):
+    """The run was asked to stop (a Ctrl-C) while the trainer waited for a batch."""
+
+
+def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int,
+                    stop_requested: Callable[[], bool] = lambda: False):
     """Block until ``batch_size`` eligible trajectories are in the lake; returns (snapshot version,
-    rows, stale rows passed over, rows without an action token passed over)."""
+    rows, stale rows passed over, rows without an action token passed over). Raises :class:`_Stopped`
+    when ``stop_requested()`` turns true while it waits."""
     deadline = time.monotonic() + cfg.wait_timeout_s
     held: list[pa.Table] = []
     snapshot = None
     stale = no_actions = 0
     while True:
+        if stop_requested():
+            raise _Stopped
         want = cfg.batch_size - sum(t.num_rows for t in held)
         micro = reader.next_micro_batch(version, cfg.max_staleness, want)
         stale += micro.skipped_stale
@@ -255,7 +269,7 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
     learner = Learner(cfg.update, policy, critic)
     if trainer_state is not None:
         learner.load_state_dict(trainer_state)
-    publish = _publisher(cfg) if rank == 0 else None
+    publish, stop_requested = _broker_calls(cfg) if rank == 0 else (None, lambda: False)
     if rank == 0:
         write_run_config(cfg)
         _ensure_version_registered(lake, cfg, version, policy, critic, tokenizer, learner, step - 1)
@@ -270,11 +284,17 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         t0 = time.perf_counter()
         selection = None
         if rank == 0:
-            snapshot, table, stale, no_actions = _wait_for_batch(reader, cfg, version)
-            last = step + 1 == cfg.total_steps or (max_steps is not None and len(reports) + 1 == max_steps)
-            due = last or time.monotonic() - last_report >= cfg.report_interval_s
-            selection = (snapshot, table.column("trajectory_id").to_pylist(), stale, no_actions, due)
-        snapshot, ids, stale, no_actions, due = _broadcast(selection)  # every worker makes the same Ray Train calls
+            try:
+                snapshot, table, stale, no_actions = _wait_for_batch(reader, cfg, version, stop_requested)
+                last = step + 1 == cfg.total_steps or (max_steps is not None and len(reports) + 1 == max_steps)
+                due = last or time.monotonic() - last_report >= cfg.report_interval_s
+                selection = (snapshot, table.column("trajectory_id").to_pylist(), stale, no_actions, due)
+            except _Stopped:
+                log.info("run %s: stop requested; the trainer stops at step %d (version %d)", cfg.run_id, step, version)
+        selection = _broadcast(selection)  # every worker makes the same Ray Train calls
+        if selection is None:
+            break
+        snapshot, ids, stale, no_actions, due = selection
         if due:
             last_report = time.monotonic()
         read_s = time.perf_counter() - t0
@@ -283,6 +303,7 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         t1 = time.perf_counter()
         metrics = compute_update(learner, rows, version, rank, world)
         update_s = time.perf_counter() - t1
+        crash_point("mid-step", step)  # the update is done, nothing of it is saved yet
         metrics = _merge_worker_metrics(metrics, world)
         metrics["batch/stale_skipped"] = float(stale)
         metrics["batch/no_action_skipped"] = float(no_actions)
@@ -297,14 +318,16 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
                 finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
                 timings={"wait_read_s": read_s, "update_s": update_s, "commit_s": time.perf_counter() - t2},
             ))
+            crash_point("after-commit", step)  # between the step's row and its version's row
             register_policy_version(lake, PolicyVersionRecord(
                 run_id=cfg.run_id, version=version, parent_version=version - 1,
-                checkpoint_uri=str(Path(cfg.checkpoint_root, f"v{version:06d}").resolve()),
+                checkpoint_uri=str(checkpoint_dir(cfg.checkpoint_root, version).resolve()),
                 weights_hash=digest, step=step))
             if cfg.retention is not None:
                 apply_retention(lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
             if cfg.compact_ledger_every and (step + 1) % cfg.compact_ledger_every == 0:
                 compact_ledger(lake)
+            crash_point("before-publish", step)
             if publish is not None:  # after the commit: not in the step's row, only in its report
                 metrics = {**metrics, "time/publish_s": publish(version, policy, stale + no_actions)}
         report = StepReport(step, version, snapshot, tuple(ids), metrics, report_due=due)
@@ -347,7 +370,7 @@ def _ensure_version_registered(lake: Lake, cfg: TrainConfig, version: int, polic
                                learner: Learner, step: int) -> None:
     """Version 0 gets its checkpoint and ``policy_versions`` row at the start of a run; after a crash
     between a step's commit and its version row, the row is written now (idempotent)."""
-    path = Path(cfg.checkpoint_root, f"v{version:06d}")
+    path = checkpoint_dir(cfg.checkpoint_root, version)
     if not (path / "COMPLETE").exists():
         save_checkpoint(cfg.checkpoint_root, version, policy, tokenizer, critic, learner.state_dict())
     register_policy_version(lake, PolicyVersionRecord(

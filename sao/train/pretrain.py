@@ -271,6 +271,8 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from sao.train.ray_trainer import run_fit
+
     pcfg = pcfg or PretrainConfig()
     if not cfg.update.uses_critic:
         raise ValueError(f"algorithm {cfg.update.algorithm.value!r} has no critic to pretrain")
@@ -294,7 +296,7 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
         datasets={"train": train, "heldout": heldout},
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
-    trainer.fit()
+    run_fit(trainer)
     written = json.loads((checkpoint_dir(cfg.checkpoint_root, 0) / "critic" / REPORT_FILE).read_text())
     written["seconds"] = time.perf_counter() - started
     report = PretrainReport(**written)

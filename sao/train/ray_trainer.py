@@ -10,11 +10,12 @@ until Ray Train's controller polls) so the Ray dashboard shows progress; the lak
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 from sao.train.loop import TrainConfig, train_worker
 
-__all__ = ["fit"]
+__all__ = ["fit", "run_fit"]
 
 log = logging.getLogger(__name__)
 
@@ -47,4 +48,27 @@ def fit(cfg: TrainConfig, *, storage_path: str | None = None, max_steps: int | N
                                      resources_per_worker={**cfg.resources_per_worker, "CPU": cfg.cpus_per_worker}),
         run_config=RunConfig(name=f"train-{cfg.run_id}", storage_path=storage),
     )
-    return trainer.fit()
+    return run_fit(trainer)
+
+
+def run_fit(trainer):
+    """``trainer.fit()`` on a thread of its own, waited for here. Called on the main thread, Ray Train's
+    ``fit`` installs a SIGINT handler of its own (it aborts the run and exits) in place of the run's
+    (:mod:`sao.interrupt`) and never restores it; off the main thread it does not."""
+    if threading.current_thread() is not threading.main_thread():
+        return trainer.fit()
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # raised again on the calling thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)  # short waits: a Ctrl-C reaches this (main) thread's handler
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]

@@ -1,0 +1,35 @@
+"""Named crash points for the crash harness (``tests/reliability/test_crash_resume.py``).
+
+Some moments of a run are too short to hit by killing it from outside at a random time: the gap
+between a step's ``train_steps`` row and its ``policy_versions`` row, or between that row and the
+weight publication. :func:`crash_point` marks them. It does nothing unless the environment names the
+point, in ``SAO_CRASH_AT=<name>:<step>``, and a process group to kill, in ``SAO_CRASH_PGID``; then,
+on reaching that point at that step, it sends SIGKILL to that process group (the whole ``sao train``
+a user started) exactly as ``kill -9 -PGID`` from a shell would, and then to itself (a Ray worker has a
+process group of its own).
+
+Points: ``mid-step`` (the update is computed, nothing of it saved), ``after-commit`` (the step's row is
+committed, its version's row is not), ``before-publish`` (both rows committed, weights not yet
+published to the replicas).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+__all__ = ["CRASH_AT_ENV", "CRASH_PGID_ENV", "POINTS", "crash_point"]
+
+CRASH_AT_ENV = "SAO_CRASH_AT"
+CRASH_PGID_ENV = "SAO_CRASH_PGID"
+POINTS = ("mid-step", "after-commit", "before-publish")
+
+
+def crash_point(name: str, step: int) -> None:
+    """SIGKILL the process group in ``SAO_CRASH_PGID`` if ``SAO_CRASH_AT`` is ``name:step``."""
+    target = os.environ.get(CRASH_AT_ENV)
+    if not target or target != f"{name}:{step}":
+        return
+    pgid = int(os.environ[CRASH_PGID_ENV])
+    os.killpg(pgid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)  # a Ray worker has a group of its own: it must not go on
