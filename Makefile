@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint install install-dev clean ui
+.PHONY: demo test test-long lint install install-dev clean ui
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ lint: install-dev
 test: lint
 	@rm -f .pytest-rc
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
+
+# The long tier (tests marked `long`: the crash harness, about 25 minutes); .ci/run runs it after `make test`.
+test-long: install-dev
+	@rm -f .pytest-rc
+	$(PY) -m pytest -m long $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache .pytest-rc .ruff_cache

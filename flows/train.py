@@ -23,8 +23,9 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.states import Cancelled
 
-from sao import runs
+from sao import interrupt, runs
 from sao.config import RunSettings
 from sao.train.config import Algorithm
 from sao.train.loop import StepReport
@@ -54,9 +55,18 @@ def evaluate(settings: RunSettings, version: int) -> runs.Evaluation:
     return result
 
 
+class Stopped(dict):
+    """What a stage returns when the run was stopped (a Ctrl-C: :mod:`sao.interrupt`); the flow then
+    ends as Cancelled instead of failing with a traceback."""
+
+
 @task(name="pretrain-value")  # writes the version-0 critic: not retried (a re-run of the flow resumes it)
 def pretrain_value(settings: RunSettings, policy_path: str) -> dict | None:
-    report = runs.pretrain_value(settings, policy_path)
+    try:
+        report = runs.pretrain_value(settings, policy_path)
+    except interrupt.RunInterrupted as stopped:
+        get_run_logger().warning("%s", stopped)
+        return Stopped(reason=str(stopped))
     if report is None:
         get_run_logger().info("value pretraining: skipped (value_samples=0, no critic, or done already)")
         return None
@@ -107,7 +117,11 @@ def train_async(settings: RunSettings, policy_path: str) -> dict:
             create_table_artifact(rows, key=artifact_key(settings.run_id, "metrics"),
                                   description=f"metrics of step {report.step} (policy version {report.version})")
 
-    result = runs.train_async(settings, policy_path, on_step=lambda report: context.run(publish, report))
+    try:
+        result = runs.train_async(settings, policy_path, on_step=lambda report: context.run(publish, report))
+    except interrupt.RunInterrupted as stopped:
+        get_run_logger().warning("%s", stopped)
+        return Stopped(reason=str(stopped))
     return {"steps": result.steps, "version": result.version, "trajectories": result.driver.finished,
             "wall_s": round(result.wall_s, 1)}
 
@@ -164,8 +178,10 @@ def train(
         return done
     policy_path = warm_start(settings)
     before = evaluate(settings, 0)
-    pretrain_value(settings, policy_path)
-    trained = train_async(settings, policy_path)
+    pretrained = pretrain_value(settings, policy_path)
+    trained = pretrained if isinstance(pretrained, Stopped) else train_async(settings, policy_path)
+    if isinstance(trained, Stopped):  # a Ctrl-C: the run is resumable (sao.interrupt)
+        return Cancelled(message=f"{trained['reason']}. Run the flow again with the same run id to resume.")
     after = evaluate(settings, trained["version"])
     summary = report(settings, [before, after], trained)
     result = {"run_id": run_id, "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,

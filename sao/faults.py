@@ -3,7 +3,9 @@
 Some moments of a run are too short to hit by killing it from outside at a random time: the gap
 between a step's ``train_steps`` row and its ``policy_versions`` row, or between that row and the
 weight publication. :func:`crash_point` marks them. It does nothing unless the environment names the
-point, in ``SAO_CRASH_AT=<name>:<step>``, and a process group to kill, in ``SAO_CRASH_PGID``; then,
+point, in ``SAO_CRASH_AT=<name>:<step>``, and a process group to kill, in ``SAO_CRASH_PGID`` (a
+number, or ``session``: the group whose id is this process's session id, i.e. the ``sao train`` the
+harness started with a session of its own); then,
 on reaching that point at that step, it sends SIGKILL to that process group (the whole ``sao train``
 a user started) exactly as ``kill -9 -PGID`` from a shell would, and then to itself (a Ray worker has a
 process group of its own).
@@ -30,6 +32,7 @@ def crash_point(name: str, step: int) -> None:
     target = os.environ.get(CRASH_AT_ENV)
     if not target or target != f"{name}:{step}":
         return
-    pgid = int(os.environ[CRASH_PGID_ENV])
+    group = os.environ[CRASH_PGID_ENV]
+    pgid = os.getsid(0) if group == "session" else int(group)
     os.killpg(pgid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)  # a Ray worker has a group of its own: it must not go on

@@ -92,12 +92,14 @@ def run_or_resume(settings: RunSettings) -> None:
                    f"{done['version']} (ask for more --steps to train on). Its summary:")
         _print_summary(done, settings, None)
         return
+    from prefect.exceptions import CancelledRun
+
     started = time.monotonic()
     hint = resume_command()
     with interrupt.handle_ctrl_c(hint, echo=lambda line: typer.echo(line, err=True)):
         try:
             result = run_flow(settings)
-        except (interrupt.RunInterrupted, KeyboardInterrupt) as stopped:
+        except (interrupt.RunInterrupted, CancelledRun, KeyboardInterrupt) as stopped:
             detail = f" ({stopped})" if str(stopped) else ""
             typer.echo(f"\nrun {settings.run_id!r} stopped{detail}. Resume with: {hint}", err=True)
             raise typer.Exit(130) from None

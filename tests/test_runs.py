@@ -12,3 +12,39 @@ def test_a_run_prunes_old_checkpoints_but_keeps_every_policy(tmp_path):
     train = runs.pipeline_config(settings, tmp_path / "sft").train
     assert train.retention == RetentionConfig() and train.retention.keep_policy_weights
     assert Path(train.checkpoint_root).is_absolute() and Path(train.lake.root).is_absolute()
+
+
+def test_a_finished_run_is_recognised_until_more_steps_are_asked_for(tmp_path):
+    settings = RunSettings(run_id="done", workdir=str(tmp_path), steps=4)
+    assert runs.finished(settings) is None
+    runs.record_finished(settings, {"steps": 4, "version": 4, "summary": "s"})
+    assert runs.finished(settings)["version"] == 4
+    assert runs.finished(RunSettings(run_id="done", workdir=str(tmp_path), steps=3)) is not None
+    assert runs.finished(RunSettings(run_id="done", workdir=str(tmp_path), steps=5)) is None  # train on
+    assert not list((tmp_path / "done").glob(".*.tmp"))  # written atomically, nothing left beside
+
+
+def test_a_warm_start_stopped_half_way_is_redone_not_reused(tmp_path, monkeypatch):
+    """What a kill during SFT leaves (a partial directory) is never mistaken for the warm start."""
+    import sao.train.sft as sft
+
+    settings = RunSettings(run_id="w", workdir=str(tmp_path))
+    calls = []
+
+    def fake_sft(config, out_dir, on_log=None):
+        calls.append(Path(out_dir))
+        (Path(out_dir)).mkdir(parents=True)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # stopped half-way
+        (Path(out_dir) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(sft, "sft_warm_start", fake_sft)
+    monkeypatch.setattr("sao.models.policy.read_policy_metadata", lambda path: {"policy_version": 0})
+    try:
+        runs.warm_start(settings)
+    except KeyboardInterrupt:
+        pass
+    assert not settings.sft_dir.exists()  # only the partial directory was written
+    assert runs.warm_start(settings) == settings.sft_dir and (settings.sft_dir / "config.json").exists()
+    assert calls[0] == calls[1] != settings.sft_dir
+    assert runs.warm_start(settings) == settings.sft_dir and len(calls) == 2  # reused now

@@ -16,7 +16,7 @@ from sao.cli import app
 from sao.lake.check import FindingKind, check_run, length_bucket
 from sao.lake.commit import append_blind
 from sao.lake.config import LakeConfig, WriterConfig
-from sao.lake.issued import IssuedRollout, IssueLog
+from sao.lake.issued import IssuedRollout, IssueLog, close_out_unresolved
 from sao.lake.ledger import record_train_step, register_policy_version
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.store import Lake
@@ -133,6 +133,44 @@ def test_a_lost_rollout_is_found(clean):
     report = check_run(clean.lake, RUN, verify_checkpoints=False)
     (finding,) = report.findings
     assert finding.kind is FindingKind.LOST and finding.examples == ("lost-1", "lost-2")
+
+
+def test_rollouts_in_flight_at_a_crash_are_closed_out_on_resume_and_reported_as_information(clean):
+    issue(clean.lake, ["in-flight-1", "in-flight-2"])  # launched; the driver died before they were stored
+    assert check_run(clean.lake, RUN, verify_checkpoints=False).kinds() == {FindingKind.LOST}
+    relaunch = close_out_unresolved(clean.lake, RUN, "resumed-driver")
+    assert [r.trajectory_id for r in relaunch] == ["in-flight-1", "in-flight-2"]
+    assert all(r.event == "issued" and r.attempt == 0 for r in relaunch)  # the launches to repeat
+    events = clean.lake.read("rollout_tasks", predicate="event = 'abandoned'").to_pylist()
+    assert sorted(e["trajectory_id"] for e in events) == ["in-flight-1", "in-flight-2"]
+    assert all(e["reason"].startswith("in flight when the run") and e["issuer_id"] == "resumed-driver"
+               for e in events)
+    report = check_run(clean.lake, RUN, verify_checkpoints=False)
+    assert report.ok, report.lines()
+    assert report.abandoned == 2 and report.issued == 10
+    assert "issued rollouts: 10 (2 in flight at a crash, closed out on resume)" in report.lines()
+    # A second resume that died before relaunching: the same launches are offered again, nothing new
+    # is closed out; once a retry names them, they are done.
+    assert [r.trajectory_id for r in close_out_unresolved(clean.lake, RUN, "again")] == ["in-flight-1", "in-flight-2"]
+    assert len(clean.lake.read("rollout_tasks", predicate="event = 'abandoned'")) == 2
+    log = IssueLog(clean.lake, MANUAL, issuer_id="resumed-driver")
+    log.add_many([IssuedRollout(RUN, "retry-1", "task-in-flight-1", "math_tool", 1, "in-flight-1")])
+    log.flush()
+    assert [r.trajectory_id for r in close_out_unresolved(clean.lake, RUN, "again")] == ["in-flight-2", "retry-1"]
+
+
+def test_a_closed_out_rollout_that_was_stored_after_all_is_a_finding(clean):
+    log = IssueLog(clean.lake, MANUAL, issuer_id="resumed-driver")
+    log.add_many([IssuedRollout(RUN, clean.ids[6], "task", "math_tool", event="abandoned", reason="test")])
+    log.flush()
+    report = check_run(clean.lake, RUN, verify_checkpoints=False)
+    (finding,) = report.findings
+    assert finding.kind is FindingKind.ABANDONED_RESOLVED and finding.examples == (clean.ids[6],)
+
+
+def test_an_unknown_issue_event_is_refused():
+    with pytest.raises(ValueError, match="event must be one of"):
+        IssuedRollout(RUN, "t", "task", "env", event="vanished")
 
 
 def test_a_duplicate_row_and_a_duplicate_issue_are_found(clean):

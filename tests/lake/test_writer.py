@@ -241,3 +241,17 @@ def test_a_background_flush_error_is_raised_by_the_next_call(local_lake, monkeyp
     monkeypatch.setattr(writer_module, "append_exactly", real)
     writer.close()
     assert_exactly_once(local_lake, {record.trajectory_id})
+
+
+def test_before_flush_runs_before_each_commit_that_has_records(local_lake):
+    """The pipeline flushes its issue log here: no record may be committed before its launch is."""
+    seen = []
+    writer = TrajectoryWriter(local_lake, WriterConfig(flush_rows=4, background_flush=False),
+                              before_flush=lambda: seen.append(local_lake.version("trajectories")))
+    start = local_lake.version("trajectories")
+    writer.add_many(make_trajectories(9, seed=5, run_id=RUN))  # two full batches flush at once
+    writer.flush()  # the ninth record
+    writer.flush()  # nothing buffered: no call
+    writer.close()
+    assert seen == [start, start + 1, start + 2]
+    assert local_lake.version("trajectories") == start + 3

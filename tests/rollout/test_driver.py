@@ -240,3 +240,57 @@ def test_what_the_trainer_passed_over_gives_its_places_back():
     before, stats = asyncio.run(run())
     assert before == 4  # fresh records of version 0 hold their places (no release at finish)
     assert stats.launched == 7 and stats.released == 3
+
+
+def test_cancel_ends_every_rollout_in_flight_as_a_cancelled_record():
+    """After a Ctrl-C's grace period the driver cancels what is still running: each launch still ends
+    in exactly one record, and the replica's coroutine is cancelled (it never returns a record)."""
+
+    class SlowApp:
+        def __init__(self):
+            self.cancelled = 0
+
+            async def rollout(task, run_id, trajectory_id, seed):
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
+                return record(task, run_id, trajectory_id)
+
+            self.rollout = Method(rollout)
+
+    app, sink, issued = SlowApp(), ListSink(), ListIssueLog()
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=3, max_staleness=None), issue_log=issued)
+
+    async def run():
+        stop, cancel = asyncio.Event(), asyncio.Event()
+
+        async def interrupt():
+            await asyncio.sleep(0.2)
+            stop.set()
+            cancel.set()
+
+        asyncio.ensure_future(interrupt())
+        return await asyncio.wait_for(driver.run(TASKS, stop=stop, cancel=cancel), 10)
+
+    stats = asyncio.run(run())
+    assert stats.launched == stats.finished == 3 and app.cancelled == 3
+    assert [r.termination_reason for r in sink.records] == ["cancelled"] * 3
+    assert {r.trajectory_id for r in sink.records} == {i.trajectory_id for i in issued.rows}
+    assert all(len(r.completion_ids) == 0 for r in sink.records)  # nothing the trainer could take
+
+
+def test_abandoned_rollouts_are_launched_first_as_their_next_attempt():
+    from sao.lake.issued import IssuedRollout
+
+    abandoned = [IssuedRollout("r", "old-1", TASKS[4].task_id, TASKS[4].env, attempt=0),
+                 IssuedRollout("r", "old-2", TASKS[5].task_id, TASKS[5].env, attempt=1, retry_of="older")]
+    app, sink, issued = FakeApp(), ListSink(), ListIssueLog()
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=2, max_staleness=None), issue_log=issued)
+    stats = asyncio.run(driver.run(TASKS[:3], relaunch=[(TASKS[4], abandoned[0]), (TASKS[5], abandoned[1])]))
+    assert stats.launched == stats.finished == 5
+    first = issued.rows[:2]
+    assert [(r.task_id, r.attempt, r.retry_of) for r in first] == [
+        (TASKS[4].task_id, 1, "old-1"), (TASKS[5].task_id, 2, "old-2")]
+    assert [r.retry_of for r in issued.rows[2:]] == [None] * 3
