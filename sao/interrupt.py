@@ -114,3 +114,4 @@ def handle_ctrl_c(resume_hint: str, *, echo: Callable[[str], None] | None = None
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        reset()  # a stop asked for belongs to this run only

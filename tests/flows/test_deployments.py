@@ -234,6 +234,76 @@ def test_prefect_yaml_deploys_the_same_flows_and_a_process_worker_runs_them(ui, 
             worker.wait(timeout=30)
 
 
+async def _wait_final(client, flow_run_id: UUID, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = await client.read_flow_run(flow_run_id)
+        if run.state is not None and run.state.is_final():
+            return run
+        await asyncio.sleep(2)
+    return run
+
+
+async def _start_run(client, name: str, parameters: dict):
+    deployment = await client.read_deployment_by_name(name)
+    return await client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+
+
+async def _retry(client, flow_run_id: UUID) -> None:
+    """What the UI's Retry button does: the run goes back to Scheduled ("AwaitingRetry") and the runner
+    that serves its deployment runs it again, with the same parameters."""
+    from prefect.states import AwaitingRetry
+
+    await client.set_flow_run_state(flow_run_id, AwaitingRetry(message="Retry from the UI"), force=True)
+
+
+def _flow_run_processes(flow_run_id: UUID) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id):
+                found.append(process)
+    return found
+
+
+@pytest.mark.long
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_retrying_a_crashed_flow_run_from_the_ui_resumes_the_run(ui, policy_dir):
+    """The flow run's process is killed (SIGKILL, with what it started) mid-training: Prefect marks the
+    run Crashed; Retry resumes the same run id from its last committed step, and the lake reconciles."""
+    shutil.copytree(policy_dir, ui.root / "runs" / "retry" / "sft")
+    parameters = {"run_id": "retry", **TINY, "steps": 4, "workdir": "runs", "lake_root": "lake"}
+    run = call(ui, _start_run, f"train/{SERVED_NAME}", parameters)
+    lake_root = ui.root / "lake"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if Lake.open(str(lake_root), create=False).read("train_steps", predicate="run_id = 'retry'").num_rows:
+                break
+        time.sleep(1)
+    else:
+        pytest.fail(f"no step committed within 400 s:\n{ui.tail()}")
+    victims = _flow_run_processes(run.id)
+    assert victims, "the flow run's process was not found"
+    for victim in victims:
+        with contextlib.suppress(psutil.Error):
+            for process in [*victim.children(recursive=True), victim]:
+                process.kill()
+    crashed = call(ui, _wait_final, run.id, 120)
+    assert crashed.state.is_crashed() or crashed.state.is_failed(), crashed.state
+    done = Lake.open(str(lake_root), create=False).read("train_steps", predicate="run_id = 'retry'").num_rows
+    assert done < 4
+    call(ui, _retry, run.id)
+    retried = call(ui, _wait_final, run.id, 600)
+    assert retried.state.is_completed(), f"{retried.state!r}:\n{ui.tail()}"
+    steps = Lake.open(str(lake_root), create=False).read("train_steps", predicate="run_id = 'retry'")
+    assert sorted(steps["step"].to_pylist()) == [0, 1, 2, 3]
+    check = subprocess.run([str(Path(sys.executable).with_name("sao")), "lake", "check", "--lake", str(lake_root),
+                            "--run", "retry"], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout[-4000:]
+
+
 def test_ctrl_c_stops_the_runner_and_the_server_by_pid(ui):
     """Last in this module: the fixture's ``sao ui`` is stopped here."""
     assert _alive(ui.server_pid) and port_in_use(ui.port)
