@@ -252,9 +252,10 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     if "error" in driver_result:
         raise RuntimeError("the rollout driver failed") from driver_result["error"]
     last = last_committed_step(lake, train.run_id)
-    return PipelineResult(steps=0 if last is None else last[0] + 1, version=0 if last is None else last[1],
-                          driver=driver_result["stats"], wall_s=time.monotonic() - started, train_s=train_s,
-                          interrupted=interrupt.requested(), relaunched=len(relaunch))
+    steps = 0 if last is None else last[0] + 1
+    return PipelineResult(steps=steps, version=0 if last is None else last[1], driver=driver_result["stats"],
+                          wall_s=time.monotonic() - started, train_s=train_s,
+                          interrupted=interrupt.requested() and steps < train.total_steps, relaunched=len(relaunch))
 
 
 def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker) -> None:

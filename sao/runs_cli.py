@@ -99,9 +99,8 @@ def run_or_resume(settings: RunSettings) -> None:
     with interrupt.handle_ctrl_c(hint, echo=lambda line: typer.echo(line, err=True)):
         try:
             result = run_flow(settings)
-        except (interrupt.RunInterrupted, CancelledRun, KeyboardInterrupt) as stopped:
-            detail = f" ({stopped})" if str(stopped) else ""
-            typer.echo(f"\nrun {settings.run_id!r} stopped{detail}. Resume with: {hint}", err=True)
+        except (interrupt.RunInterrupted, CancelledRun, KeyboardInterrupt):  # the flow logged where it stopped
+            typer.echo(f"\nrun {settings.run_id!r} stopped. Resume with: {hint}", err=True)
             raise typer.Exit(130) from None
         except PrefectServerError as error:
             from sao.cli import fail

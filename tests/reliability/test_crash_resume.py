@@ -72,6 +72,7 @@ COLLECT = r"Application 'rollout-collect' is ready"
 FIT_CRITIC = r"Deleting app \['rollout-collect'\]"
 TRAINING = r"Application 'rollout' is ready"
 TRAINED = r"Task run 'train-async-\w+' - Finished in state Completed"
+ANY_STEP = r"step \d+ -> version \d+:"
 
 
 def step_done(step: int) -> str:
@@ -314,17 +315,20 @@ def test_killed_with_an_s3_lake_a_run_resumes(tmp_path, prefect_api, policy_dir)
 def test_killed_at_random_moments_with_two_trainer_workers_a_run_resumes(tmp_path, prefect_api, policy_dir):
     """Two Ray Train workers; kills at seeded random times after the rollout app is up, wherever they
     land (starting the trainer, waiting for a batch, mid-update, committing, publishing)."""
-    run_id, steps = "crash-random", 6
+    run_id, steps = "crash-random", 10
     workdir = tmp_path / "runs"
     copy_warm_start(policy_dir, workdir, run_id)
     run = UserRun(tmp_path, train_args(run_id, workdir, "lake", steps, "--value-samples", "0",
                                        "--num-replicas", "1", "--trainer-workers", "2"), os.environ | prefect_api)
-    moments = [Moment(f"random-{i}", TRAINING, (2.0, 24.0)) for i in range(4)]
+    # Two while the trainer starts (the rollouts of the first batches may all be stored by then: the
+    # staleness gate holds the rest back), two once steps are being taken (rollouts always in flight).
+    moments = [Moment("random-start-0", TRAINING, (2.0, 30.0)), Moment("random-step-0", ANY_STEP, (0.0, 2.5)),
+               Moment("random-start-1", TRAINING, (2.0, 30.0)), Moment("random-step-1", ANY_STEP, (0.0, 2.5))]
     killed = crash_chain(run, moments, seed=21)
     assert len(killed) >= 3, killed
     stats = assert_run_accounted_for(run, run_id, steps, Lake.open(LakeConfig(root=str(tmp_path / "lake"))),
                                      "lake", data_run=False, workers=2)
-    assert stats["abandoned"] > 0  # some kill left rollouts in flight: closed out and launched again
+    assert stats["abandoned"] > 0  # a kill mid-training left rollouts in flight: closed out, launched again
     assert stats["relaunched"] == stats["abandoned"]
     print(json.dumps({"chain": "random", "killed": killed, **stats}))
 
