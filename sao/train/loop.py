@@ -20,7 +20,10 @@ run was prepared. With ``retention`` set, old checkpoints are pruned after each 
 Resume: the last ``train_steps`` row of the run names the version to load; its checkpoint is complete
 before the row is written, so a crash anywhere loses at most the step in flight, and that step's
 trajectories are offered again (nothing consumed twice, nothing skipped). Trajectories beyond
-``max_staleness`` stay in the table and are counted in the metrics, never deleted.
+``max_staleness`` stay in the table and are counted in the metrics, never deleted. A stop asked for
+through the weight broker (a Ctrl-C of the run: :mod:`sao.interrupt`) ends the loop at the next step
+boundary, or while it waits for a batch; the step in progress is committed first. Crash points
+(:mod:`sao.faults`) mark the moments the crash harness kills the run at.
 
 :func:`train_worker` is the body of one worker; :func:`run_training` runs it in-process (one worker)
 and :func:`sao.train.ray_trainer.fit` runs it on Ray Train workers.
