@@ -79,6 +79,17 @@ def step_done(step: int) -> str:
     return rf"step {step} -> version {step + 1}:"
 
 
+TRAINING_MOMENTS = [
+    Moment("before-first-step", TRAINING, (0.0, 10.0)),  # Ray Train takes about 16 s to start
+    Moment("mid-step", crash_at="mid-step:0"),
+    Moment("after-commit", crash_at="after-commit:1"),
+    Moment("before-publish", crash_at="before-publish:2"),
+    Moment("mid-run", step_done(3), (0.0, 0.8)),
+    Moment("final-evaluation", TRAINED, (0.0, 1.0)),
+]
+"""The moments of the training stage, in order (the chains' runs have at least 5 steps)."""
+
+
 @pytest.fixture(scope="module")
 def prefect_api(tmp_path_factory):
     """One Prefect server for the harness's runs (a user with a server sets ``PREFECT_API_URL``); the
@@ -273,12 +284,7 @@ def test_killed_in_every_stage_a_run_resumes_to_its_steps_with_every_row_account
         Moment("sft-late", SFT, (12.0, 24.0)),
         Moment("value-collect", COLLECT, (0.0, 0.5)),
         Moment("value-fit", FIT_CRITIC, (4.0, 20.0)),
-        Moment("before-first-step", TRAINING, (0.0, 10.0)),
-        Moment("mid-step", crash_at="mid-step:0"),
-        Moment("after-commit", crash_at="after-commit:1"),
-        Moment("before-publish", crash_at="before-publish:2"),
-        Moment("mid-run", step_done(3), (0.0, 0.8)),
-        Moment("final-evaluation", TRAINED, (0.0, 1.0)),
+        *TRAINING_MOMENTS,
     ]
     killed = crash_chain(run, moments, seed=19)
     assert len(killed) >= len(moments) - 1, killed  # a late moment may pass before its kill lands
@@ -297,16 +303,8 @@ def test_killed_with_an_s3_lake_a_run_resumes(tmp_path, prefect_api, policy_dir)
         copy_warm_start(policy_dir, workdir, run_id)
         run = UserRun(tmp_path, train_args(run_id, workdir, lake_root, steps, "--value-samples", "0"),
                       os.environ | prefect_api | aws)
-        moments = [
-            Moment("before-first-step", TRAINING, (0.0, 12.0)),
-            Moment("mid-step", crash_at="mid-step:0"),
-            Moment("after-commit", crash_at="after-commit:1"),
-            Moment("before-publish", crash_at="before-publish:2"),
-            Moment("mid-run", step_done(3), (0.0, 0.5)),
-            Moment("final-evaluation", TRAINED, (0.0, 1.0)),
-        ]
-        killed = crash_chain(run, moments, seed=20)
-        assert len(killed) >= len(moments) - 1, killed
+        killed = crash_chain(run, TRAINING_MOMENTS, seed=20)
+        assert len(killed) >= len(TRAINING_MOMENTS) - 1, killed
         lake = Lake.open(LakeConfig(root=lake_root, storage_options=aws))
         stats = assert_run_accounted_for(run, run_id, steps, lake, lake_root, data_run=False)
     print(json.dumps({"chain": "s3", "killed": killed, **stats}))
