@@ -129,6 +129,7 @@ def load_checkpoint(root: str | Path, version: int, *, with_critic: bool = True,
         raise CheckpointPrunedError(
             f"checkpoint of version {version} at {path}: retention deleted {gone} (PRUNED lists {list(pruned)})")
     policy = load_policy(path / "policy")
+    _restore_critic(path)
     critic = load_critic(path / "critic") if with_critic and (path / "critic").exists() else None
     state = None
     if with_state and (path / _STATE).exists():
@@ -178,6 +179,7 @@ def replace_critic(root: str | Path, version: int, critic: Critic) -> Path:
     path = checkpoint_dir(root, version)
     if not (path / _COMPLETE).exists():
         raise FileNotFoundError(f"checkpoint of version {version} at {path} is missing or incomplete")
+    _restore_critic(path)
     fresh, old = path / "critic.new", path / "critic.old"
     for leftover in (fresh, old):
         if leftover.exists():
@@ -189,6 +191,13 @@ def replace_critic(root: str | Path, version: int, critic: Critic) -> Path:
     if old.exists():
         shutil.rmtree(old)
     return path / "critic"
+
+
+def _restore_critic(path: Path) -> None:
+    """A :func:`replace_critic` killed between its two renames leaves the old critic as
+    ``critic.old`` and no ``critic``: put the old one back (the new one is redone by whoever wrote it)."""
+    if not (path / "critic").exists() and (path / "critic.old").exists():
+        (path / "critic.old").rename(path / "critic")
 
 
 def complete_versions(root: str | Path) -> list[int]:
