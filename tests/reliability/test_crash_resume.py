@@ -102,7 +102,9 @@ def prefect_api(tmp_path_factory):
 def session_processes(sid: int) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
+        # A process may exit between the listing and the lookup: psutil raises its own error, the
+        # ``os`` call ProcessLookupError.
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getsid(process.pid) == sid:
                 found.append(process)
     return found
