@@ -234,8 +234,8 @@ def _findings(r: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    from benchmarks._settings import bench_config
     from sao import runs
-    from sao.config import RunSettings
     from sao.lake.store import Lake, sql_literal
     from sao.pipeline import run_pipeline
     from schemas import train_steps
@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
     for path in (args.workdir / "lake", args.workdir / run_id):
         if path.exists():
             shutil.rmtree(path)
-    settings = RunSettings(run_id=run_id, workdir=str(args.workdir), lake_root=str(args.workdir / "lake"),
+    settings = bench_config(run_id=run_id, workdir=str(args.workdir), lake_root=str(args.workdir / "lake"),
                            steps=args.steps, batch_size=args.batch, max_staleness=args.max_staleness,
                            lr_policy=args.lr_policy, num_replicas=args.replicas, max_in_flight=args.in_flight,
                            value_samples=0, seed=args.seed)
@@ -263,7 +263,7 @@ def main(argv: list[str]) -> int:
               f"staleness {m.get('batch/staleness_mean', 0):.2f}", file=sys.stderr, flush=True)
 
     run_pipeline(config, runs.math_tasks("train"), on_step=show)
-    lake = Lake.open(settings.lake())
+    lake = Lake.open(settings.lake_config())
     where = f"run_id = {sql_literal(run_id)}"
     trajectories = lake.read("trajectories", columns=["trajectory_id", "num_action_tokens", "num_turns",
                                                       "min_policy_version"], predicate=where).to_pylist()

@@ -25,8 +25,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--run-id", default="bench-learning")
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--evals", default="100,150,200", help="versions evaluated besides 0 and the last")
-    parser.add_argument("--lr-policy", type=float, default=None, help="default: RunSettings.lr_policy")
-    parser.add_argument("--batch", type=int, default=None, help="default: RunSettings.batch_size")
+    parser.add_argument("--lr-policy", type=float, default=None, help="default: the demo config's algorithm.lr_policy")
+    parser.add_argument("--batch", type=int, default=None, help="default: the demo config's train.batch_size")
     parser.add_argument("--max-staleness", type=int, default=None)
     parser.add_argument("--aggregation", choices=["token", "sequence"], default="token")
     parser.add_argument("--eval-tasks", type=int, default=300)
@@ -41,21 +41,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    from benchmarks._settings import bench_config, with_settings
     from sao import runs
-    from sao.config import RunSettings
     from sao.envs.base import Split
     from sao.models.policy import build_policy, save_policy
     from sao.models.tokenizer import build_tokenizer
     from sao.pipeline import run_pipeline
     from sao.train.config import UpdateConfig
 
-    base = RunSettings()
-    settings = dataclasses.replace(
+    base = bench_config()
+    settings = with_settings(
         base, run_id=args.run_id, workdir=args.workdir, lake_root=str(Path(args.workdir) / args.run_id / "lake"),
-        steps=2 if args.quick else args.steps, batch_size=4 if args.quick else (args.batch or base.batch_size),
-        lr_policy=args.lr_policy or base.lr_policy, eval_tasks=4 if args.quick else args.eval_tasks,
-        max_staleness=base.max_staleness if args.max_staleness is None else args.max_staleness,
-        num_replicas=1 if args.quick else base.num_replicas, max_in_flight=8 if args.quick else base.max_in_flight)
+        steps=2 if args.quick else args.steps, batch_size=4 if args.quick else (args.batch or base.train.batch_size),
+        lr_policy=args.lr_policy or base.algorithm.lr_policy, eval_tasks=4 if args.quick else args.eval_tasks,
+        max_staleness=base.train.max_staleness if args.max_staleness is None else args.max_staleness,
+        num_replicas=1 if args.quick else base.rollout.num_replicas, max_in_flight=8 if args.quick else base.rollout.max_in_flight)
     started = time.monotonic()
     if args.quick and not settings.sft_dir.exists():
         save_policy(build_policy(seed=0), settings.sft_dir, build_tokenizer())
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     plots, _ = runs.summarize(settings, evaluations)
     record: dict[str, Any] = {
         "machine": machine(), "command": "sao bench learning " + " ".join(argv),
-        "settings": {k: str(v) for k, v in settings.public().items()}, "aggregation": args.aggregation,
+        "settings": settings.public(), "aggregation": args.aggregation,
         "sft_s": sft_s, "train_s": result.train_s, "wall_s": time.monotonic() - started,
         "trajectories_generated": result.driver.finished, "steps": result.steps,
         "evaluations": [dataclasses.asdict(e) for e in evaluations], "plots": [str(p) for p in plots],
@@ -86,8 +86,8 @@ def main(argv: list[str]) -> int:
     lines = [
         "## Learning on math_tool (`sao bench learning`)", "",
         f"Command: `{record['command']}`. {machine_line(record['machine'])}", "",
-        f"Settings: {settings.algorithm.value}, batch {settings.batch_size}, max staleness {settings.max_staleness}, "
-        f"policy lr {settings.lr_policy:g}, loss aggregation {args.aggregation}, {settings.num_replicas} rollout "
+        f"Settings: {settings.algorithm.name.value}, batch {settings.train.batch_size}, max staleness {settings.train.max_staleness}, "
+        f"policy lr {settings.algorithm.lr_policy:g}, loss aggregation {args.aggregation}, {settings.rollout.num_replicas} rollout "
         f"replicas, {result.steps} steps; {result.driver.finished} trajectories generated, trainer wall "
         f"{result.train_s:.0f} s.", "",
         "| policy version | held-out sampled accuracy (T=1) |", "|---:|---:|",

@@ -239,12 +239,12 @@ def _pretrain_critic(config, tasks, samples: int) -> None:
 def run_method(method: str, args: argparse.Namespace, policy: Path, tasks, tasks_file: Path,
                runs_dir: Path) -> dict[str, Any]:
     """One run of ``method``; its step metrics, timings and (grouped runs) group splits."""
-    from sao.config import RunSettings
+    from benchmarks._settings import bench_config
     from sao.lake.store import Lake
     from sao.pipeline import run_pipeline
 
     group = args.group_size if method == "grpo_dis" else 1
-    settings = RunSettings(
+    settings = bench_config(
         run_id=f"online-{method}", workdir=str(runs_dir), lake_root=str(runs_dir / "lake"), algorithm=method,
         steps=args.steps, batch_size=args.batch, max_staleness=args.max_staleness, lr_policy=args.lr_policy,
         num_replicas=args.replicas, max_in_flight=args.max_in_flight, group_size=group,
@@ -264,7 +264,7 @@ def run_method(method: str, args: argparse.Namespace, policy: Path, tasks, tasks
                   f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
 
     result = run_pipeline(config, tasks, on_step=show)
-    lake = Lake.open(settings.lake())
+    lake = Lake.open(settings.lake_config())
     steps = step_metrics(lake, settings.run_id)
     record: dict[str, Any] = {
         "algorithm": method, "group_size": group, "wall_s": time.monotonic() - started, "pretrain_s": pretrain_s,

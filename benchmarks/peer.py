@@ -252,8 +252,8 @@ def _run_ours(arm: Arm) -> dict[str, Any]:
     trajectories are read back from the lake."""
     import torch
 
+    from benchmarks._settings import bench_config
     from sao import runs
-    from sao.config import RunSettings
     from sao.envs.base import Split
     from sao.lake.store import Lake
     from sao.pipeline import run_pipeline
@@ -263,7 +263,7 @@ def _run_ours(arm: Arm) -> dict[str, Any]:
     started = time.time()
     run_dir = Path(arm.workdir) / arm.name
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
-    settings = RunSettings(
+    settings = bench_config(
         run_id=arm.name, workdir=arm.workdir, lake_root=str(run_dir / "lake"), algorithm=arm.algorithm,
         steps=arm.steps, batch_size=arm.batch, max_staleness=arm.max_staleness, lr_policy=arm.lr,
         num_replicas=arm.num_replicas, max_in_flight=arm.batch, group_size=arm.group_size,
@@ -309,8 +309,8 @@ def _pretrain_value(config, settings, tasks) -> None:
     data = dataclasses.replace(train, run_id=runs.value_data_run(settings),
                                checkpoint_root=str(Path(train.checkpoint_root).parent / "v0-data-checkpoints"))
     prepare_run(data)
-    collect_rollouts(dataclasses.replace(config, train=data), tasks, data.run_id, settings.value_samples)
-    pretrain_value(train, PretrainConfig(num_samples=settings.value_samples, data_run_id=data.run_id))
+    collect_rollouts(dataclasses.replace(config, train=data), tasks, data.run_id, settings.value_pretraining.samples)
+    pretrain_value(train, PretrainConfig(num_samples=settings.value_pretraining.samples, data_run_id=data.run_id))
 
 
 def _epoch(value) -> float:
@@ -776,8 +776,8 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
 
 def _policies(args: argparse.Namespace) -> tuple[Path, Path]:
     """(single-turn random policy, multi-turn SFT policy)."""
+    from benchmarks._settings import bench_config
     from sao import runs
-    from sao.config import RunSettings
     from sao.models.policy import build_policy, save_policy
     from sao.models.tokenizer import build_tokenizer
 
@@ -790,7 +790,7 @@ def _policies(args: argparse.Namespace) -> tuple[Path, Path]:
         return random_dir, args.sft
     if (DEFAULT_SFT / "config.json").exists():
         return random_dir, DEFAULT_SFT
-    return random_dir, runs.warm_start(RunSettings(run_id="bench-peer", workdir=str(args.workdir)))
+    return random_dir, runs.warm_start(bench_config(run_id="bench-peer", workdir=str(args.workdir)))
 
 
 def arms(args: argparse.Namespace, random_dir: Path, sft_dir: Path) -> list[Arm]:

@@ -86,7 +86,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--staleness", type=int, default=2, help="max staleness of SAO and GRPO + DIS")
     parser.add_argument("--ppo-staleness", type=int, default=6, help="max staleness of asynchronous PPO")
-    parser.add_argument("--lr-policy", type=float, default=None, help="default: RunSettings.lr_policy")
+    parser.add_argument("--lr-policy", type=float, default=None, help="default: the demo config's algorithm.lr_policy")
     parser.add_argument("--eval-every", type=int, default=10, help="versions between evaluations")
     parser.add_argument("--eval-tasks", type=int, default=300, help="held-out tasks per evaluation")
     parser.add_argument("--value-samples", type=int, default=256,
@@ -118,14 +118,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _base_settings(args: argparse.Namespace):
-    from sao.config import RunSettings
+    from benchmarks._settings import bench_config, with_settings
 
-    base = RunSettings()
-    return dataclasses.replace(
+    base = bench_config()
+    return with_settings(
         base, run_id=PREFIX, workdir=str(args.workdir), lake_root=str(args.workdir / "lake"), steps=args.steps,
-        batch_size=args.batch, lr_policy=args.lr_policy or base.lr_policy, eval_tasks=args.eval_tasks,
-        value_samples=args.value_samples, num_replicas=1 if args.quick else base.num_replicas,
-        max_in_flight=8 if args.quick else base.max_in_flight)
+        batch_size=args.batch, lr_policy=args.lr_policy or base.algorithm.lr_policy, eval_tasks=args.eval_tasks,
+        value_samples=args.value_samples, num_replicas=1 if args.quick else base.rollout.num_replicas,
+        max_in_flight=8 if args.quick else base.rollout.max_in_flight)
 
 
 def _fresh_workdir(workdir: Path) -> None:
@@ -150,12 +150,13 @@ def _version_zero(args: argparse.Namespace, base) -> Path:
 
 def _pretrained_critic(args: argparse.Namespace, base, sft: Path) -> tuple[Path | None, dict[str, Any] | None]:
     """Value pretraining once, in run ``quality-critic``; its version-0 critic is every critic arm's."""
+    from benchmarks._settings import with_settings
     from sao import runs
     from sao.train.checkpoint import checkpoint_dir
 
     if args.value_samples == 0:
         return None, None
-    settings = dataclasses.replace(base, run_id=f"{PREFIX}-critic", algorithm="sao")
+    settings = with_settings(base, run_id=f"{PREFIX}-critic", algorithm="sao")
     report = runs.pretrain_value(settings, sft)
     path = checkpoint_dir(settings.checkpoint_root, 0) / "critic"
     return path.resolve(), None if report is None else dataclasses.asdict(report)
@@ -163,11 +164,12 @@ def _pretrained_critic(args: argparse.Namespace, base, sft: Path) -> tuple[Path 
 
 def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base, sft: Path, critic: Path | None) -> dict[str, Any]:
     """One run of ``arm``; its timeline, step metrics and stats (evaluations come later)."""
+    from benchmarks._settings import with_settings
     from sao import runs
     from sao.envs.base import Split
     from sao.pipeline import run_pipeline
 
-    settings = dataclasses.replace(
+    settings = with_settings(
         base, run_id=f"{PREFIX}-{arm.name.replace('_', '-')}-s{seed}", algorithm=arm.algorithm,
         group_size=arm.group_size, synchronous=arm.synchronous, max_staleness=arm.max_staleness, seed=seed)
     config = runs.pipeline_config(settings, sft)
@@ -195,7 +197,7 @@ def _timeline(settings, started: float) -> dict[str, Any]:
     dispatched), each step's metrics and timings, and the run's trajectory counts."""
     from sao.lake.store import Lake, sql_literal
 
-    lake = Lake.open(settings.lake())
+    lake = Lake.open(settings.lake_config())
     predicate = f"run_id = {sql_literal(settings.run_id)}"
     steps = sorted(lake.read("train_steps", predicate=predicate).to_pylist(), key=lambda r: r["step"])
     rollouts = lake.read("trajectories", columns=["timings", "min_policy_version"], predicate=predicate)
@@ -229,7 +231,7 @@ def ratio_stats(run: dict[str, Any], clip: tuple[float, float], dis: tuple[float
     from sao.train.step import policy_logprobs
 
     settings = run["settings"]
-    lake = Lake.open(settings.lake())
+    lake = Lake.open(settings.lake_config())
     update = settings.update()
     out = []
     for row in run["step_rows"]:
@@ -294,7 +296,7 @@ def _evaluate(run: dict[str, Any], version: int, cache: dict[tuple[str, int], di
     if key not in cache:
         e = runs.evaluate(run["settings"], version)
         cache[key] = {"accuracy": e.accuracy, "stderr": e.stderr, "num_tasks": e.num_tasks}
-    return {"version": version, "trajectories": version * run["settings"].batch_size,
+    return {"version": version, "trajectories": version * run["settings"].train.batch_size,
             "elapsed_s": elapsed_of(run, version), **cache[key]}
 
 
@@ -356,7 +358,7 @@ def plot(runs_: list[dict[str, Any]], arm_list: Sequence[Arm], t_equal: float, p
         secs = [[elapsed_of(r, v) for r in mine] for v in versions]
         mean = [statistics.fmean(a) for a in acc]
         low, high = [min(a) for a in acc], [max(a) for a in acc]
-        x_traj = [v * mine[0]["settings"].batch_size for v in versions]
+        x_traj = [v * mine[0]["settings"].train.batch_size for v in versions]
         (line,) = axes[0].plot(x_traj, mean, marker="o", label=arm.label)
         axes[0].fill_between(x_traj, low, high, color=line.get_color(), alpha=0.15)
         x_time = [statistics.fmean(s) for s in secs]
@@ -536,7 +538,7 @@ def main(argv: list[str]) -> int:
         "args": {"steps": args.steps, "batch": args.batch, "group": args.group, "seeds": args.seeds,
                  "staleness": args.staleness, "ppo_staleness": args.ppo_staleness, "eval_every": args.eval_every,
                  "eval_tasks": args.eval_tasks, "value_samples": args.value_samples, "quick": args.quick},
-        "lr_policy": base.lr_policy, "num_replicas": base.num_replicas,
+        "lr_policy": base.algorithm.lr_policy, "num_replicas": base.rollout.num_replicas,
         "clip_range": [1 - update.clip_low, 1 + update.clip_high],
         "dis_interval": [1 - update.eps_low, 1 + update.eps_high],
         "value_pretraining": critic_report, "t_equal": t_equal,
@@ -554,7 +556,6 @@ def main(argv: list[str]) -> int:
     for run in record["runs"]:
         for row in run["step_rows"]:
             row.pop("trajectory_ids")
-        run["settings"] = {k: str(v) for k, v in run["settings"].items()}
     record["wall_s"] = time.monotonic() - started
     name = "quality-quick" if args.quick else "quality"
     figure = plot(runs_, chosen, t_equal, args.out / f"{name}.png")

@@ -48,8 +48,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _policy_dir(args: argparse.Namespace, workdir: Path) -> Path:
+    from benchmarks._settings import bench_config
     from sao import runs
-    from sao.config import RunSettings
     from sao.models.policy import build_policy, save_policy
     from sao.models.tokenizer import build_tokenizer
 
@@ -62,7 +62,7 @@ def _policy_dir(args: argparse.Namespace, workdir: Path) -> Path:
         return args.sft
     if (DEFAULT_SFT / "config.json").exists():
         return DEFAULT_SFT
-    return runs.warm_start(RunSettings(run_id="bench-routing", workdir=str(workdir)))
+    return runs.warm_start(bench_config(run_id="bench-routing", workdir=str(workdir)))
 
 
 def run_arm(policy_dir: Path, replay: bool, args: argparse.Namespace) -> list[dict[str, float]]:

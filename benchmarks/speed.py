@@ -91,8 +91,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def policy_dir(args: argparse.Namespace) -> Path:
     """The version-0 policy of a benchmark with ``--sft``, ``--quick`` and ``--workdir`` options: the given
     one, a random policy (quick), or the SFT warm start of ``sao bench learning``."""
+    from benchmarks._settings import bench_config
     from sao import runs
-    from sao.config import RunSettings
     from sao.models.policy import build_policy, save_policy
     from sao.models.tokenizer import build_tokenizer
 
@@ -105,15 +105,15 @@ def policy_dir(args: argparse.Namespace) -> Path:
         return path
     if (DEFAULT_SFT / "config.json").exists():
         return DEFAULT_SFT
-    return runs.warm_start(RunSettings(run_id="bench-learning", workdir="runs/bench"))
+    return runs.warm_start(bench_config(run_id="bench-learning", workdir="runs/bench"))
 
 
 def _config(args: argparse.Namespace, policy: Path, run_id: str, algorithm: str, *, steps: int,
             synchronous: bool = False):
+    from benchmarks._settings import bench_config
     from sao import runs
-    from sao.config import RunSettings
 
-    settings = RunSettings(
+    settings = bench_config(
         run_id=run_id, workdir=str(args.workdir), lake_root=str(args.workdir / "lake"), algorithm=algorithm,
         steps=steps, batch_size=args.batch, max_staleness=0 if synchronous else args.max_staleness,
         num_replicas=1, max_in_flight=args.in_flight, group_size=args.group if algorithm == "grpo" else 1,

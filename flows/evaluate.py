@@ -12,13 +12,13 @@ from prefect.artifacts import create_table_artifact
 
 from flows.train import artifact_key
 from sao import runs
-from sao.config import RunSettings
+from sao.config import RunConfig
 
-_DEFAULTS = RunSettings()
+_DEFAULTS = RunConfig()
 
 
 @task(name="evaluate-version", retries=1, retry_delay_seconds=5)
-def evaluate_version(settings: RunSettings, version: int) -> runs.Evaluation:
+def evaluate_version(settings: RunConfig, version: int) -> runs.Evaluation:
     """Sampled accuracy of ``version`` (reads the checkpoint only: safe to retry)."""
     return runs.evaluate(settings, version)
 
@@ -27,12 +27,12 @@ def evaluate_version(settings: RunSettings, version: int) -> runs.Evaluation:
 def evaluate(
     run_id: str = _DEFAULTS.run_id,
     version: int = 0,
-    eval_tasks: int = _DEFAULTS.eval_tasks,
+    eval_tasks: int = _DEFAULTS.eval.tasks,
     workdir: str = _DEFAULTS.workdir,
     seed: int = _DEFAULTS.seed,
 ) -> dict:
     """Held-out accuracy (temperature 1) of policy ``version`` of run ``run_id`` under ``workdir``."""
-    settings = RunSettings(run_id=run_id, eval_tasks=eval_tasks, workdir=workdir, seed=seed)
+    settings = RunConfig(run_id=run_id, eval={"tasks": eval_tasks}, workdir=workdir, seed=seed)
     path = runs.policy_dir(settings, version)
     if not (path / "config.json").exists():
         raise FileNotFoundError(

@@ -24,23 +24,23 @@ from prefect.artifacts import (
 
 from flows.train import artifact_key
 from sao import online
-from sao.config import RunSettings
+from sao.config import RunConfig
 from sao.lake.store import Lake, sql_literal
 from sao.train.config import Algorithm
 
 __all__ = ["online_shift"]
 
-_DEFAULTS = RunSettings()
+_DEFAULTS = RunConfig()
 
 
 @task(name="style-warm-start", retries=1, retry_delay_seconds=5)
-def warm_start(settings: RunSettings, sft_steps: int) -> str:
+def warm_start(settings: RunConfig, sft_steps: int) -> str:
     """The style policy of version 0 (idempotent: reused when present)."""
-    return str(online.style_warm_start(settings.sft_dir, seed=settings.sft_seed, steps=sft_steps))
+    return str(online.style_warm_start(settings.sft_dir, seed=settings.sft.seed, steps=sft_steps))
 
 
 @task(name="train-with-shifts")
-def train(settings: RunSettings, policy_path: str, shifts: list[int], max_tokens: int) -> list[float]:
+def train(settings: RunConfig, policy_path: str, shifts: list[int], max_tokens: int) -> list[float]:
     """The run's steps; returns the batch reward of every committed step (from ``train_steps``)."""
     from sao.pipeline import run_pipeline
 
@@ -53,18 +53,18 @@ def train(settings: RunSettings, policy_path: str, shifts: list[int], max_tokens
     context = contextvars.copy_context()
 
     def publish(report) -> None:
-        update_progress_artifact(progress, min(100.0, 100.0 * (report.step + 1) / max(settings.steps, 1)))
+        update_progress_artifact(progress, min(100.0, 100.0 * (report.step + 1) / max(settings.train.steps, 1)))
         if report.step % 10 == 0:
             logger.info("step %d: reward %.3f", report.step, report.metrics.get("batch/reward_mean", 0.0))
 
     run_pipeline(config, tasks, on_step=lambda report: context.run(publish, report))
-    rows = Lake.open(settings.lake()).read("train_steps", columns=["step", "metrics"],
+    rows = Lake.open(settings.lake_config()).read("train_steps", columns=["step", "metrics"],
                                           predicate=f"run_id = {sql_literal(settings.run_id)}").to_pylist()
     return [dict(r["metrics"]).get("batch/reward_mean", 0.0) for r in sorted(rows, key=lambda r: r["step"])]
 
 
 @task(name="report-recovery")
-def report(settings: RunSettings, rewards: list[float], shifts: list[int], smooth_window: int,
+def report(settings: RunConfig, rewards: list[float], shifts: list[int], smooth_window: int,
            pre_window: int, fraction: float) -> list[dict]:
     """Recovery per shift as a table artifact, the reward curve as a markdown artifact."""
     ends = [*shifts[1:], len(rewards)]
@@ -75,7 +75,7 @@ def report(settings: RunSettings, rewards: list[float], shifts: list[int], smoot
         key=artifact_key(settings.run_id, "recovery"),
         description=f"run {settings.run_id}: steps to recover {fraction:.0%} of the pre-shift reward")
     smoothed = online.smooth(rewards, smooth_window)
-    lines = [f"# Run {settings.run_id}: {settings.algorithm.value} under preference shifts at {shifts}", "",
+    lines = [f"# Run {settings.run_id}: {settings.algorithm.name.value} under preference shifts at {shifts}", "",
              "| step | batch reward | smoothed |", "|---:|---:|---:|"]
     lines += [f"| {s} | {rewards[s]:.3f} | {smoothed[s]:.3f} |" for s in range(0, len(rewards), 10)]
     create_markdown_artifact("\n".join(lines), key=artifact_key(settings.run_id, "reward-curve"),
@@ -92,7 +92,7 @@ def online_shift(
     batch_size: int = 8,
     max_staleness: int = 1,
     group_size: int = 1,
-    lr_policy: float = _DEFAULTS.lr_policy,
+    lr_policy: float = _DEFAULTS.algorithm.lr_policy,
     num_replicas: int = 1,
     max_in_flight: int = 16,
     max_tokens: int = 64,
@@ -101,17 +101,19 @@ def online_shift(
     pre_window: int = 20,
     fraction: float = 0.9,
     workdir: str = _DEFAULTS.workdir,
-    lake_root: str = _DEFAULTS.lake_root,
+    lake_root: str = _DEFAULTS.lake.root,
     seed: int = _DEFAULTS.seed,
 ) -> dict:
     """Train on style_preference while the preferred style shifts at ``shifts``; report the steps to
     recover ``fraction`` of the pre-shift reward after each shift."""
     if any(not 0 < s < steps for s in shifts):
         raise ValueError(f"shifts {shifts} must lie inside (0, steps={steps})")
-    settings = RunSettings(run_id=run_id, algorithm=algorithm, steps=steps, batch_size=batch_size,
-                           max_staleness=max_staleness, group_size=group_size, lr_policy=lr_policy,
-                           num_replicas=num_replicas, max_in_flight=max_in_flight, value_samples=0,
-                           workdir=workdir, lake_root=lake_root, seed=seed)
+    settings = RunConfig(run_id=run_id, workdir=workdir, seed=seed, lake={"root": lake_root},
+                         algorithm={"name": algorithm, "lr_policy": lr_policy},
+                         train={"steps": steps, "batch_size": batch_size, "max_staleness": max_staleness},
+                         rollout={"group_size": group_size, "num_replicas": num_replicas,
+                                  "max_in_flight": max_in_flight},
+                         value_pretraining={"samples": 0})
     online.shift_options(shifts)  # checks the shifts before any work
     policy_path = warm_start(settings, sft_steps)
     rewards = train(settings, policy_path, list(shifts), max_tokens)

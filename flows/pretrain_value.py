@@ -16,19 +16,19 @@ from prefect import flow, task
 
 from flows.train import show_pretrain_report, warm_start
 from sao import runs
-from sao.config import RunSettings
+from sao.config import RunConfig
 from sao.runtime import init_ray
 from sao.train.config import Algorithm
 from sao.train.pretrain import PretrainConfig, PretrainReport, ValueTarget, pretrain_value
 
-_DEFAULTS = RunSettings()
+_DEFAULTS = RunConfig()
 _PRETRAIN = PretrainConfig()
 
 
 @task(name="pretrain-value")
-def pretrain_task(settings: RunSettings, policy_path: str, pretrain: PretrainConfig) -> PretrainReport:
+def pretrain_task(settings: RunConfig, policy_path: str, pretrain: PretrainConfig) -> PretrainReport:
     """Fit and write the version-0 critic (writes a checkpoint: not retried)."""
-    init_ray(settings.ray())
+    init_ray(settings.ray_config())
     return pretrain_value(runs.pipeline_config(settings, policy_path).train, pretrain)
 
 
@@ -41,16 +41,16 @@ def pretrain_value_flow(
     epochs: int = _PRETRAIN.epochs,
     batch_size: int = _PRETRAIN.batch_size,
     target: ValueTarget = _PRETRAIN.target,
-    algorithm: Algorithm = _DEFAULTS.algorithm,
-    lr_policy: float = _DEFAULTS.lr_policy,
+    algorithm: Algorithm = _DEFAULTS.algorithm.name,
+    lr_policy: float = _DEFAULTS.algorithm.lr_policy,
     seed: int = _DEFAULTS.seed,
     workdir: str = _DEFAULTS.workdir,
-    lake_root: str = _DEFAULTS.lake_root,
-    ray_address: str | None = _DEFAULTS.ray_address,
+    lake_root: str = _DEFAULTS.lake.root,
+    ray_address: str | None = _DEFAULTS.ray.address,
 ) -> dict:
     """Pretrain the critic of run ``run_id`` on version-0 trajectories (of ``data_run_id`` when given)."""
-    settings = RunSettings(run_id=run_id, algorithm=algorithm, lr_policy=lr_policy, seed=seed, workdir=workdir,
-                           lake_root=lake_root, ray_address=ray_address)
+    settings = RunConfig(run_id=run_id, algorithm={"name": algorithm, "lr_policy": lr_policy}, seed=seed,
+                         workdir=workdir, lake={"root": lake_root}, ray={"address": ray_address})
     pretrain = PretrainConfig(num_samples=num_samples, heldout_fraction=heldout_fraction, epochs=epochs,
                               batch_size=batch_size, target=target, data_run_id=data_run_id)
     policy_path = warm_start(settings)

@@ -13,11 +13,12 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from flows.train import artifact_key
-from sao.config import RunSettings
+from sao.config import RunConfig
+from sao.lake.config import LakeConfig
 from sao.lake.store import Lake
 from sao.train.replay import RowSource, StepReplayReport, replay_steps
 
-_DEFAULTS = RunSettings()
+_DEFAULTS = RunConfig()
 
 
 class ReplayMismatchError(RuntimeError):
@@ -28,7 +29,7 @@ class ReplayMismatchError(RuntimeError):
 def replay_task(lake_root: str, run_id: str, first: int, last: int, checkpoint_root: str | None,
                 metric_tolerance: float) -> StepReplayReport:
     """Replay steps ``first`` .. ``last`` (reads only: safe to retry)."""
-    lake = Lake.open(RunSettings(lake_root=lake_root).lake(), create=False)
+    lake = Lake.open(LakeConfig(root=lake_root), create=False)
     return replay_steps(lake, run_id, first, last, checkpoint_root=checkpoint_root, source=RowSource.LAKE,
                         metric_tolerance=metric_tolerance)
 
@@ -46,7 +47,7 @@ def replay(
     run_id: str = _DEFAULTS.run_id,
     step: int = 0,
     last_step: int | None = None,
-    lake_root: str = _DEFAULTS.lake_root,
+    lake_root: str = _DEFAULTS.lake.root,
     checkpoint_root: str | None = None,
     metric_tolerance: float = 0.0,
 ) -> dict:

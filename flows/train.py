@@ -1,7 +1,10 @@
 """Prefect flow ``train``: warm start, value pretraining, asynchronous SAO training, evaluation, report.
 
-Each stage is a task calling a function of :mod:`sao.runs`; the flow's parameters are typed, so the
-Prefect UI shows them as a form. Re-running the flow with the same ``run_id`` resumes the run (every
+Each stage is a task calling a function of :mod:`sao.runs`. The flow's parameter is the run config
+(:class:`sao.config.RunConfig`), so the Prefect UI's run form is generated from it: one group per
+section, each field with its type, bounds, default and description. The run's start (or resume) is
+recorded in the lake's ``runs`` table with the resolved config; a resume that changes a setting that
+may not change (:data:`sao.config.RESUME_SAFE`) fails before any work. Re-running the flow with the same ``run_id`` resumes the run (every
 stage is idempotent: the warm start is reused, training continues from the last committed step), and
 so does retrying a crashed, failed or cancelled flow run from the UI (it runs again with the same
 parameters). A run that has reached its steps returns its recorded result at once.
@@ -26,12 +29,9 @@ from prefect.artifacts import (
 from prefect.states import Cancelled
 
 from sao import interrupt, runs
-from sao.config import RunSettings
-from sao.train.config import Algorithm
+from sao.config import RunConfig
 from sao.train.loop import StepReport
 from sao.train.pretrain import PretrainReport
-
-_DEFAULTS = RunSettings()
 
 
 def artifact_key(run_id: str, what: str) -> str:
@@ -41,7 +41,7 @@ def artifact_key(run_id: str, what: str) -> str:
 
 
 @task(name="warm-start")
-def warm_start(settings: RunSettings) -> str:
+def warm_start(settings: RunConfig) -> str:
     logger = get_run_logger()
     path = runs.warm_start(settings, on_log=lambda point: logger.info("SFT %s", point))
     logger.info("version-0 policy: %s", path)
@@ -49,7 +49,7 @@ def warm_start(settings: RunSettings) -> str:
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=5)  # reads a checkpoint only
-def evaluate(settings: RunSettings, version: int) -> runs.Evaluation:
+def evaluate(settings: RunConfig, version: int) -> runs.Evaluation:
     result = runs.evaluate(settings, version)
     get_run_logger().info("version %d: held-out accuracy %.3f ± %.3f", version, result.accuracy, result.stderr)
     return result
@@ -61,7 +61,7 @@ class Stopped(dict):
 
 
 @task(name="pretrain-value")  # writes the version-0 critic: not retried (a re-run of the flow resumes it)
-def pretrain_value(settings: RunSettings, policy_path: str) -> dict | None:
+def pretrain_value(settings: RunConfig, policy_path: str) -> dict | None:
     try:
         report = runs.pretrain_value(settings, policy_path)
     except interrupt.RunInterrupted as stopped:
@@ -100,19 +100,19 @@ METRICS_SHOWN = ("batch/reward_mean", "actor/kept_frac", "batch/staleness_mean",
 
 
 @task(name="train-async")
-def train_async(settings: RunSettings, policy_path: str) -> dict:
+def train_async(settings: RunConfig, policy_path: str) -> dict:
     logger = get_run_logger()
     progress = create_progress_artifact(0.0, key=artifact_key(settings.run_id, "progress"),
                                         description=f"actor updates of run {settings.run_id}")
     context = contextvars.copy_context()  # the step watcher runs in its own thread
 
     def publish(report: StepReport) -> None:
-        done = 100.0 * (report.step + 1) / max(settings.steps, 1)
+        done = 100.0 * (report.step + 1) / max(settings.train.steps, 1)
         update_progress_artifact(progress, min(done, 100.0))
         logger.info("step %d -> version %d: reward %.3f, kept %.3f, staleness %.2f", report.step, report.version,
                     report.metrics.get("batch/reward_mean", 0.0), report.metrics.get("actor/kept_frac", 0.0),
                     report.metrics.get("batch/staleness_mean", 0.0))
-        if report.step % 10 == 0 or report.step + 1 == settings.steps:
+        if report.step % 10 == 0 or report.step + 1 == settings.train.steps:
             rows = [{"metric": k, "value": round(report.metrics[k], 4)} for k in METRICS_SHOWN if k in report.metrics]
             create_table_artifact(rows, key=artifact_key(settings.run_id, "metrics"),
                                   description=f"metrics of step {report.step} (policy version {report.version})")
@@ -127,7 +127,7 @@ def train_async(settings: RunSettings, policy_path: str) -> dict:
 
 
 @task(name="report")
-def report(settings: RunSettings, evaluations: list[runs.Evaluation], trained: dict) -> str:
+def report(settings: RunConfig, evaluations: list[runs.Evaluation], trained: dict) -> str:
     plots, summary = runs.summarize(settings, evaluations)
     images = "\n".join(_inline_png(p) for p in plots if p.name == "learning_curve.png")
     markdown = f"{summary}\n\nTrained {trained['steps']} steps in {trained['wall_s']} s.\n\n{images}"
@@ -142,40 +142,19 @@ def _inline_png(path: Path) -> str:
 
 
 @flow(name="train", log_prints=True)
-def train(
-    run_id: str = _DEFAULTS.run_id,
-    steps: int = _DEFAULTS.steps,
-    algorithm: Algorithm = _DEFAULTS.algorithm,
-    batch_size: int = _DEFAULTS.batch_size,
-    max_staleness: int = _DEFAULTS.max_staleness,
-    group_size: int = _DEFAULTS.group_size,
-    synchronous: bool = _DEFAULTS.synchronous,
-    lr_policy: float = _DEFAULTS.lr_policy,
-    num_replicas: int = _DEFAULTS.num_replicas,
-    trainer_workers: int = _DEFAULTS.trainer_workers,
-    replica_resources: dict[str, float] | None = None,
-    trainer_resources: dict[str, float] | None = None,
-    eval_tasks: int = _DEFAULTS.eval_tasks,
-    value_samples: int = _DEFAULTS.value_samples,
-    workdir: str = _DEFAULTS.workdir,
-    lake_root: str = _DEFAULTS.lake_root,
-    ray_address: str | None = _DEFAULTS.ray_address,
-    seed: int = _DEFAULTS.seed,
-) -> dict:
+def train(config: RunConfig = RunConfig(), sources: dict[str, str] | None = None) -> dict:  # noqa: B008
     """Warm-start, pretrain the critic on version-0 rollouts, train asynchronously with SAO (or a
-    baseline), evaluate before and after, report."""
-    settings = RunSettings(run_id=run_id, steps=steps, algorithm=algorithm, batch_size=batch_size,
-                           max_staleness=max_staleness, group_size=group_size, synchronous=synchronous,
-                           lr_policy=lr_policy, num_replicas=num_replicas,
-                           trainer_workers=trainer_workers, eval_tasks=eval_tasks, value_samples=value_samples,
-                           replica_resources=replica_resources or {}, trainer_resources=trainer_resources or {},
-                           workdir=workdir,
-                           lake_root=lake_root, ray_address=ray_address, seed=seed)
+    baseline), evaluate before and after, report. ``sources``: where each setting not at its default
+    came from (recorded with the config in the lake's ``runs`` table)."""
+    settings = config
+    run_id = config.run_id
     done = runs.finished(settings)
     if done is not None:
         get_run_logger().info("run %s finished already (%d steps, version %d); nothing to do",
                               run_id, done["steps"], done["version"])
         return done
+    event = runs.record_start(config, sources)
+    get_run_logger().info("run %s: %s (config recorded in the lake's runs table)", run_id, event)
     policy_path = warm_start(settings)
     before = evaluate(settings, 0)
     pretrained = pretrain_value(settings, policy_path)

@@ -61,10 +61,11 @@ def bench(ctx: typer.Context, name: str = typer.Argument("--help", help="Benchma
 
 
 # Training runs: `sao train` and `sao demo` (sao/runs_cli.py), both through the Prefect flow `train`.
-from sao.runs_cli import demo, train  # noqa: E402
+from sao.runs_cli import config_app, demo, train  # noqa: E402
 
 app.command()(train)
 app.command()(demo)
+app.add_typer(config_app, name="config")
 
 # The lake: `sao sql "<query>"` and `sao lake tables|versions|counts|examples|compact|vacuum`
 # (sao/lake/cli.py).

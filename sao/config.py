@@ -1,102 +1,280 @@
-"""What a user sets for a training run: one typed place for the defaults that the CLI, the Prefect
-flows and the demo share. Component settings live beside their components (``UpdateConfig``,
-``TrainConfig``, ``AgentConfig``, ``LakeConfig``, ``RayConfig``); :class:`RunSettings` picks the few a
-run needs and builds them, so each default is written once.
+"""The run config: one typed model (:class:`RunConfig`) of everything a training run takes, shared
+by ``sao train``, the Prefect flows (their UI form is generated from it) and the lake (``runs`` table).
 
-Defaults run on a laptop (2 cores): the math_tool task, the tiny policy, a local Ray, a ``./lake``
-folder, run files under ``./runs/<run_id>``.
+Sections: ``sft`` (the built-in policy's warm start), ``rollout`` (replicas, budgets, sampling),
+``algorithm`` (every :class:`~sao.train.config.UpdateConfig` field), ``train`` (steps, batch, staleness,
+workers), ``value_pretraining``, ``eval``, ``lake``, ``ray`` and ``retention`` (every
+:class:`~sao.train.retention.RetentionConfig` field), plus ``run_id``, ``workdir`` and ``seed``.
+
+**One place for each default.** A setting that a component config also has takes the component's
+default (:func:`default_of`), and :data:`BUILDS` names the component fields each setting is built
+into; ``tests/test_config.py`` fails when a default is written out a second time or disagrees. The
+``algorithm`` and ``retention`` sections are generated from their dataclasses, so a new field there
+is a new setting here with no other edit. The defaults are the components' (the paper's where they
+transfer); ``configs/demo.yaml`` holds what the laptop demo changes (``sao demo``, ``make demo``).
+
+**Where values come from.** :func:`resolve` layers, lowest first: the defaults, a YAML (or JSON) file,
+``--set section.key=value`` overrides, the CLI's shorthand flags; it returns the config and the
+source of every key that is not a default. An unknown key, a wrong type or a value out of range is a
+:class:`ConfigError` listing every problem with its dotted key, the value given and what is allowed.
+
+**No secrets.** Object-store credentials and options come from the environment only (``AWS_*`` and
+the like, read by delta-rs), never from the config, so the stored config can hold none.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import typing
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from sao.lake.config import LakeConfig
+from sao.pipeline import PipelineConfig
 from sao.rollout.agent import AgentConfig
+from sao.rollout.driver import DriverConfig
 from sao.runtime import RayConfig
-from sao.train.config import Algorithm, UpdateConfig
+from sao.train.config import UpdateConfig
+from sao.train.evaluate import EvalConfig
+from sao.train.loop import TrainConfig
+from sao.train.pretrain import PretrainConfig
+from sao.train.retention import RetentionConfig
+from sao.train.sft import SFTConfig
 from schemas.trajectories import RUN_ID_PATTERN
 
-__all__ = ["RunSettings"]
+__all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "ConfigError", "RunConfig", "changed_keys", "default_of",
+           "demo_config", "from_data", "leaves", "show",
+           "load_file", "resolve"]
+
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+"""The laptop demo's config (``sao demo``, ``make demo``), in the source checkout."""
+
+RESUME_SAFE = ("train.steps", "eval.tasks", "ray.address", "ray.num_cpus", "rollout.num_replicas",
+               "rollout.resources", "rollout.max_in_flight", "train.workers", "train.resources")
+"""Keys a resumed run may change (how far to train, where it runs, how it is evaluated); any other
+change is refused: the run's steps must stay replayable with one configuration. ``lake.root`` and
+``workdir`` name where the run is, so they cannot differ on a resume at all."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RunSettings:
-    """A training run.
+class ConfigError(ValueError):
+    """A config that cannot be used: every problem, one per line, each with its dotted key."""
 
-    Attributes:
-        run_id: names the run in every table; re-running with the same id resumes it.
-        workdir: run files go to ``<workdir>/<run_id>/`` (SFT policy, checkpoints, plots).
-        lake_root: the lake: a folder or an ``s3://bucket/prefix`` URI.
-        storage_options: object-store options for an ``s3://`` lake (credentials come from the
-            environment or the provider's chain when omitted; they are never written to the lake).
-        ray_address: None starts a local Ray; ``"auto"`` or ``"ray://host:10001"`` joins a cluster.
-        algorithm: ``sao`` or a baseline (``grpo``, ``grpo_dis``, ``ppo_async``, ``running_mean``).
-        steps: actor updates.
-        batch_size: trajectories per update.
-        max_staleness: versions a trajectory may lag when trained on.
-        lr_policy: policy learning rate.
-        bootstrap_reasons: ends bootstrapped with V(s_end); the math demo treats running out of
-            tokens or turns as failure (its budgets are four times what an answer needs).
-        num_replicas: Serve rollout replicas.
-        trainer_workers: Ray Train workers.
-        replica_resources, trainer_resources: custom Ray resources each rollout replica / trainer
-            worker needs (placement on a cluster: docs/SCALING.md); empty: any node with the CPUs.
-        max_in_flight: trajectories generated at once.
-        group_size: rollouts per task, launched together (GRPO's groups; 1 for SAO).
-        synchronous: synchronous RL, the comparison baseline (needs ``max_staleness`` 0): one batch per
-            version, each rollout sampled by the trainer's current policy
-            (:class:`sao.pipeline.PipelineConfig`).
-        eval_tasks: held-out tasks for the accuracy before and after.
-        value_samples: version-0 rollouts value pretraining fits the critic on before the first step
-            (0 skips value pretraining; the paper used about 6k).
-        sft_seed: seed of the SFT warm start.
-        seed: seed of the run (task order, sampling, torch).
-    """
+
+def default_of(component: type, name: str) -> Any:
+    """The default of dataclass field ``name`` of ``component`` (where a setting's default lives)."""
+    for field in dataclasses.fields(component):
+        if field.name == name:
+            if field.default is not dataclasses.MISSING:
+                return field.default
+            if field.default_factory is not dataclasses.MISSING:
+                return field.default_factory()
+            raise TypeError(f"{component.__name__}.{name} has no default")
+    raise TypeError(f"{component.__name__} has no field {name!r}")
+
+
+def attribute_docs(component: type) -> dict[str, str]:
+    """Field descriptions from the ``Attributes:`` block of a dataclass's docstring (Google style;
+    an entry may name several fields: ``eps_low, eps_high: ...``)."""
+    doc = component.__doc__ or ""
+    _, found, block = doc.partition("Attributes:")
+    if not found:
+        return {}
+    docs: dict[str, str] = {}
+    names: list[str] = []
+    for line in block.splitlines():
+        entry = re.match(r"^\s{4,8}([a-z_][a-z0-9_, ]*):\s*(.*)$", line)
+        if entry and not line.startswith(" " * 12):
+            names = [n.strip() for n in entry.group(1).split(",")]
+            for name in names:
+                docs[name] = entry.group(2).strip()
+        elif line.strip() and names:
+            for name in names:
+                docs[name] += " " + line.strip()
+        elif not line.strip() and docs:
+            names = []
+    return {name: re.sub(r"``([^`]*)``", r"\1", text) for name, text in docs.items()}
+
+
+class Section(BaseModel):
+    """A section of the run config: unknown keys are refused, values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
+                              validate_default=True)
+
+
+class DerivedSection(Section):
+    """A section generated from a component dataclass (:func:`derived_section`): the same fields,
+    types, defaults and descriptions; the component's own checks validate it."""
+
+    component: ClassVar[type]
+    renamed: ClassVar[dict[str, str]] = {}  # section key -> component field
+
+    @model_validator(mode="after")
+    def _component_accepts(self) -> DerivedSection:
+        self.build()  # a ValueError from the component's checks is a validation error of the section
+        return self
+
+    def build(self) -> Any:
+        """The component config these values make."""
+        return self.component(**{self.renamed.get(key, key): getattr(self, key)
+                                 for key in type(self).model_fields})
+
+
+def derived_section(component: type, name: str, doc: str, renamed: Mapping[str, str] | None = None
+                    ) -> type[DerivedSection]:
+    renamed = dict(renamed or {})
+    to_key = {field: key for key, field in renamed.items()}
+    hints = typing.get_type_hints(component)
+    docs = attribute_docs(component)
+    fields = {to_key.get(f.name, f.name): (hints[f.name], Field(default_of(component, f.name),
+                                                                description=docs.get(f.name)))
+              for f in dataclasses.fields(component)}
+    model = create_model(name, __base__=DerivedSection, __doc__=doc, **fields)
+    model.component = component
+    model.renamed = renamed
+    return model
+
+
+AlgorithmSection = derived_section(
+    UpdateConfig, "AlgorithmSection", "The algorithm (`name`: sao or a baseline) and every setting of its update.",
+    renamed={"name": "algorithm"})
+RetentionSection = derived_section(
+    RetentionConfig, "RetentionSection", "Which old checkpoint parts are pruned as the run goes.")
+
+
+class SFTSection(Section):
+    """The SFT warm start of the built-in policy (its version 0)."""
+
+    seed: int = default_of(SFTConfig, "seed")
+    """Seed of the warm start (policy initialisation and batch order)."""
+
+
+class RolloutSection(Section):
+    """Rollout replicas (Ray Serve), the agent loop's budgets and its sampling."""
+
+    num_replicas: int = Field(default_of(PipelineConfig, "num_replicas"), ge=1)
+    """Serve rollout replicas."""
+    resources: dict[str, float] = Field(default_factory=lambda: default_of(PipelineConfig, "resources_per_replica"))
+    """Custom Ray resources each replica needs, e.g. {rollout: 1} (placement: docs/SCALING.md); empty: any node."""
+    max_in_flight: int = Field(default_of(PipelineConfig, "max_in_flight"), ge=1)
+    """Trajectories generated at once across replicas."""
+    group_size: int = Field(default_of(PipelineConfig, "group_size"), ge=1)
+    """Rollouts per task, launched together (GRPO's groups; 1 for SAO)."""
+    max_tokens: int = Field(default_of(AgentConfig, "max_tokens"), ge=1)
+    """Completion budget of a trajectory (action and observation tokens together)."""
+    max_turns: int = Field(default_of(AgentConfig, "max_turns"), ge=1)
+    """Most action segments of a trajectory."""
+    timeout_s: float = Field(default_of(AgentConfig, "timeout_s"), gt=0)
+    """Wall-clock budget of a trajectory."""
+    temperature: float = Field(default_of(AgentConfig, "temperature"), ge=0)
+    """Sampling temperature (recorded with every trajectory)."""
+    top_k: int = Field(default_of(AgentConfig, "top_k"), ge=0)
+    """Top-k sampling (0: off)."""
+    top_p: float = Field(default_of(AgentConfig, "top_p"), gt=0, le=1)
+    """Nucleus sampling (1: off)."""
+
+
+class TrainSection(Section):
+    """The trainer: how many updates of what size, on how stale data, on how many workers."""
+
+    steps: int = Field(default_of(TrainConfig, "total_steps"), ge=0)
+    """Actor updates of the run (a resumed run continues to this count)."""
+    batch_size: int = Field(default_of(TrainConfig, "batch_size"), ge=1)
+    """Trajectories per actor update."""
+    max_staleness: int = Field(default_of(TrainConfig, "max_staleness"), ge=0)
+    """Most policy versions a trajectory may lag when trained on."""
+    synchronous: bool = default_of(PipelineConfig, "synchronous")
+    """Synchronous RL, the comparison baseline (needs max_staleness 0): one batch per version."""
+    workers: int = Field(default_of(TrainConfig, "num_workers"), ge=1)
+    """Ray Train workers (data parallel)."""
+    resources: dict[str, float] = Field(default_factory=lambda: default_of(TrainConfig, "resources_per_worker"))
+    """Custom Ray resources each trainer worker needs, e.g. {trainer: 1}; empty: any node."""
+
+
+class ValuePretrainingSection(Section):
+    """Value pretraining: the critic fitted on version-0 rollouts before the first step."""
+
+    samples: int = Field(default_of(PretrainConfig, "num_samples"), ge=0)
+    """Version-0 rollouts the critic is fitted on (0 skips value pretraining; the paper used about 6k)."""
+
+
+class EvalSection(Section):
+    """Held-out accuracy before and after training."""
+
+    tasks: int = Field(default_of(EvalConfig, "num_tasks"), ge=1)
+    """Held-out tasks evaluated (sampled at temperature 1)."""
+
+
+class LakeSection(Section):
+    """The lake. Object-store options and credentials come from the environment only (AWS_* and the
+    like), never from here."""
+
+    root: str = Field(default_of(LakeConfig, "root"), min_length=1)
+    """A folder or an s3://bucket/prefix URI."""
+
+
+class RaySection(Section):
+    """Where Ray runs."""
+
+    address: str | None = default_of(RayConfig, "address")
+    """None starts a local Ray; "auto" or "ray://host:10001" joins a cluster."""
+    num_cpus: int | None = Field(default_of(RayConfig, "num_cpus"), ge=1)
+    """CPUs of a local Ray (None: all of the machine's)."""
+
+
+class RunConfig(Section):
+    """A training run: re-running with the same run id resumes it."""
 
     run_id: str = "demo"
-    workdir: str = "runs"
-    lake_root: str = "lake"
-    storage_options: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)  # never in a repr
-    ray_address: str | None = None
-    algorithm: Algorithm = Algorithm.SAO
-    steps: int = 150
-    batch_size: int = 32
-    max_staleness: int = 2
-    lr_policy: float = 2e-4
-    bootstrap_reasons: tuple[str, ...] = ("timeout", "cancelled", "error")
-    num_replicas: int = 2
-    trainer_workers: int = 1
-    replica_resources: dict[str, float] = dataclasses.field(default_factory=dict)
-    trainer_resources: dict[str, float] = dataclasses.field(default_factory=dict)
-    max_in_flight: int = 64
-    group_size: int = 1
-    synchronous: bool = False
-    eval_tasks: int = 300
-    value_samples: int = 256
-    sft_seed: int = 0
-    seed: int = 0
+    """Names the run in every table and its folder under workdir; an existing run resumes (letters,
+    digits, '.', '_', '-'; at most 128; not '.'-led)."""
+    workdir: str = Field("runs", min_length=1)
+    """Run files go to workdir/run_id (warm start, checkpoints, plots)."""
+    seed: int = default_of(TrainConfig, "seed")
+    """Seed of the run (task order, sampling, torch, evaluation)."""
+    sft: SFTSection = SFTSection()
+    rollout: RolloutSection = RolloutSection()
+    algorithm: AlgorithmSection = AlgorithmSection()  # type: ignore[valid-type]
+    train: TrainSection = TrainSection()
+    value_pretraining: ValuePretrainingSection = ValuePretrainingSection()
+    eval: EvalSection = EvalSection()
+    lake: LakeSection = LakeSection()
+    ray: RaySection = RaySection()
+    retention: RetentionSection = RetentionSection()  # type: ignore[valid-type]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or re.fullmatch(RUN_ID_PATTERN, self.run_id) is None:
-            # It names a folder under workdir (and a partition): '../x' or '/x' would leave both.
-            raise ValueError(f"run_id {self.run_id!r} is not a valid run id: it must match {RUN_ID_PATTERN}")
-        object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
-        object.__setattr__(self, "bootstrap_reasons", tuple(self.bootstrap_reasons))
-        for name in ("batch_size", "num_replicas", "trainer_workers", "max_in_flight", "eval_tasks", "group_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.steps}")
-        if self.batch_size % self.group_size:
-            raise ValueError(f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
-        if self.synchronous and self.max_staleness != 0:
-            raise ValueError(f"synchronous runs need max_staleness 0, got {self.max_staleness}")
-        if self.value_samples != 0 and self.value_samples < 2:
-            raise ValueError(f"value_samples must be 0 (no value pretraining) or >= 2, got {self.value_samples}")
+    @field_validator("run_id")
+    @classmethod
+    def _valid_run_id(cls, run_id: str) -> str:
+        if re.fullmatch(RUN_ID_PATTERN, run_id) is None:  # it names a folder and a partition
+            raise ValueError(f"{run_id!r} is not a valid run id: it must match {RUN_ID_PATTERN}")
+        return run_id
 
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.train.batch_size % self.rollout.group_size:
+            raise ValueError(f"train.batch_size {self.train.batch_size} is not a multiple of rollout.group_size "
+                             f"{self.rollout.group_size}: a batch would split a group")
+        if self.train.synchronous and self.train.max_staleness != 0:
+            raise ValueError(f"train.synchronous needs train.max_staleness 0, got {self.train.max_staleness}")
+        if self.value_pretraining.samples == 1:
+            raise ValueError("value_pretraining.samples must be 0 (no value pretraining) or >= 2, got 1")
+        return self
+
+    # Where the run's files go.
     @property
     def run_dir(self) -> Path:
         return Path(self.workdir) / self.run_id
@@ -113,22 +291,237 @@ class RunSettings:
     def plots_dir(self) -> Path:
         return self.run_dir / "plots"
 
-    def public(self) -> dict[str, object]:
-        """The settings as a dict for results, artifacts and logs: everything but ``storage_options``
-        (they may hold credentials)."""
-        data = dataclasses.asdict(self)
-        del data["storage_options"]
-        return data
+    # The component configs it builds (BUILDS lists which setting goes where).
+    def public(self) -> dict[str, Any]:
+        """The config as plain JSON data (what the ``runs`` table, results and logs hold)."""
+        return self.model_dump(mode="json")
 
-    def lake(self) -> LakeConfig:
-        return LakeConfig(root=self.lake_root, storage_options=dict(self.storage_options))
+    def lake_config(self) -> LakeConfig:
+        return LakeConfig(root=self.lake.root)
 
-    def ray(self) -> RayConfig:
-        return RayConfig(address=self.ray_address)
+    def ray_config(self) -> RayConfig:
+        return RayConfig(address=self.ray.address, num_cpus=self.ray.num_cpus)
 
     def update(self) -> UpdateConfig:
-        return UpdateConfig(algorithm=self.algorithm, lr_policy=self.lr_policy,
-                            bootstrap_reasons=self.bootstrap_reasons)
+        return self.algorithm.build()
 
     def agent(self) -> AgentConfig:
-        return AgentConfig(max_tokens=96, max_turns=4)
+        r = self.rollout
+        return AgentConfig(max_tokens=r.max_tokens, max_turns=r.max_turns, timeout_s=r.timeout_s,
+                           temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+    def retention_config(self) -> RetentionConfig:
+        return self.retention.build()
+
+    def with_values(self, values: Mapping[str, Any]) -> RunConfig:
+        """A copy with dotted keys set (``{"train.steps": 10}``), validated like a file."""
+        data = self.public()
+        for key, value in values.items():
+            _set_dotted(data, key, value)
+        return from_data(data, {key: "given" for key in values})
+
+
+BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
+    "seed": ((TrainConfig, "seed"), (PipelineConfig, "seed"), (EvalConfig, "seed")),
+    "sft.seed": ((SFTConfig, "seed"),),
+    "rollout.num_replicas": ((PipelineConfig, "num_replicas"),),
+    "rollout.resources": ((PipelineConfig, "resources_per_replica"),),
+    "rollout.max_in_flight": ((PipelineConfig, "max_in_flight"), (DriverConfig, "max_in_flight")),
+    "rollout.group_size": ((PipelineConfig, "group_size"),),
+    "rollout.max_tokens": ((AgentConfig, "max_tokens"),),
+    "rollout.max_turns": ((AgentConfig, "max_turns"), (EvalConfig, "max_turns")),
+    "rollout.timeout_s": ((AgentConfig, "timeout_s"),),
+    "rollout.temperature": ((AgentConfig, "temperature"),),
+    "rollout.top_k": ((AgentConfig, "top_k"),),
+    "rollout.top_p": ((AgentConfig, "top_p"),),
+    **{f"algorithm.{key}": ((UpdateConfig, AlgorithmSection.renamed.get(key, key)),)
+       for key in AlgorithmSection.model_fields},
+    "train.steps": ((TrainConfig, "total_steps"),),
+    "train.batch_size": ((TrainConfig, "batch_size"), (DriverConfig, "batch_size")),
+    "train.max_staleness": ((TrainConfig, "max_staleness"), (DriverConfig, "max_staleness")),
+    "train.synchronous": ((PipelineConfig, "synchronous"), (DriverConfig, "synchronous")),
+    "train.workers": ((TrainConfig, "num_workers"),),
+    "train.resources": ((TrainConfig, "resources_per_worker"),),
+    "value_pretraining.samples": ((PretrainConfig, "num_samples"),),
+    "eval.tasks": ((EvalConfig, "num_tasks"),),
+    "lake.root": ((LakeConfig, "root"),),
+    "ray.address": ((RayConfig, "address"),),
+    "ray.num_cpus": ((RayConfig, "num_cpus"),),
+    **{f"retention.{f.name}": ((RetentionConfig, f.name),) for f in dataclasses.fields(RetentionConfig)},
+}
+"""Each setting -> the component fields it is built into (``run_id`` and ``workdir`` are the run's own)."""
+
+
+def leaves(model: BaseModel, prefix: str = "", *, json_values: bool = False) -> dict[str, Any]:
+    """Every setting of ``model`` by dotted key (``json_values``: as JSON data, enums as strings)."""
+    found: dict[str, Any] = {}
+    data = model.model_dump(mode="json") if json_values else None
+    for key in type(model).model_fields:
+        value = getattr(model, key)
+        if isinstance(value, Section):
+            found.update(leaves(value, f"{prefix}{key}.", json_values=json_values))
+        else:
+            found[prefix + key] = data[key] if data is not None else value
+    return found
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parents[:i + 1])}: is a setting, not a section (in {key!r})")
+        node = child
+    node[last] = value
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[str]:
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value and prefix + key not in _DICT_SETTINGS:
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key
+
+
+_DICT_SETTINGS = frozenset({"rollout.resources", "train.resources"})
+
+
+def _format_errors(error: ValidationError, origin: Mapping[str, str]) -> str:
+    lines = []
+    for item in error.errors(include_url=False):
+        key = ".".join(str(part) for part in item["loc"]) or "(config)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            parent = key.rpartition(".")[0]
+            section = _section_at(parent)
+            known = ", ".join(sorted(section.model_fields)) if section is not None else ""
+            where_known = parent or "the top level"
+            message = f"unknown key; {where_known} has: {known}" if known else "unknown key"
+        elif item["loc"] and key in _SECTION_KEYS:
+            # A check of a whole section (a component's __post_init__): name the key it is about.
+            named = next((name for name in _section_at(key).model_fields if message.startswith(name)), None)
+            key = f"{key}.{named}" if named else key
+        where = origin.get(key)
+        value = item.get("input")
+        shown = "" if item["type"] == "extra_forbidden" or isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"{key}: {message}{shown}{f' [from {where}]' if where else ''}")
+    return "\n".join(lines)
+
+
+_SECTION_KEYS = frozenset(key for key, field in RunConfig.model_fields.items()
+                          if isinstance(field.annotation, type) and issubclass(field.annotation, Section))
+
+
+def _section_at(key: str) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in filter(None, key.split(".")):
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def from_data(data: Mapping[str, Any], origin: Mapping[str, str] | None = None) -> RunConfig:
+    """A config from plain data (a parsed file); ``origin``: where each dotted key came from, for the
+    messages of a :class:`ConfigError`."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_errors(error, origin or {})) from None
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """A config file's data (YAML, which JSON is a subset of)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """``"algorithm.eps_high=4.0"`` -> ``("algorithm.eps_high", 4.0)``: the value is read as YAML
+    (numbers, true/false, null, [lists], {maps}); anything else is a string."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*", key):
+        raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. train.steps=10")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key, value
+
+
+def resolve(path: str | Path | None = None, sets: Sequence[str] = (),
+            flags: Mapping[str, tuple[str, Any]] | None = None) -> tuple[RunConfig, dict[str, str]]:
+    """The config from the defaults, then ``path``, then ``--set`` items, then shorthand ``flags``
+    (dotted key -> (flag, value); a None value is a flag not given), and where each key that is not
+    at its default came from.
+
+    Raises:
+        ConfigError: every problem found, each with its dotted key, value and what is allowed.
+    """
+    data: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if path is not None:
+        data = load_file(path)
+        origin.update(dict.fromkeys(_flatten(data), str(path)))
+    for item in sets:
+        key, value = parse_set(item)
+        _set_dotted(data, key, value)
+        origin[key] = f"--set {item}"
+    for key, (flag, value) in (flags or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+            origin[key] = flag
+    return from_data(data, origin), origin
+
+
+def show(config: RunConfig, origin: Mapping[str, str]) -> str:
+    """``config`` as YAML, each key that is not at its default commented with where it came from."""
+    lines: list[str] = []
+    section = None
+    for key, value in leaves(config, json_values=True).items():
+        head, _, name = key.rpartition(".")
+        if head != section:
+            if head:
+                lines.append(f"{head}:")
+            section = head
+        text = json.dumps(value)
+        note = f"  # {origin[key]}" if key in origin else ""
+        lines.append(f"{'  ' if head else ''}{name}: {text}{note}")
+    return "\n".join(lines)
+
+
+def demo_config() -> RunConfig:
+    """The laptop demo's config (:data:`DEMO_CONFIG`)."""
+    if not DEMO_CONFIG.exists():
+        raise ConfigError(f"the demo config {DEMO_CONFIG} is missing: it ships with the source checkout "
+                          "(configs/demo.yaml); run `sao train --config FILE` with a config of your own")
+    return resolve(DEMO_CONFIG)[0]
+
+
+def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ between two configs' JSON data (:meth:`RunConfig.public`)."""
+    def flat(data: Mapping[str, Any]) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for key in _flatten(data):
+            node: Any = data
+            for part in key.split("."):
+                node = node[part]
+            values[key] = node
+        return values
+
+    before, after = flat(old), flat(new)
+    return {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
+            if json.dumps(before.get(key), sort_keys=True) != json.dumps(after.get(key), sort_keys=True)}

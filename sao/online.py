@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sao.config import RunSettings
+from sao.config import RunConfig
 from sao.pipeline import PipelineConfig
 
 __all__ = ["online_pipeline", "recovery", "shift_options", "smooth", "style_tasks", "style_warm_start"]
@@ -64,7 +64,7 @@ def shift_options(shifts: Sequence[int]) -> dict[str, dict[str, Any]]:
     return {"style_preference": {"judge": {"schedule": {"styles": styles, "shift_steps": list(shifts)}}}}
 
 
-def online_pipeline(settings: RunSettings, policy_path: str | Path, shifts: Sequence[int], tasks_file: str | Path,
+def online_pipeline(settings: RunConfig, policy_path: str | Path, shifts: Sequence[int], tasks_file: str | Path,
                     max_tokens: int = 64) -> PipelineConfig:
     """The pipeline of a style_preference run with shifts at ``shifts``: one turn per episode, the
     shift schedule in the rollouts' environment options and in the run's stored settings (so a

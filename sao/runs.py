@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sao import interrupt
-from sao.config import RunSettings
+from sao.config import RESUME_SAFE, ConfigError, RunConfig, changed_keys, leaves
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
@@ -35,10 +35,9 @@ from sao.runtime import init_ray
 from sao.train.checkpoint import checkpoint_dir
 from sao.train.loop import StepReport, TrainConfig, prepare_run
 from sao.train.pretrain import PretrainReport
-from sao.train.retention import RetentionConfig
 from sao.train.run_config import RolloutSettings
 
-__all__ = ["Evaluation", "evaluate", "finished", "math_tasks", "pipeline_config", "policy_dir", "pretrain_value",
+__all__ = ["Evaluation", "check_resume", "evaluate", "finished", "record_start", "math_tasks", "pipeline_config", "policy_dir", "pretrain_value",
            "record_finished", "summarize", "train_async", "value_data_run", "warm_start"]
 
 RESULT_FILE = "result.json"
@@ -54,17 +53,76 @@ def math_tasks(split: Split | str, path: str | Path | None = None) -> list[Task]
     return [t for t in tasks if t.split is Split(split)]
 
 
-def tasks_path(settings: RunSettings) -> Path:
+def tasks_path(config: RunConfig) -> Path:
     """The run's task file (JSON Lines): what the rollouts draw from and trajectory replay re-scores."""
-    return settings.run_dir / "math_tool.jsonl"
+    return config.run_dir / "math_tool.jsonl"
 
 
-def warm_start(settings: RunSettings, on_log: Callable | None = None) -> Path:
+def latest_config(lake: Lake, run_id: str) -> dict | None:
+    """The config of run ``run_id``'s latest row in ``runs`` (None: the run has none)."""
+    rows = lake.read("runs", columns=["started_at", "config"],
+                     predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    if not rows:
+        return None
+    return json.loads(max(rows, key=lambda row: row["started_at"])["config"])
+
+
+def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple] | None:
+    """What a start of ``config`` changes from the run's latest recorded config (None: the run has no
+    recorded config, this is its start).
+
+    Raises:
+        ConfigError: a changed key is not among :data:`sao.config.RESUME_SAFE`; the message names
+            each with its recorded and its new value.
+    """
+    lake = lake or Lake.open(config.lake_config())
+    stored = latest_config(lake, config.run_id)
+    if stored is None:
+        return None
+    changed = changed_keys(stored, config.public())
+    refused = {key: values for key, values in changed.items() if key not in RESUME_SAFE}
+    if refused:
+        lines = "\n".join(f"  {key}: recorded {before!r}, now {after!r}" for key, (before, after) in refused.items())
+        raise ConfigError(
+            f"run {config.run_id!r} exists with other settings; a resumed run may change only "
+            f"{', '.join(RESUME_SAFE)}. Changed:\n{lines}\nResume with the recorded settings "
+            f"(sao sql \"SELECT config FROM runs WHERE run_id = '{config.run_id}'\"), or start a new run id.")
+    return changed
+
+
+def record_start(config: RunConfig, sources: dict[str, str] | None = None, notes: str | None = None,
+                 lake: Lake | None = None) -> str:
+    """Check a start of ``config`` (:func:`check_resume`) and append its row to ``runs``; returns the
+    event (``start`` or ``resume``). ``lake``: the run's lake opened already (default: opened from
+    ``config.lake``, with object-store options from the environment)."""
+    import pyarrow as pa
+
+    from sao import __version__
+    from sao.lake.commit import append_blind
+    from sao.lake.records import utc_now
+    from schemas import runs as runs_table
+
+    lake = lake or Lake.open(config.lake_config())
+    changed = check_resume(config, lake)
+    resumed = changed is not None or config.checkpoint_root.exists()
+    event = runs_table.RESUME if resumed else runs_table.START
+    row = {"run_id": config.run_id, "event": event, "started_at": utc_now(),
+           "config": json.dumps(config.public(), sort_keys=True),
+           "settings": [(key, json.dumps(value)) for key, value in leaves(config, json_values=True).items()],
+           "sources": json.dumps(sources or {}, sort_keys=True),
+           "changed": None if changed is None else json.dumps(changed, sort_keys=True), "notes": notes,
+           "sao_version": __version__, "schema_version": runs_table.SCHEMA_VERSION}
+    append_blind(lake, "runs", pa.Table.from_pylist([row], schema=runs_table.SCHEMA))
+    log.info("run %s: %s recorded in the lake's runs table", config.run_id, event)
+    return event
+
+
+def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
     """The run's version-0 policy directory: SFT warm start unless it already exists."""
     from sao.models.policy import read_policy_metadata
     from sao.train.sft import SFTConfig, sft_warm_start
 
-    path = settings.sft_dir
+    path = config.sft_dir
     if (path / "config.json").exists() and read_policy_metadata(path) is not None:
         log.info("warm start: reusing %s", path)
         return path
@@ -73,7 +131,7 @@ def warm_start(settings: RunSettings, on_log: Callable | None = None) -> Path:
     for leftover in (partial, path):
         if leftover.exists():
             shutil.rmtree(leftover)
-    sft_warm_start(SFTConfig(seed=settings.sft_seed), partial, on_log=on_log)
+    sft_warm_start(SFTConfig(seed=config.sft.seed), partial, on_log=on_log)
     partial.rename(path)
     return path
 
@@ -90,39 +148,39 @@ def _absolute_lake(lake: LakeConfig) -> LakeConfig:
     return lake if "://" in lake.root else dataclasses.replace(lake, root=str(Path(lake.root).resolve()))
 
 
-def pipeline_config(settings: RunSettings, policy_path: str | Path) -> PipelineConfig:
-    """The pipeline of ``settings``. Local paths are made absolute here: Ray Train workers run in
+def pipeline_config(config: RunConfig, policy_path: str | Path) -> PipelineConfig:
+    """The pipeline of ``config``. Local paths are made absolute here: Ray Train workers run in
     their own working directory, where ``runs/...`` or ``lake`` would name nothing.
 
-    Checkpoints are pruned as the run goes (:class:`~sao.train.retention.RetentionConfig`'s defaults):
+    Checkpoints are pruned as the run goes (the ``retention`` section; by default:
     every version keeps its policy weights (trajectory replay, evaluation), and the full state
     (critic, optimisers) stays for version 0, the newest versions and every ``keep_every``-th, which
-    is what step replay and resume start from. Kept whole, a 150-step demo's checkpoints took about
+    is what step replay and resume start from). Kept whole, a 150-step demo's checkpoints took about
     2 GB."""
     train = TrainConfig(
-        run_id=settings.run_id, lake=_absolute_lake(settings.lake()),
-        checkpoint_root=str(settings.checkpoint_root.resolve()),
-        policy_path=str(Path(policy_path).resolve()), update=settings.update(), batch_size=settings.batch_size,
-        max_staleness=settings.max_staleness, total_steps=settings.steps, seed=settings.seed,
-        num_workers=settings.trainer_workers, resources_per_worker=dict(settings.trainer_resources),
-        rollout=RolloutSettings(tasks_path=str(tasks_path(settings).resolve()), max_turns=settings.agent().max_turns),
-        retention=RetentionConfig(),
+        run_id=config.run_id, lake=_absolute_lake(config.lake_config()),
+        checkpoint_root=str(config.checkpoint_root.resolve()),
+        policy_path=str(Path(policy_path).resolve()), update=config.update(), batch_size=config.train.batch_size,
+        max_staleness=config.train.max_staleness, total_steps=config.train.steps, seed=config.seed,
+        num_workers=config.train.workers, resources_per_worker=dict(config.train.resources),
+        rollout=RolloutSettings(tasks_path=str(tasks_path(config).resolve()), max_turns=config.agent().max_turns),
+        retention=config.retention_config(),
     )
-    return PipelineConfig(train=train, ray=settings.ray(), num_replicas=settings.num_replicas,
-                          resources_per_replica=dict(settings.replica_resources),
-                          agent=settings.agent(), max_in_flight=settings.max_in_flight, seed=settings.seed,
-                          group_size=settings.group_size, synchronous=settings.synchronous)
+    return PipelineConfig(train=train, ray=config.ray_config(), num_replicas=config.rollout.num_replicas,
+                          resources_per_replica=dict(config.rollout.resources),
+                          agent=config.agent(), max_in_flight=config.rollout.max_in_flight, seed=config.seed,
+                          group_size=config.rollout.group_size, synchronous=config.train.synchronous)
 
 
-def value_data_run(settings: RunSettings) -> str:
+def value_data_run(config: RunConfig) -> str:
     """The run that holds the version-0 rollouts value pretraining fits the critic on."""
-    return f"{settings.run_id}-v0"
+    return f"{config.run_id}-v0"
 
 
-def pretrain_value(settings: RunSettings, policy_path: str | Path,
+def pretrain_value(config: RunConfig, policy_path: str | Path,
                    on_record: Callable[[object], None] | None = None) -> PretrainReport | None:
-    """Value pretraining before the first step (SAO.md section 3), when ``settings.value_samples`` > 0:
-    roll out ``value_samples`` tasks with the version-0 policy into the lake as run
+    """Value pretraining before the first step (SAO.md section 3), when ``value_pretraining.samples`` > 0:
+    roll out that many tasks with the version-0 policy into the lake as run
     :func:`value_data_run` (its own run: auditable, never trained on), then fit the run's version-0
     critic on them (:func:`sao.train.pretrain.pretrain_value`). Skipped (None) when the run has
     pretrained or trained already, so a resumed run does not redo it."""
@@ -130,32 +188,32 @@ def pretrain_value(settings: RunSettings, policy_path: str | Path,
     from sao.train.pretrain import REPORT_FILE, PretrainConfig
     from sao.train.pretrain import pretrain_value as fit_critic
 
-    config = pipeline_config(settings, policy_path)
-    train = config.train
-    if settings.value_samples == 0 or not train.update.uses_critic:
+    pipeline = pipeline_config(config, policy_path)
+    train = pipeline.train
+    if config.value_pretraining.samples == 0 or not train.update.uses_critic:
         return None
     if (checkpoint_dir(train.checkpoint_root, 0) / "critic" / REPORT_FILE).exists():
-        log.info("value pretraining: done already for run %s", settings.run_id)
+        log.info("value pretraining: done already for run %s", config.run_id)
         return None
-    init_ray(config.ray)
+    init_ray(pipeline.ray)
     if prepare_run(train) != 0:
-        log.info("value pretraining: run %s has trained already", settings.run_id)
+        log.info("value pretraining: run %s has trained already", config.run_id)
         return None
-    data = dataclasses.replace(train, run_id=value_data_run(settings),
+    data = dataclasses.replace(train, run_id=value_data_run(config),
                                checkpoint_root=str(Path(train.checkpoint_root).parent / "v0-data-checkpoints"))
     prepare_run(data)  # the data run's version 0: the same weights, registered under its own id
-    collect_rollouts(dataclasses.replace(config, train=data), math_tasks(Split.TRAIN, train.rollout.tasks_path),
-                     data.run_id, settings.value_samples, on_record=on_record)
-    return fit_critic(train, PretrainConfig(num_samples=settings.value_samples, data_run_id=data.run_id))
+    collect_rollouts(dataclasses.replace(pipeline, train=data), math_tasks(Split.TRAIN, train.rollout.tasks_path),
+                     data.run_id, config.value_pretraining.samples, on_record=on_record)
+    return fit_critic(train, PretrainConfig(num_samples=config.value_pretraining.samples, data_run_id=data.run_id))
 
 
-def train_async(settings: RunSettings, policy_path: str | Path,
+def train_async(config: RunConfig, policy_path: str | Path,
                 on_step: Callable[[StepReport], None] | None = None) -> PipelineResult:
-    """Run (or resume) the asynchronous training of ``settings`` from ``policy_path`` (version 0)."""
-    config = pipeline_config(settings, policy_path)
-    result = run_pipeline(config, math_tasks(Split.TRAIN, config.train.rollout.tasks_path), on_step=on_step)
+    """Run (or resume) the asynchronous training of ``config`` from ``policy_path`` (version 0)."""
+    pipeline = pipeline_config(config, policy_path)
+    result = run_pipeline(pipeline, math_tasks(Split.TRAIN, pipeline.train.rollout.tasks_path), on_step=on_step)
     if result.interrupted:
-        raise interrupt.RunInterrupted(f"run {settings.run_id}: stopped after {result.steps} of {settings.steps} "
+        raise interrupt.RunInterrupted(f"run {config.run_id}: stopped after {result.steps} of {config.train.steps} "
                                        f"steps (policy version {result.version})")
     return result
 
@@ -168,16 +226,16 @@ class Evaluation:
     num_tasks: int
 
 
-def policy_dir(settings: RunSettings, version: int) -> Path:
+def policy_dir(config: RunConfig, version: int) -> Path:
     """Where version ``version`` of the run's policy lives (version 0: the warm start, until the
     run's first checkpoint exists)."""
-    path = checkpoint_dir(settings.checkpoint_root, version) / "policy"
+    path = checkpoint_dir(config.checkpoint_root, version) / "policy"
     if version == 0 and not path.exists():
-        return settings.sft_dir
+        return config.sft_dir
     return path
 
 
-def evaluate(settings: RunSettings, version: int) -> Evaluation:
+def evaluate(config: RunConfig, version: int) -> Evaluation:
     """Sampled accuracy (temperature 1, the policy's own distribution) of ``version`` on held-out tasks.
     Kept under the run's folder, so a resumed run does not evaluate a version again (the evaluation is
     seeded: the same version, tasks and seed give the same figure)."""
@@ -185,44 +243,45 @@ def evaluate(settings: RunSettings, version: int) -> Evaluation:
     from sao.models.tokenizer import load_tokenizer
     from sao.train.evaluate import EvalConfig, evaluate_math
 
-    kept = settings.run_dir / "evaluations" / f"v{version:06d}-tasks{settings.eval_tasks}-seed{settings.seed}.json"
+    kept = config.run_dir / "evaluations" / f"v{version:06d}-tasks{config.eval.tasks}-seed{config.seed}.json"
     if kept.exists():
         return Evaluation(**json.loads(kept.read_text()))
-    path = policy_dir(settings, version)
+    path = policy_dir(config, version)
     result = evaluate_math(load_policy(path), load_tokenizer(path), math_tasks(Split.HELDOUT),
-                           EvalConfig(num_tasks=settings.eval_tasks, seed=settings.seed))
+                           EvalConfig(num_tasks=config.eval.tasks, seed=config.seed,
+                                      max_turns=config.rollout.max_turns))
     evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks)
     _write_json(kept, dataclasses.asdict(evaluation))
     return evaluation
 
 
-def finished(settings: RunSettings) -> dict | None:
-    """The recorded result of run ``settings.run_id`` if it has reached ``settings.steps`` steps
+def finished(config: RunConfig) -> dict | None:
+    """The recorded result of run ``config.run_id`` if it has reached ``config.train.steps`` steps
     (None: it has not, or never ran)."""
-    path = settings.run_dir / RESULT_FILE
+    path = config.run_dir / RESULT_FILE
     if not path.exists():
         return None
     result = json.loads(path.read_text())
-    return result if result.get("steps", -1) >= settings.steps else None
+    return result if result.get("steps", -1) >= config.train.steps else None
 
 
-def record_finished(settings: RunSettings, result: dict) -> None:
+def record_finished(config: RunConfig, result: dict) -> None:
     """Record the result of a run that reached its steps (what :func:`finished` returns)."""
-    _write_json(settings.run_dir / RESULT_FILE, result)
+    _write_json(config.run_dir / RESULT_FILE, result)
 
 
-def summarize(settings: RunSettings, evaluations: list[Evaluation]) -> tuple[list[Path], str]:
+def summarize(config: RunConfig, evaluations: list[Evaluation]) -> tuple[list[Path], str]:
     """Plots of the run (from the lake) and a markdown summary."""
     from sao.report import plot_run
 
-    lake = Lake.open(settings.lake())
-    plots = plot_run(lake, settings.run_id, settings.plots_dir, [(e.version, e.accuracy) for e in evaluations])
+    lake = Lake.open(config.lake_config())
+    plots = plot_run(lake, config.run_id, config.plots_dir, [(e.version, e.accuracy) for e in evaluations])
     counts = lake.read("trajectories", columns=["termination_reason"],
-                       predicate=f"run_id = {sql_literal(settings.run_id)}").column(0).to_pylist()
-    lines = [f"# Run `{settings.run_id}` ({settings.algorithm.value})", "",
+                       predicate=f"run_id = {sql_literal(config.run_id)}").column(0).to_pylist()
+    lines = [f"# Run `{config.run_id}` ({config.algorithm.name.value})", "",
              "| policy version | held-out accuracy (T=1) |", "|---:|---:|"]
     lines += [f"| {e.version} | {e.accuracy:.3f} ± {e.stderr:.3f} ({e.num_tasks} tasks) |" for e in evaluations]
     lines += ["", f"Trajectories stored: {len(counts)} "
               + "(" + ", ".join(f"{r}: {counts.count(r)}" for r in sorted(set(counts))) + ")",
-              f"Lake: `{settings.lake_root}`; plots: `{settings.plots_dir}`."]
+              f"Lake: `{config.lake.root}`; plots: `{config.plots_dir}`."]
     return plots, "\n".join(lines)

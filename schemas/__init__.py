@@ -7,7 +7,7 @@ to its :class:`TableSpec`.
 
 from __future__ import annotations
 
-from schemas import policy_versions, quarantine, rollout_tasks, train_steps, trajectories
+from schemas import policy_versions, quarantine, rollout_tasks, runs, train_steps, trajectories
 from schemas._spec import TIMESTAMP, TableSpec, doc_field, field_doc, list_of, plain
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "policy_versions",
     "quarantine",
     "rollout_tasks",
+    "runs",
     "table_spec",
     "train_steps",
     "trajectories",
@@ -34,6 +35,7 @@ TABLES: dict[str, TableSpec] = {
         policy_versions.SPEC,
         train_steps.SPEC,
         rollout_tasks.SPEC,
+        runs.SPEC,
     )
 }
 

@@ -4,7 +4,8 @@ stops working fails here.
 - ``sao sql``, ``sao replay``, ``sao lake``: run as written, in a folder holding a tiny finished run
   ``demo`` at ``./lake`` (what ``make demo`` leaves behind, in small).
 - ``sao train``: run as written with the flow replaced by a recorder: the options must parse and reach
-  the run's settings (``--lake s3://...``, ``--ray-address``), without a cluster.
+  the run config (``--lake s3://...``, ``--ray-address``, ``--set``), without a cluster.
+- ``sao config``: run as written (``--config configs/...`` from the repository).
 - ``export NAME=VALUE``: applied to the environment of the block's later commands.
 - ``make TARGET``: ``make -n TARGET`` must run the ``sao`` command below it, and that command has a
   named test (:data:`COVERED_BY`), which must exist.
@@ -79,23 +80,37 @@ def _sao(argv: list[str], recorded: list) -> None:
         if command == "replay":
             assert '"ok": true' in result.output or ": match" in result.output, result.output
     elif command == "train":
-        result = runner.invoke(app, argv[1:])
+        result = runner.invoke(app, _in_repo(argv[1:]))
         assert result.exit_code == 0, result.output
-        settings = recorded[-1]
+        config = recorded[-1]
         options = dict(zip(argv[2::2], argv[3::2], strict=False))
-        assert settings.run_id == options.get("--run-id", settings.run_id)
-        assert settings.lake_root == options.get("--lake", settings.lake_root)
-        assert settings.ray_address == options.get("--ray-address")
-        assert settings.workdir == options.get("--workdir", settings.workdir)
-        for flag, field in (("--replica-resource", "replica_resources"), ("--trainer-resource", "trainer_resources")):
+        assert config.run_id == options.get("--run-id", config.run_id)
+        assert config.lake.root == options.get("--lake", config.lake.root)
+        assert config.ray.address == options.get("--ray-address")
+        assert config.workdir == options.get("--workdir", config.workdir)
+        for flag, section in (("--replica-resource", config.rollout), ("--trainer-resource", config.train)):
             if flag in options:  # one of each in the README
                 name, _, amount = options[flag].partition("=")
-                assert getattr(settings, field) == {name: float(amount)}
+                assert section.resources == {name: float(amount)}
+        for item in (value for option, value in zip(argv, argv[1:], strict=False) if option == "--set"):
+            key, _, value = item.partition("=")
+            section, _, name = key.rpartition(".")
+            assert str(getattr(getattr(config, section) if section else config, name)) == value
+    elif command == "config":
+        result = runner.invoke(app, _in_repo(argv[1:]))
+        assert result.exit_code == 0, f"{shlex.join(argv)} exited {result.exit_code}:\n{result.output}"
+        assert result.output.strip()
     elif command == "ui":
         get_command(app).commands["ui"].make_context("ui", list(argv[2:]))  # the options parse
         _covered("sao ui")
     else:
         pytest.fail(f"README runs `{shlex.join(argv)}`: add a way to test `sao {command}` to tests/test_readme.py")
+
+
+def _in_repo(args: list[str]) -> list[str]:
+    """``--config FILE`` names a file of the repository (``configs/...``): found from any folder."""
+    return [str(REPO / arg) if previous == "--config" else arg for previous, arg in zip(["", *args], args,
+                                                                                      strict=False)]
 
 
 def run_block(block: list[list[str]], monkeypatch, recorded: list) -> None:
@@ -128,14 +143,17 @@ def demo_folder(tmp_path_factory, policy_dir, tokenizer):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """``sao train`` records its settings instead of running the flow."""
+    """``sao train`` records its config instead of running the flow (and does not look for the run in a
+    lake it names: an s3:// one in the README)."""
     calls = []
 
-    def record(settings):
-        calls.append(settings)
-        return {"summary": "(recorded)", "accuracy_before": 0.0, "accuracy_after": 0.0, "version": settings.steps}
+    def record(config, sources=None):
+        calls.append(config)
+        return {"summary": "(recorded)", "accuracy_before": 0.0, "accuracy_after": 0.0,
+                "version": config.train.steps}
 
     monkeypatch.setattr(sao.runs_cli, "run_flow", record)
+    monkeypatch.setattr("sao.runs.check_resume", lambda config, lake=None: None)
     return calls
 
 

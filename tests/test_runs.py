@@ -3,24 +3,24 @@
 from pathlib import Path
 
 from sao import runs
-from sao.config import RunSettings
+from sao.config import RunConfig
 from sao.train.retention import RetentionConfig
 
 
 def test_a_run_prunes_old_checkpoints_but_keeps_every_policy(tmp_path):
-    settings = RunSettings(run_id="r", workdir=str(tmp_path / "runs"), lake_root=str(tmp_path / "lake"))
+    settings = RunConfig(run_id="r", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")})
     train = runs.pipeline_config(settings, tmp_path / "sft").train
     assert train.retention == RetentionConfig() and train.retention.keep_policy_weights
     assert Path(train.checkpoint_root).is_absolute() and Path(train.lake.root).is_absolute()
 
 
 def test_a_finished_run_is_recognised_until_more_steps_are_asked_for(tmp_path):
-    settings = RunSettings(run_id="done", workdir=str(tmp_path), steps=4)
+    settings = RunConfig(run_id="done", workdir=str(tmp_path), train={"steps": 4})
     assert runs.finished(settings) is None
     runs.record_finished(settings, {"steps": 4, "version": 4, "summary": "s"})
     assert runs.finished(settings)["version"] == 4
-    assert runs.finished(RunSettings(run_id="done", workdir=str(tmp_path), steps=3)) is not None
-    assert runs.finished(RunSettings(run_id="done", workdir=str(tmp_path), steps=5)) is None  # train on
+    assert runs.finished(RunConfig(run_id="done", workdir=str(tmp_path), train={"steps": 3})) is not None
+    assert runs.finished(RunConfig(run_id="done", workdir=str(tmp_path), train={"steps": 5})) is None  # train on
     assert not list((tmp_path / "done").glob(".*.tmp"))  # written atomically, nothing left beside
 
 
@@ -28,7 +28,7 @@ def test_a_warm_start_stopped_half_way_is_redone_not_reused(tmp_path, monkeypatc
     """What a kill during SFT leaves (a partial directory) is never mistaken for the warm start."""
     import sao.train.sft as sft
 
-    settings = RunSettings(run_id="w", workdir=str(tmp_path))
+    settings = RunConfig(run_id="w", workdir=str(tmp_path))
     calls = []
 
     def fake_sft(config, out_dir, on_log=None):

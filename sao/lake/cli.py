@@ -84,7 +84,7 @@ def sql(
     max_rows: Annotated[int, typer.Option("--max-rows", help="Rows to print.")] = 50,
 ) -> None:
     """Run read-only SQL over the lake's tables: trajectories, quarantine, policy_versions, train_steps,
-    rollout_tasks."""
+    rollout_tasks, runs."""
     from sao.cli import fail
     from sao.lake.sql import ReadOnlyQueryError, check_read_only, run_sql, write_result
     from sao.lake.store import LakeError

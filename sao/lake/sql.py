@@ -1,7 +1,7 @@
 """Read-only SQL over the lake, through DataFusion (``deltalake.QueryBuilder``).
 
 All tables of :data:`schemas.TABLES` are registered under their names (``trajectories``,
-``quarantine``, ``policy_versions``, ``train_steps``, ``rollout_tasks``), at their latest versions or at
+``quarantine``, ``policy_versions``, ``train_steps``, ``rollout_tasks``, ``runs``), at their latest versions or at
 pinned ones.
 
 Read-only is enforced before the query reaches the engine, because DataFusion would happily run
@@ -65,6 +65,11 @@ EXAMPLE_QUERIES: dict[str, str] = {
         "SELECT s.run_id, s.step, s.trajectories_version, s.num_trajectories, p.checkpoint_uri, "
         "p.weights_hash FROM train_steps s JOIN policy_versions p "
         "ON p.run_id = s.run_id AND p.version = s.policy_version_before ORDER BY 1, 2"
+    ),
+    "Which settings produced each trajectory?": (
+        "SELECT t.run_id, t.trajectory_id, t.reward, r.settings['algorithm.name'] AS algorithm, "
+        "r.settings['algorithm.eps_high'] AS eps_high, r.settings['rollout.max_tokens'] AS max_tokens "
+        "FROM trajectories t JOIN runs r ON r.run_id = t.run_id AND r.event = 'start' LIMIT 20"
     ),
     "What was rejected, and why?": (
         "SELECT reason, field, count(*) AS deliveries FROM quarantine GROUP BY 1, 2 ORDER BY 3 DESC"

@@ -35,7 +35,7 @@ __all__ = [
     "sql_literal",
 ]
 
-ADDED_TABLES = frozenset({"rollout_tasks"})
+ADDED_TABLES = frozenset({"rollout_tasks", "runs"})
 """Tables a later sao added: opening an existing lake without them creates them, even when the caller
 asked not to create a lake (as opening an older table adds the nullable columns a newer schema has)."""
 

@@ -18,7 +18,7 @@ WIDE = {"COLUMNS": "200"}  # click's error box wraps at the terminal width; the 
 def no_flow_runs(monkeypatch):
     """A usage error must stop `sao train` before the flow starts."""
 
-    def refuse(settings):
+    def refuse(settings, sources=None):
         raise AssertionError(f"the flow started despite a usage error: {settings}")
 
     monkeypatch.setattr(sao.runs_cli, "run_flow", refuse)
@@ -35,15 +35,15 @@ def usage_error(args: list[str], reason: str) -> str:
 
 
 @pytest.mark.parametrize(("args", "reason"), [
-    (["train", "--run-id", "bad id!"], "--run-id 'bad id!' is not a valid run id"),
+    (["train", "--run-id", "bad id!"], "run_id: 'bad id!' is not a valid run id"),
     (["train", "--run-id", "x" * 129], "is not a valid run id"),
-    (["train", "--steps", "-1"], "Invalid value for '--steps'"),
+    (["train", "--steps", "-1"], "train.steps: Input should be greater than or equal to 0 (got -1) [from --steps]"),
     (["train", "--replica-resource", "rollout"], "--replica-resource 'rollout': expected NAME=AMOUNT"),
     (["train", "--trainer-resource", "trainer=-1"], "--trainer-resource 'trainer=-1': expected NAME=AMOUNT"),
     (["train", "--trainer-resource", "trainer=lots"], "--trainer-resource 'trainer=lots': expected NAME=AMOUNT"),
-    (["train", "--batch-size", "0"], "Invalid value for '--batch-size'"),
-    (["train", "--batch-size", "12", "--group-size", "8"], "batch_size 12 is not a multiple of group_size 8"),
-    (["train", "--synchronous", "--max-staleness", "2"], "synchronous runs need max_staleness 0, got 2"),
+    (["train", "--batch-size", "0"], "train.batch_size: Input should be greater than or equal to 1 (got 0)"),
+    (["train", "--batch-size", "12", "--group-size", "8"], "train.batch_size 12 is not a multiple of rollout.group_size 8"),
+    (["train", "--synchronous", "--max-staleness", "2"], "train.synchronous needs train.max_staleness 0, got 2"),
 ])
 def test_bad_train_arguments_exit_2_with_the_reason(args, reason):
     usage_error(args, reason)

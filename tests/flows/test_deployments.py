@@ -35,7 +35,8 @@ from sao.prefect_server import LOOPBACK, free_port, port_in_use, prefect_env
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = {"steps": 2, "batch_size": 4, "eval_tasks": 4, "num_replicas": 1, "value_samples": 0}  # pretraining: test_train_flow
+TINY = {"train": {"steps": 2, "batch_size": 4}, "eval": {"tasks": 4}, "rollout": {"num_replicas": 1},
+        "value_pretraining": {"samples": 0}}  # value pretraining: test_train_flow
 PREFECT_COMMANDS = {  # what README.md tells a user to run for prefect.yaml (tests/test_readme.py checks)
     "create_pool": ("work-pool", "create", "sao-local", "--type", "process"),
     "deploy": ("--no-prompt", "deploy", "--all"),
@@ -170,7 +171,7 @@ def test_sao_ui_listens_on_loopback_only(ui):
 def test_the_run_button_trains_a_tiny_run_to_completion_with_artifacts(ui, policy_dir):
     # The served run executes in sao ui's folder: relative workdir and lake resolve there.
     shutil.copytree(policy_dir, ui.root / "runs" / "tiny" / "sft")  # the warm start is reused
-    parameters = {"run_id": "tiny", **TINY, "workdir": "runs", "lake_root": "lake"}
+    parameters = {"config": {"run_id": "tiny", **TINY, "workdir": "runs", "lake": {"root": "lake"}}}
     started = time.monotonic()
     run = call(ui, _run_to_completion, f"train/{SERVED_NAME}", parameters, 540)
     assert run.state.is_completed(), f"{run.state!r} after {time.monotonic() - started:.0f} s:\n{ui.tail()}"
@@ -185,9 +186,13 @@ def test_the_run_button_trains_a_tiny_run_to_completion_with_artifacts(ui, polic
     lake = Lake.open(str(ui.root / "lake"), create=False)
     assert lake.read("train_steps", predicate="run_id = 'tiny'").num_rows == 2
     # The form the UI renders comes from the deployment's parameter schema.
-    schema = json.dumps(call(ui, _deployments)[f"train/{SERVED_NAME}"]["parameter_openapi_schema"])
-    assert all(f'"{name}"' in schema for name in ("run_id", "steps", "algorithm", "lake_root", "ray_address"))
-    assert '"grpo_dis"' in schema  # the algorithm is a choice, not free text
+    # It is the run config's: one group per section, each field with its description.
+    schema = call(ui, _deployments)[f"train/{SERVED_NAME}"]["parameter_openapi_schema"]
+    sections = schema["definitions"]
+    assert {"TrainSection", "AlgorithmSection", "RolloutSection", "LakeSection", "RaySection"} <= set(sections)
+    assert {"steps", "batch_size", "max_staleness"} <= set(sections["TrainSection"]["properties"])
+    assert sections["AlgorithmSection"]["properties"]["eps_high"]["description"].startswith("DIS interval")
+    assert "grpo_dis" in json.dumps(sections["Algorithm"])  # the algorithm is a choice, not free text
 
 
 def _prefect(ui: UI, *args: str, cwd: Path = REPO) -> str:
@@ -273,7 +278,8 @@ def test_retrying_a_crashed_flow_run_from_the_ui_resumes_the_run(ui, policy_dir)
     """The flow run's process is killed (SIGKILL, with what it started) mid-training: Prefect marks the
     run Crashed; Retry resumes the same run id from its last committed step, and the lake reconciles."""
     shutil.copytree(policy_dir, ui.root / "runs" / "retry" / "sft")
-    parameters = {"run_id": "retry", **TINY, "steps": 4, "workdir": "runs", "lake_root": "lake"}
+    parameters = {"config": {"run_id": "retry", **TINY, "train": {"steps": 4, "batch_size": 4}, "workdir": "runs",
+                             "lake": {"root": "lake"}}}
     run = call(ui, _start_run, f"train/{SERVED_NAME}", parameters)
     lake_root = ui.root / "lake"
     deadline = time.monotonic() + 400

@@ -28,4 +28,4 @@ def test_a_tiny_run_reports_recovery_per_shift(tmp_path, ray_session, monkeypatc
     assert row["shift"] == 3 and 0.0 <= row["pre_shift_reward"] <= 1.0
     assert row["steps_to_recover"] is None or 0 <= row["steps_to_recover"] < 3
     assert (tmp_path / "runs" / "online-tiny" / "sft" / "config.json").exists()
-    assert result["settings"]["algorithm"] == "sao"
+    assert result["settings"]["algorithm"]["name"] == "sao"

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from sao import runs
-from sao.config import RunSettings
+from sao.config import RunConfig
 from sao.lake.store import Lake
 from sao.train.checkpoint import checkpoint_dir
 from sao.train.loop import prepare_run
@@ -27,8 +27,8 @@ def prefect_harness():
         yield
 
 
-def tiny_run(tmp_path, policy_dir, tokenizer, run_id: str, trajectories: int) -> RunSettings:
-    settings = RunSettings(run_id=run_id, workdir=str(tmp_path / "runs"), lake_root=str(tmp_path / "lake"))
+def tiny_run(tmp_path, policy_dir, tokenizer, run_id: str, trajectories: int) -> RunConfig:
+    settings = RunConfig(run_id=run_id, workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")})
     shutil.copytree(policy_dir, settings.sft_dir)
     cfg = runs.pipeline_config(settings, settings.sft_dir).train
     prepare_run(cfg)
@@ -46,7 +46,7 @@ def test_pretrain_value_flow_writes_the_version_zero_critic_and_reports(tmp_path
 
     settings = tiny_run(tmp_path, policy_dir, tokenizer, "tiny-pv", 12)
     result = pretrain_value_flow(run_id="tiny-pv", num_samples=12, heldout_fraction=0.25, epochs=1, batch_size=4,
-                                 workdir=settings.workdir, lake_root=settings.lake_root)
+                                 workdir=settings.workdir, lake_root=settings.lake.root)
     assert (result["num_train"], result["num_heldout"]) == (9, 3)
     written = json.loads((checkpoint_dir(settings.checkpoint_root, 0) / "critic" / REPORT_FILE).read_text())
     assert written["run_id"] == "tiny-pv" and written["loss_after"] == result["loss_after"]
@@ -66,4 +66,4 @@ def test_pretrain_value_flow_without_version_zero_data_fails_with_the_reason(tmp
 
     settings = tiny_run(tmp_path, policy_dir, tokenizer, "empty", 0)
     with pytest.raises(ValueError, match="needs at least 2 trajectories sampled by version 0 in run 'empty'"):
-        pretrain_value_flow(run_id="empty", workdir=settings.workdir, lake_root=settings.lake_root)
+        pretrain_value_flow(run_id="empty", workdir=settings.workdir, lake_root=settings.lake.root)

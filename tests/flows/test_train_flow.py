@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from sao.config import RunConfig
 from sao.lake.store import Lake
 from sao.train.pretrain import REPORT_FILE
 
@@ -26,8 +27,10 @@ def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_sessio
     from flows.train import artifact_key, train
 
     shutil.copytree(policy_dir, tmp_path / "runs" / "tiny" / "sft")  # the warm start is reused
-    result = train(run_id="tiny", steps=2, batch_size=4, eval_tasks=4, num_replicas=1, value_samples=8,
-                   workdir=str(tmp_path / "runs"), lake_root=str(tmp_path / "lake"))
+    config = RunConfig(run_id="tiny", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")},
+                       train={"steps": 2, "batch_size": 4}, eval={"tasks": 4}, rollout={"num_replicas": 1},
+                       value_pretraining={"samples": 8})
+    result = train(config=config, sources={"train.steps": "test"})
     assert result["version"] == 2
     assert 0.0 <= result["accuracy_before"] <= 1.0 and 0.0 <= result["accuracy_after"] <= 1.0
     lake = Lake.open(str(tmp_path / "lake"))

@@ -16,7 +16,10 @@ from tests.lake.test_validate import CASES
 
 
 @pytest.fixture
-def filled(lake):
+def filled(lake, tmp_path):
+    from sao.config import RunConfig
+    from sao.runs import record_start
+
     records = make_trajectories(5, seed=41, num_tokens=12)
     with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
         writer.add_many([*records, CASES["logprob_positive"][0]])
@@ -37,6 +40,7 @@ def filled(lake):
             {"torch": 3},
         ),
     )
+    record_start(RunConfig(run_id=RUN, workdir=str(tmp_path / "runs"), lake={"root": lake.root}), lake=lake)
     return lake
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sao.config import RunSettings
+from sao.config import from_data
 from sao.lake.config import LakeConfig
 from sao.lake.store import Lake
 from sao.pipeline import PipelineConfig, run_pipeline
@@ -35,13 +35,19 @@ from tests._secrets import (
 BUCKET = "sao-secret-tests"
 
 
+def test_the_run_config_has_no_place_for_storage_options():
+    """Object-store options (credentials) come from the environment only: the run config (stored in
+    the lake's runs table, shown in the Prefect form) refuses them."""
+    with pytest.raises(ValueError, match="lake.storage_options: unknown key"):
+        from_data({"lake": {"root": "s3://b/p", "storage_options": {"AWS_SECRET_ACCESS_KEY": "x"}}})
+
+
 def test_storage_options_stay_out_of_reprs():
     secret = secret_marker("repr")
     lake = LakeConfig(root="s3://b/p", storage_options={"AWS_SECRET_ACCESS_KEY": secret})
     train = TrainConfig(run_id="r", lake=lake, checkpoint_root="c", policy_path="p")
-    settings = RunSettings(storage_options={"AWS_SECRET_ACCESS_KEY": secret})
-    for shown in (repr(lake), str(lake), repr(train), repr(settings), repr(settings.lake()), str(settings.public())):
-        assert secret not in shown  # public(): what the train flow returns and benchmarks write
+    for shown in (repr(lake), str(lake), repr(train)):
+        assert secret not in shown
     assert lake.storage_options["AWS_SECRET_ACCESS_KEY"] == secret  # still there for delta-rs
 
 

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sao.cli import app
-from sao.config import RunSettings
+from sao.config import RunConfig
 from sao.lake.config import LakeConfig, WriterConfig
 from sao.lake.ledger import consumed_ids, newest_policy_version, register_policy_version
 from sao.lake.reader import TrajectoryReader
@@ -120,7 +120,7 @@ def test_run_ids_from_users_are_refused_everywhere(lake, run_id, tmp_path):
         lambda: register_policy_version(lake, PolicyVersionRecord(run_id, 0, "mem://v0", "h")),
         lambda: TrainConfig(run_id=run_id, lake=LakeConfig(root=lake.root), checkpoint_root=str(tmp_path),
                             policy_path=str(tmp_path)),
-        lambda: RunSettings(run_id=run_id, workdir=str(tmp_path / "runs")),
+        lambda: RunConfig(run_id=run_id, workdir=str(tmp_path / "runs")),
     ):  # fmt: skip
         with pytest.raises(ValueError, match="not a valid run id"):
             call()

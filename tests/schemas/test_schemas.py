@@ -24,13 +24,15 @@ def _all_fields(fields: list[pa.Field]) -> list[tuple[str, pa.Field]]:
 
 
 def test_the_tables_of_the_design():
-    # The four tables of the design, and the driver's issue log (what ``sao lake check`` accounts for).
+    # The four tables of the design, the driver's issue log (what ``sao lake check`` accounts for) and
+    # the runs with their configs.
     assert set(TABLES) == {
         "trajectories",
         "quarantine",
         "policy_versions",
         "train_steps",
         "rollout_tasks",
+        "runs",
     }
     for name, spec in TABLES.items():
         assert spec.name == name
@@ -131,7 +133,7 @@ def test_table_spec_refuses_an_unknown_partition_column_or_an_undocumented_field
 def test_table_spec_lookup_names_the_known_tables():
     assert table_spec("train_steps") is schemas.train_steps.SPEC
     with pytest.raises(
-        KeyError, match="policy_versions, quarantine, rollout_tasks, train_steps, trajectories"
+        KeyError, match="policy_versions, quarantine, rollout_tasks, runs, train_steps, trajectories"
     ):
         table_spec("../etc")
 

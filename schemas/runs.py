@@ -1,0 +1,70 @@
+"""The ``runs`` table: one row per start, resume or what-if replay of a training run, with the resolved
+run config it ran with (:class:`sao.config.RunConfig`), so SQL can answer "which settings produced this
+trajectory" (join on ``run_id``).
+
+Rows are appended blindly, one per event; a run's settings are those of its latest row. Secrets are
+never here: the config holds no object-store options or credentials (they come from the environment).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from schemas._spec import TIMESTAMP, TableSpec, doc_field
+
+__all__ = ["EVENTS", "NAME", "PARTITION_BY", "RESUME", "SCHEMA", "SCHEMA_VERSION", "SPEC", "START"]
+
+NAME = "runs"
+SCHEMA_VERSION = 1
+
+START = "start"
+RESUME = "resume"
+EVENTS = (START, RESUME)
+PARTITION_BY = ()
+
+SCHEMA = pa.schema(
+    [
+        doc_field("run_id", pa.string(), False, "Training run."),
+        doc_field("event", pa.string(), False, "start (the run's first row) or resume (a later start)."),
+        doc_field("started_at", TIMESTAMP, False, "When the run (re)started."),
+        doc_field(
+            "config",
+            pa.string(),
+            False,
+            "The resolved run config as JSON (every key; `sao config schema` describes them).",
+        ),
+        doc_field(
+            "settings",
+            pa.map_(pa.string(), pa.string()),
+            False,
+            "The same config by dotted key, each value as JSON text, for SQL: "
+            "settings['algorithm.eps_high'].",
+        ),
+        doc_field(
+            "sources",
+            pa.string(),
+            False,
+            "JSON object: each key not at its default -> where its value came from (a file, --set, a flag).",
+        ),
+        doc_field(
+            "changed",
+            pa.string(),
+            True,
+            "On a resume, JSON object of the keys changed since the previous row -> [before, after]; "
+            "null on a start.",
+        ),
+        doc_field("notes", pa.string(), True, "What the run said once about itself (null: nothing)."),
+        doc_field("sao_version", pa.string(), False, "Version of sao that wrote the row."),
+        doc_field(
+            "schema_version", pa.int32(), False, "Version of this schema the row was written with."
+        ),
+    ]
+)
+
+SPEC = TableSpec(
+    name=NAME,
+    schema=SCHEMA,
+    schema_version=SCHEMA_VERSION,
+    partition_by=PARTITION_BY,
+    description="Training runs: one row per start or resume, with the resolved config it ran with.",
+)

@@ -1,0 +1,189 @@
+"""sao.config: the run config: one default per setting, clear refusals, layering, resume rules."""
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from sao import runs
+from sao.cli import app
+from sao.config import (
+    BUILDS,
+    DEMO_CONFIG,
+    RESUME_SAFE,
+    ConfigError,
+    RunConfig,
+    changed_keys,
+    default_of,
+    demo_config,
+    leaves,
+    resolve,
+    show,
+)
+from sao.lake.store import Lake
+from sao.train.config import UpdateConfig
+from sao.train.retention import RetentionConfig
+
+RUN_OWN = {"run_id", "workdir"}  # the run's own settings: no component has them
+
+
+def test_every_setting_builds_component_fields_and_takes_their_default():
+    config = RunConfig()
+    settings = leaves(config)
+    assert set(settings) == set(BUILDS) | RUN_OWN
+    for key, targets in BUILDS.items():
+        for component, name in targets:
+            default = default_of(component, name)
+            value = settings[key]
+            assert value == default or (isinstance(value, tuple) and list(value) == list(default)), (
+                f"{key} defaults to {value!r} but {component.__name__}.{name} to {default!r}")
+
+
+def test_no_default_is_written_out_twice_in_the_config_module():
+    """A setting's default is the component's (default_of), never a second literal that could drift:
+    every value the config module's source shows beside a field name is a default_of call or a
+    generated section."""
+    import inspect
+
+    import sao.config as module
+
+    source = inspect.getsource(module)
+    for key in BUILDS:
+        name = key.rpartition(".")[2]
+        for line in source.splitlines():
+            stripped = line.strip()
+            if stripped.startswith(f"{name}: ") and "=" in stripped and "Section" not in stripped:
+                assert "default_of(" in stripped, f"{key}: its default is written out: {stripped}"
+
+
+def test_generated_sections_follow_their_dataclasses():
+    algorithm = RunConfig().algorithm
+    assert {f.name for f in dataclasses.fields(UpdateConfig)} == set(type(algorithm).model_fields) - {"name"} | {
+        "algorithm"}
+    assert algorithm.build() == UpdateConfig()
+    assert RunConfig().retention.build() == RetentionConfig()
+    schema = RunConfig.model_json_schema()["$defs"]["AlgorithmSection"]["properties"]
+    assert schema["eps_high"]["description"].startswith("DIS interval (1 - eps_low, 1 + eps_high)")
+    assert "K critic optimiser steps" in schema["critic_updates"]["description"]
+
+
+def test_the_demo_config_is_the_laptop_demo():
+    config = demo_config()
+    assert (config.run_id, config.train.steps, config.train.batch_size, config.train.max_staleness) == (
+        "demo", 150, 32, 2)
+    assert config.update().bootstrap_reasons == ("timeout", "cancelled", "error")
+    assert (config.agent().max_tokens, config.value_pretraining.samples, config.eval.tasks) == (96, 256, 300)
+
+
+def test_layers_apply_in_order_and_say_where_each_value_came_from(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_id: mine\ntrain:\n  steps: 7\n  batch_size: 8\nalgorithm:\n  eps_high: 3.0\n")
+    config, origin = resolve(path, ["train.steps=9", "algorithm.name=grpo_dis"], {"train.steps": ("--steps", 11),
+                                                                                  "seed": ("--seed", None)})
+    assert (config.run_id, config.train.steps, config.train.batch_size) == ("mine", 11, 8)
+    assert config.update().eps_high == 3.0 and config.update().algorithm == "grpo_dis"
+    assert origin == {"run_id": str(path), "train.steps": "--steps", "train.batch_size": str(path),
+                      "algorithm.eps_high": str(path), "algorithm.name": "--set algorithm.name=grpo_dis"}
+    shown = show(config, origin)
+    assert "  steps: 11  # --steps" in shown and "  eps_low: 0.3\n" in shown and f'run_id: "mine"  # {path}' in shown
+
+
+def test_set_values_are_read_as_yaml():
+    config, _ = resolve(None, ["algorithm.bootstrap_reasons=[timeout]", "algorithm.max_grad_norm=null",
+                               "rollout.resources={rollout: 1}", "ray.address=auto"])
+    assert config.update().bootstrap_reasons == ("timeout",) and config.update().max_grad_norm is None
+    assert config.rollout.resources == {"rollout": 1.0} and config.ray.address == "auto"
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    (["train.stepz=3"], "train.stepz: unknown key; train has: batch_size, max_staleness, resources, steps"),
+    (["trian.steps=3"], "trian: unknown key; the top level has: algorithm, eval,"),
+    (["train.batch_size=many"], "train.batch_size: Input should be a valid integer"),
+    (["train.steps=-1"], "train.steps: Input should be greater than or equal to 0 (got -1) [from --set train.steps=-1]"),
+    (["algorithm.name=ppo"], "algorithm.name: Input should be 'sao', 'grpo', 'grpo_dis', 'ppo_async' or"),
+    (["algorithm.critic_updates=-2"], "algorithm.critic_updates: critic_updates must be >= 0, got -2"),
+    (["algorithm.gamma=2"], "algorithm.gamma: gamma must lie in [0, 1], got 2"),
+    (["rollout.top_p=0"], "rollout.top_p: Input should be greater than 0 (got 0)"),
+    (["run_id=../up"], "run_id: '../up' is not a valid run id"),
+    (["train.steps"], "--set 'train.steps': expected SECTION.KEY=VALUE"),
+    (["train.steps=1", "train.steps.x=1"], "train.steps: is a setting, not a section"),
+    (["rollout.group_size=3"], "train.batch_size 16 is not a multiple of rollout.group_size 3"),
+    (["train.synchronous=true"], "train.synchronous needs train.max_staleness 0, got 4"),
+])
+def test_a_bad_value_is_refused_with_its_dotted_key(sets, expected):
+    with pytest.raises(ConfigError) as error:
+        resolve(None, sets)
+    assert expected in str(error.value)
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: -3\n  colour: red\neval:\n  tasks: none\n")
+    with pytest.raises(ConfigError) as error:
+        resolve(path)
+    lines = str(error.value).splitlines()
+    assert len(lines) == 3 and all(f"[from {path}]" in line for line in lines)
+    assert {line.split(":")[0] for line in lines} == {"train.steps", "train.colour", "eval.tasks"}
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+        resolve(path)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        resolve(tmp_path / "missing.yaml")
+
+
+def test_changed_keys_lists_what_differs():
+    before = RunConfig().public()
+    after = RunConfig(train={"steps": 40}, algorithm={"eps_high": 4.0}).public()
+    assert changed_keys(before, after) == {"algorithm.eps_high": (5.0, 4.0), "train.steps": (20, 40)}
+    assert changed_keys(before, before) == {}
+
+
+def test_a_resume_may_change_only_the_safe_keys(tmp_path):
+    base = RunConfig(run_id="r", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")})
+    assert runs.record_start(base, {"run_id": "test"}) == "start"
+    assert runs.record_start(base.with_values({"train.steps": 40, "eval.tasks": 9})) == "resume"
+    with pytest.raises(ConfigError) as error:
+        runs.record_start(base.with_values({"train.steps": 40, "algorithm.eps_high": 4.0}))
+    assert "algorithm.eps_high: recorded 5.0, now 4.0" in str(error.value)
+    assert "train.steps" not in str(error.value).split("Changed:")[1]
+    rows = Lake.open(base.lake_config()).read("runs").to_pylist()
+    assert sorted(row["event"] for row in rows) == ["resume", "start"]  # the refused start wrote nothing
+    resumed = next(row for row in rows if row["event"] == "resume")
+    assert json.loads(resumed["changed"]) == {"eval.tasks": [500, 9], "train.steps": [20, 40]}
+    assert json.loads(resumed["config"])["train"]["steps"] == 40
+    assert "train.steps" in RESUME_SAFE and "algorithm.eps_high" not in RESUME_SAFE
+
+
+def test_the_train_flow_form_is_generated_from_the_config():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train import train
+
+    schema = parameter_schema(train).model_dump()
+    assert list(schema["properties"]) == ["config", "sources"]
+    sections = schema["definitions"]
+    assert set(RunConfig.model_fields) - {"run_id", "workdir", "seed"} <= {
+        name.removesuffix("Section").lower() for name in sections} | {"value_pretraining", "sft"}
+    steps = sections["TrainSection"]["properties"]["steps"]
+    assert steps["minimum"] == 0 and steps["default"] == 20 and steps["description"].startswith("Actor updates")
+    assert sections["AlgorithmSection"]["properties"]["eps_high"]["default"] == 5.0
+
+
+runner = CliRunner()
+
+
+def test_sao_config_show_and_schema():
+    shown = runner.invoke(app, ["config", "show", "--config", str(DEMO_CONFIG), "--set", "train.steps=3"])
+    assert shown.exit_code == 0, shown.output
+    assert "  steps: 3  # --set train.steps=3" in shown.stdout and "  batch_size: 32  # " in shown.stdout
+    schema = runner.invoke(app, ["config", "schema"])
+    assert schema.exit_code == 0 and json.loads(schema.stdout)["title"] == "RunConfig"
+
+
+def test_sao_train_refuses_a_bad_config_before_anything_starts(tmp_path):
+    result = runner.invoke(app, ["train", "--workdir", str(tmp_path), "--set", "train.stepz=1", "--steps", "-1"])
+    assert result.exit_code == 2
+    assert "train.stepz: unknown key" in result.stderr and "train.steps: Input should be greater than or equal to 0 " \
+        "(got -1) [from --steps]" in result.stderr
+    assert not (tmp_path / "demo").exists()
