@@ -153,6 +153,7 @@ def train(config: RunConfig = RunConfig(), sources: dict[str, str] | None = None
         get_run_logger().info("run %s finished already (%d steps, version %d); nothing to do",
                               run_id, done["steps"], done["version"])
         return done
+    runs.prepare_inputs(config)  # the user's tasks and reward functions, checked before anything starts
     event = runs.record_start(config, sources)
     get_run_logger().info("run %s: %s (config recorded in the lake's runs table)", run_id, event)
     policy_path = warm_start(settings)

@@ -1,7 +1,8 @@
 """The run config: one typed model (:class:`RunConfig`) of everything a training run takes, shared
 by ``sao train``, the Prefect flows (their UI form is generated from it) and the lake (``runs`` table).
 
-Sections: ``sft`` (the built-in policy's warm start), ``rollout`` (replicas, budgets, sampling),
+Sections: ``sft`` (the built-in policy's warm start), ``data`` (the user's task files), ``reward``
+(reward functions), ``env`` (episode rules on those tasks), ``rollout`` (replicas, budgets, sampling),
 ``algorithm`` (every :class:`~sao.train.config.UpdateConfig` field), ``train`` (steps, batch, staleness,
 workers), ``value_pretraining``, ``eval``, ``lake``, ``ray`` and ``retention`` (every
 :class:`~sao.train.retention.RetentionConfig` field), plus ``run_id``, ``workdir`` and ``seed``.
@@ -43,6 +44,7 @@ from pydantic import (
     model_validator,
 )
 
+from sao.envs.dataset import DatasetEnvConfig
 from sao.lake.config import LakeConfig
 from sao.pipeline import PipelineConfig
 from sao.rollout.agent import AgentConfig
@@ -56,7 +58,7 @@ from sao.train.retention import RetentionConfig
 from sao.train.sft import SFTConfig
 from schemas.trajectories import RUN_ID_PATTERN
 
-__all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "ConfigError", "RunConfig", "changed_keys", "default_of",
+__all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "RUN_OWN", "ConfigError", "RunConfig", "changed_keys", "default_of",
            "demo_config", "from_data", "leaves", "show",
            "load_file", "resolve"]
 
@@ -163,6 +165,44 @@ class SFTSection(Section):
     """Seed of the warm start (policy initialisation and batch order)."""
 
 
+class DataSection(Section):
+    """The tasks: the user's files, or (without data.train) the built-in math_tool tasks. Formats and
+    columns: sao/data.py (prompt, optional answer, info, task_id)."""
+
+    train: str | None = None
+    """Training tasks: a .jsonl or .parquet file, a saved datasets directory or a Delta table; None: math_tool."""
+    eval: str | None = None
+    """Held-out tasks (same formats); None: a seeded eval_fraction of data.train is held out."""
+    eval_fraction: float = Field(0.1, gt=0, lt=1)
+    """Fraction of data.train held out for evaluation when data.eval is not given."""
+
+
+class RewardSection(Section):
+    """How the user's tasks (data.train) are scored; math_tool scores its own."""
+
+    functions: list[str] = Field(default_factory=lambda: list(default_of(DatasetEnvConfig, "rewards")),
+                                 min_length=1)
+    """Reward functions, module:function each, importable from the working directory or an installed
+    package (sao/rewards.py: the arguments they get; built in: sao.rewards:exact_match, sao.rewards:math_verify)."""
+    weights: list[float] | None = default_of(DatasetEnvConfig, "weights")
+    """One weight per function (None: 1 each); the reward is the weighted sum."""
+
+    @model_validator(mode="after")
+    def _one_weight_each(self) -> RewardSection:
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ValueError(f"weights has {len(self.weights)} values for {len(self.functions)} functions")
+        return self
+
+
+class EnvSection(Section):
+    """The rules of an episode on the user's tasks (data.train); math_tool keeps its own."""
+
+    max_tool_calls: int = Field(default_of(DatasetEnvConfig, "max_tool_calls"), ge=0)
+    """Sandboxed Python tool calls allowed per episode (0: single-turn, the first action is the answer)."""
+    system_prompt: str = default_of(DatasetEnvConfig, "system_prompt")
+    """A system message before each prompt ('' = none; a task given as chat messages keeps its own)."""
+
+
 class RolloutSection(Section):
     """Rollout replicas (Ray Serve), the agent loop's budgets and its sampling."""
 
@@ -247,6 +287,9 @@ class RunConfig(Section):
     seed: int = default_of(TrainConfig, "seed")
     """Seed of the run (task order, sampling, torch, evaluation)."""
     sft: SFTSection = SFTSection()
+    data: DataSection = DataSection()
+    reward: RewardSection = RewardSection()
+    env: EnvSection = EnvSection()
     rollout: RolloutSection = RolloutSection()
     algorithm: AlgorithmSection = AlgorithmSection()  # type: ignore[valid-type]
     train: TrainSection = TrainSection()
@@ -324,6 +367,10 @@ class RunConfig(Section):
 BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "seed": ((TrainConfig, "seed"), (PipelineConfig, "seed"), (EvalConfig, "seed")),
     "sft.seed": ((SFTConfig, "seed"),),
+    "reward.functions": ((DatasetEnvConfig, "rewards"),),
+    "reward.weights": ((DatasetEnvConfig, "weights"),),
+    "env.max_tool_calls": ((DatasetEnvConfig, "max_tool_calls"),),
+    "env.system_prompt": ((DatasetEnvConfig, "system_prompt"),),
     "rollout.num_replicas": ((PipelineConfig, "num_replicas"),),
     "rollout.resources": ((PipelineConfig, "resources_per_replica"),),
     "rollout.max_in_flight": ((PipelineConfig, "max_in_flight"), (DriverConfig, "max_in_flight")),
@@ -349,7 +396,10 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "ray.num_cpus": ((RayConfig, "num_cpus"),),
     **{f"retention.{f.name}": ((RetentionConfig, f.name),) for f in dataclasses.fields(RetentionConfig)},
 }
-"""Each setting -> the component fields it is built into (``run_id`` and ``workdir`` are the run's own)."""
+"""Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
+
+RUN_OWN = ("run_id", "workdir", "data.train", "data.eval", "data.eval_fraction")
+"""Settings of the run itself, which no component config has."""
 
 
 def leaves(model: BaseModel, prefix: str = "", *, json_values: bool = False) -> dict[str, Any]:

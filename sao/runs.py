@@ -37,7 +37,8 @@ from sao.train.loop import StepReport, TrainConfig, prepare_run
 from sao.train.pretrain import PretrainReport
 from sao.train.run_config import RolloutSettings
 
-__all__ = ["Evaluation", "check_resume", "evaluate", "finished", "record_start", "math_tasks", "pipeline_config", "policy_dir", "pretrain_value",
+__all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "finished", "math_tasks", "pipeline_config",
+           "policy_dir", "prepare_inputs", "pretrain_value", "record_start", "run_tasks", "user_tasks",
            "record_finished", "summarize", "train_async", "value_data_run", "warm_start"]
 
 RESULT_FILE = "result.json"
@@ -54,8 +55,71 @@ def math_tasks(split: Split | str, path: str | Path | None = None) -> list[Task]
 
 
 def tasks_path(config: RunConfig) -> Path:
-    """The run's task file (JSON Lines): what the rollouts draw from and trajectory replay re-scores."""
-    return config.run_dir / "math_tool.jsonl"
+    """The run's task file (JSON Lines of :class:`~sao.envs.base.Task`, both splits): what the rollouts
+    draw from and trajectory replay re-scores. The user's tasks (``data.train``) are copied there when
+    the run starts, so a changed source file cannot change a run under way."""
+    return config.run_dir / ("math_tool.jsonl" if config.data.train is None else "tasks.jsonl")
+
+
+def user_tasks(config: RunConfig) -> list[Task]:
+    """The tasks of ``data.train`` (train split) and ``data.eval`` or a seeded held-out fraction of
+    ``data.train`` (held-out split), every row checked (:mod:`sao.data`)."""
+    from sao.data import load_tasks, split_heldout
+
+    train = load_tasks(config.data.train, Split.TRAIN)
+    if config.data.eval is None:
+        return split_heldout(train, config.data.eval_fraction, config.seed)
+    heldout = load_tasks(config.data.eval, Split.HELDOUT)
+    clash = {t.task_id for t in train} & {t.task_id for t in heldout}
+    if clash:
+        from sao.data import DataError
+
+        raise DataError(f"{len(clash)} task id(s) are in both data.train and data.eval, e.g. {sorted(clash)[:3]}")
+    return train + heldout
+
+
+def env_options(config: RunConfig, reward_paths: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Options of the run's environment (``make_env(name, **options)``); {} for math_tool."""
+    if config.data.train is None:
+        return {}
+    return {"dataset": {"rewards": list(config.reward.functions), "weights": config.reward.weights,
+                        "paths": list(reward_paths), "max_tool_calls": config.env.max_tool_calls,
+                        "system_prompt": config.env.system_prompt}}
+
+
+def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
+    """Check the run's inputs before anything starts and write its task file: the user's tasks (every
+    row) and reward functions (imported). Returns the folders the reward modules came from (what the
+    rollout replicas add to their import path). Nothing to do for the built-in math_tool task.
+
+    Raises:
+        sao.data.DataError: a bad row (file, row, field), a missing file, or the task file of a resumed
+            run holding other tasks than the data now gives.
+        sao.rewards.RewardImportError: a reward function that cannot be imported (the paths tried).
+    """
+    from sao.data import DataError
+    from sao.envs.base import ensure_tasks
+    from sao.rewards import RewardSet
+
+    if config.data.train is None:
+        return ()
+    rewards = RewardSet(config.reward.functions, config.reward.weights)
+    tasks = user_tasks(config)
+    try:
+        ensure_tasks(tasks_path(config), tasks)
+    except ValueError as error:
+        raise DataError(f"{error} (the run's tasks were copied there when it started: resume with the same "
+                        "data, or start a new run)") from None
+    return rewards.paths
+
+
+def run_tasks(config: RunConfig, split: Split | str) -> list[Task]:
+    """The tasks of one split of the run: the user's (:func:`prepare_inputs` wrote them) or math_tool's."""
+    from sao.envs.base import read_tasks
+
+    if config.data.train is None:
+        return math_tasks(split, tasks_path(config))
+    return read_tasks(tasks_path(config), split=split)
 
 
 def latest_config(lake: Lake, run_id: str) -> dict | None:
@@ -148,7 +212,8 @@ def _absolute_lake(lake: LakeConfig) -> LakeConfig:
     return lake if "://" in lake.root else dataclasses.replace(lake, root=str(Path(lake.root).resolve()))
 
 
-def pipeline_config(config: RunConfig, policy_path: str | Path) -> PipelineConfig:
+def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tuple[str, ...] | None = None
+                    ) -> PipelineConfig:
     """The pipeline of ``config``. Local paths are made absolute here: Ray Train workers run in
     their own working directory, where ``runs/...`` or ``lake`` would name nothing.
 
@@ -156,20 +221,28 @@ def pipeline_config(config: RunConfig, policy_path: str | Path) -> PipelineConfi
     every version keeps its policy weights (trajectory replay, evaluation), and the full state
     (critic, optimisers) stays for version 0, the newest versions and every ``keep_every``-th, which
     is what step replay and resume start from). Kept whole, a 150-step demo's checkpoints took about
-    2 GB."""
+    2 GB.
+
+    ``reward_paths``: where the reward modules were imported from (None: :func:`prepare_inputs`
+    finds them again)."""
+    if reward_paths is None:
+        reward_paths = prepare_inputs(config)
+    options = env_options(config, reward_paths)
     train = TrainConfig(
         run_id=config.run_id, lake=_absolute_lake(config.lake_config()),
         checkpoint_root=str(config.checkpoint_root.resolve()),
         policy_path=str(Path(policy_path).resolve()), update=config.update(), batch_size=config.train.batch_size,
         max_staleness=config.train.max_staleness, total_steps=config.train.steps, seed=config.seed,
         num_workers=config.train.workers, resources_per_worker=dict(config.train.resources),
-        rollout=RolloutSettings(tasks_path=str(tasks_path(config).resolve()), max_turns=config.agent().max_turns),
+        rollout=RolloutSettings(tasks_path=str(tasks_path(config).resolve()), env_options=options,
+                                max_turns=config.agent().max_turns),
         retention=config.retention_config(),
     )
     return PipelineConfig(train=train, ray=config.ray_config(), num_replicas=config.rollout.num_replicas,
                           resources_per_replica=dict(config.rollout.resources),
                           agent=config.agent(), max_in_flight=config.rollout.max_in_flight, seed=config.seed,
-                          group_size=config.rollout.group_size, synchronous=config.train.synchronous)
+                          group_size=config.rollout.group_size, synchronous=config.train.synchronous,
+                          env_options=options)
 
 
 def value_data_run(config: RunConfig) -> str:
@@ -202,7 +275,7 @@ def pretrain_value(config: RunConfig, policy_path: str | Path,
     data = dataclasses.replace(train, run_id=value_data_run(config),
                                checkpoint_root=str(Path(train.checkpoint_root).parent / "v0-data-checkpoints"))
     prepare_run(data)  # the data run's version 0: the same weights, registered under its own id
-    collect_rollouts(dataclasses.replace(pipeline, train=data), math_tasks(Split.TRAIN, train.rollout.tasks_path),
+    collect_rollouts(dataclasses.replace(pipeline, train=data), run_tasks(config, Split.TRAIN),
                      data.run_id, config.value_pretraining.samples, on_record=on_record)
     return fit_critic(train, PretrainConfig(num_samples=config.value_pretraining.samples, data_run_id=data.run_id))
 
@@ -211,7 +284,7 @@ def train_async(config: RunConfig, policy_path: str | Path,
                 on_step: Callable[[StepReport], None] | None = None) -> PipelineResult:
     """Run (or resume) the asynchronous training of ``config`` from ``policy_path`` (version 0)."""
     pipeline = pipeline_config(config, policy_path)
-    result = run_pipeline(pipeline, math_tasks(Split.TRAIN, pipeline.train.rollout.tasks_path), on_step=on_step)
+    result = run_pipeline(pipeline, run_tasks(config, Split.TRAIN), on_step=on_step)
     if result.interrupted:
         raise interrupt.RunInterrupted(f"run {config.run_id}: stopped after {result.steps} of {config.train.steps} "
                                        f"steps (policy version {result.version})")
@@ -247,9 +320,17 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     if kept.exists():
         return Evaluation(**json.loads(kept.read_text()))
     path = policy_dir(config, version)
-    result = evaluate_math(load_policy(path), load_tokenizer(path), math_tasks(Split.HELDOUT),
+    options = env_options(config, prepare_inputs(config))
+
+    def environment(task: Task):
+        from sao.envs import make_env
+
+        return make_env(task.env, **options.get(task.env, {}))
+
+    result = evaluate_math(load_policy(path), load_tokenizer(path), run_tasks(config, Split.HELDOUT),
                            EvalConfig(num_tasks=config.eval.tasks, seed=config.seed,
-                                      max_turns=config.rollout.max_turns))
+                                      max_turns=config.rollout.max_turns),
+                           env_factory=environment)
     evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks)
     _write_json(kept, dataclasses.asdict(evaluation))
     return evaluation

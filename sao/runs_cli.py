@@ -79,11 +79,14 @@ def run_or_resume(config: RunConfig, sources: dict[str, str] | None = None) -> N
     that may not change is refused (exit 2) before anything starts."""
     from sao import interrupt, runs
     from sao.cli import fail
+    from sao.data import DataError
     from sao.prefect_server import PrefectServerError
+    from sao.rewards import RewardImportError
 
     try:
         runs.check_resume(config)
-    except ConfigError as error:
+        runs.prepare_inputs(config)
+    except (ConfigError, DataError, RewardImportError) as error:
         raise fail(str(error)) from None
     done = runs.finished(config)
     if done is not None:

@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 NAME = "trajectories"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 """What a run id must match in full: it names a partition folder and appears in SQL predicates."""
@@ -250,11 +250,21 @@ _PRODUCER_FIELDS_V2 = [
     ),
 ]
 
-RECORD_SCHEMA = pa.schema(_PRODUCER_FIELDS + _PRODUCER_FIELDS_V2)
+_PRODUCER_FIELDS_V3 = [
+    doc_field(
+        "error",
+        pa.string(),
+        True,
+        "Why a trajectory ended with termination_reason 'error': the exception's type and message (a "
+        "failing engine, tool, environment or reward function). Null otherwise. Added in version 3.",
+    ),
+]
+
+RECORD_SCHEMA = pa.schema(_PRODUCER_FIELDS + _PRODUCER_FIELDS_V2 + _PRODUCER_FIELDS_V3)
 """The columns a producer (rollout worker) provides: ``TrajectoryRecord.to_row()`` has these keys."""
 
-SCHEMA = pa.schema(_PRODUCER_FIELDS + _WRITER_FIELDS + _PRODUCER_FIELDS_V2)
-"""The full table schema (version 2 fields appended after version 1's writer fields)."""
+SCHEMA = pa.schema(_PRODUCER_FIELDS + _WRITER_FIELDS + _PRODUCER_FIELDS_V2 + _PRODUCER_FIELDS_V3)
+"""The full table schema (the fields of versions 2 and 3 appended after version 1's writer fields)."""
 
 WRITER_FIELDS = tuple(f.name for f in _WRITER_FIELDS)
 """Columns the lake writer sets when it stores a row."""

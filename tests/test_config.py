@@ -12,6 +12,7 @@ from sao.config import (
     BUILDS,
     DEMO_CONFIG,
     RESUME_SAFE,
+    RUN_OWN,
     ConfigError,
     RunConfig,
     changed_keys,
@@ -25,13 +26,11 @@ from sao.lake.store import Lake
 from sao.train.config import UpdateConfig
 from sao.train.retention import RetentionConfig
 
-RUN_OWN = {"run_id", "workdir"}  # the run's own settings: no component has them
-
 
 def test_every_setting_builds_component_fields_and_takes_their_default():
     config = RunConfig()
     settings = leaves(config)
-    assert set(settings) == set(BUILDS) | RUN_OWN
+    assert set(settings) == set(BUILDS) | set(RUN_OWN)
     for key, targets in BUILDS.items():
         for component, name in targets:
             default = default_of(component, name)

@@ -154,6 +154,7 @@ def recorded(monkeypatch):
 
     monkeypatch.setattr(sao.runs_cli, "run_flow", record)
     monkeypatch.setattr("sao.runs.check_resume", lambda config, lake=None: None)
+    monkeypatch.setattr("sao.runs.prepare_inputs", lambda config: ())
     return calls
 
 

@@ -1,7 +1,8 @@
-"""Task environments: math with a sandboxed Python tool, style preference with scheduled shifts.
+"""Task environments: math with a sandboxed Python tool, style preference with scheduled shifts, and
+``dataset``: the user's tasks from files, scored by the user's reward functions.
 
 Modules: ``base`` (the :class:`~sao.envs.base.Environment` protocol, :class:`~sao.envs.base.Task`,
-dataset files), ``math_tool``, ``style_preference``, ``sandbox`` (the Python tool), ``latency``
+dataset files), ``math_tool``, ``style_preference``, ``dataset``, ``sandbox`` (the Python tool), ``latency``
 (injected heavy-tailed tool delays).
 
 :func:`make_env` builds an environment by name from keyword options, which are the fields of that
@@ -18,6 +19,7 @@ import inspect
 from typing import Any
 
 from sao.envs.base import Environment
+from sao.envs.dataset import DatasetEnv, DatasetEnvConfig
 from sao.envs.math_tool import MathToolConfig, MathToolEnv
 from sao.envs.style_preference import StylePreferenceConfig, StylePreferenceEnv
 
@@ -27,6 +29,7 @@ __all__ = ["ENVIRONMENTS", "make_env", "takes_trainer_step"]
 ENVIRONMENTS: dict[str, tuple[type, type]] = {
     MathToolEnv.name: (MathToolConfig, MathToolEnv),
     StylePreferenceEnv.name: (StylePreferenceConfig, StylePreferenceEnv),
+    DatasetEnv.name: (DatasetEnvConfig, DatasetEnv),
 }
 
 

@@ -67,6 +67,8 @@ class Task:
         answer: the reference answer ('' where the judge needs none).
         split: ``train`` or ``heldout``.
         solution: a reference action used for SFT demonstrations (math_tool: the tool code), or ''.
+        messages: the prompt as chat messages, JSON text ('' when ``prompt`` is the one user message).
+        info: an object of task facts for the reward functions, JSON text ('' for none).
     """
 
     task_id: str
@@ -75,12 +77,16 @@ class Task:
     answer: str
     split: Split
     solution: str = ""
+    messages: str = ""
+    info: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split", Split(self.split))
 
 
 TASK_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(Task))
+OPTIONAL_TASK_FIELDS: tuple[str, ...] = ("solution", "messages", "info")
+"""Fields a task file's row may leave out (written by an older version, or empty)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +141,8 @@ def write_tasks(path: str | Path, tasks: Iterable[Task]) -> Path:
         if task.task_id in seen:
             raise ValueError(f"write_tasks: duplicate task_id {task.task_id!r}")
         seen.add(task.task_id)
-        row = {name: str(getattr(task, name)) for name in TASK_FIELDS}
+        row = {name: str(getattr(task, name)) for name in TASK_FIELDS
+               if name not in OPTIONAL_TASK_FIELDS or getattr(task, name)}
         lines.append(json.dumps(row, ensure_ascii=False))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -154,10 +161,12 @@ def read_tasks(path: str | Path, *, split: Split | str | None = None) -> list[Ta
                 continue
             row = json.loads(line)
             where = f"{path}:{number}"
-            if not isinstance(row, dict) or set(row) != set(TASK_FIELDS):
+            required = set(TASK_FIELDS) - set(OPTIONAL_TASK_FIELDS)
+            if not isinstance(row, dict) or not required <= set(row) <= set(TASK_FIELDS):
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{where}: expected the fields {list(TASK_FIELDS)}, got {keys}")
-            for name in TASK_FIELDS:
+                raise ValueError(f"{where}: expected the fields {list(TASK_FIELDS)} (optional: "
+                                 f"{list(OPTIONAL_TASK_FIELDS)}), got {keys}")
+            for name in row:
                 if not isinstance(row[name], str):
                     raise ValueError(f"{where}: field {name!r} must be a string, got {type(row[name]).__name__}")
             if row["split"] not in set(Split):

@@ -51,6 +51,7 @@ def records_to_arrow(records: Sequence[TrajectoryRecord]) -> pa.Table:
     columns["router_top_k"] = pa.array(
         [None if r.routed_experts is None else int(r.routed_experts.shape[2]) for r in records], pa.int32()
     )
+    columns["error"] = pa.array([r.error for r in records], pa.string())
     return pa.table([columns[name] for name in RECORD_SCHEMA.names], schema=RECORD_SCHEMA)
 
 

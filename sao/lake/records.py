@@ -161,6 +161,7 @@ class TrajectoryRecord:
         routed_experts: optional (R, M, K) uint8 MoE routing, R <= P + n: the expert ids of the first R
             tokens of prompt + completion, per MoE layer (M) in the router's top-k order (K); see
             ``routed_experts`` in :mod:`schemas.trajectories` for which tokens and which forward.
+        error: with ``termination_reason`` error, what failed (exception type and message); else None.
     """
 
     trajectory_id: str
@@ -185,6 +186,7 @@ class TrajectoryRecord:
     timings: Timings
     token_rewards: npt.NDArray[np.float32] | None = None
     routed_experts: npt.NDArray[np.uint8] | None = None
+    error: str | None = None
 
     def __post_init__(self) -> None:
         for name in (*STRING_FIELDS, "logprob_kind", "termination_reason"):
@@ -263,6 +265,7 @@ class TrajectoryRecord:
             "timings": self.timings.to_row(),
             "routed_experts": None if self.routed_experts is None else routing_entries(self.routed_experts),
             "router_top_k": None if self.routed_experts is None else int(self.routed_experts.shape[2]),
+            "error": self.error,
         }
 
     @classmethod
@@ -302,6 +305,7 @@ class TrajectoryRecord:
             timings=timings,
             token_rewards=row.get("token_rewards"),
             routed_experts=decode_routing(row.get("routed_experts"), row.get("router_top_k")),
+            error=row.get("error"),
         )
 
 

@@ -89,6 +89,7 @@ class _Trace:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     segments: list[Segment] = dataclasses.field(default_factory=list)
     turns: int = 0
+    error: str | None = None
     generation_s: float = 0.0
     tool_s: float = 0.0
     routed_experts: torch.Tensor | None = None
@@ -156,9 +157,10 @@ class AgentLoop:
         reward, reason = 0.0, None
         try:
             reason, reward = await self._episode(env, prompt, trace, trajectory_id, seed, deadline)
-        except Exception:
+        except Exception as failure:  # the environment, a tool or a reward function: stored, never raised
             log.exception("trajectory %s of task %s failed", trajectory_id, task.task_id)
-            reason = TerminationReason.ERROR
+            reason, reward = TerminationReason.ERROR, 0.0
+            trace.error = f"{type(failure).__name__}: {failure}"
         finished = utc_now()
         return TrajectoryRecord(
             trajectory_id=trajectory_id, run_id=run_id, task_id=task.task_id, env_name=task.env,
@@ -172,6 +174,7 @@ class AgentLoop:
             timings=Timings(created_at=created, started_at=created, finished_at=finished,
                             generation_s=trace.generation_s, tool_s=trace.tool_s),
             routed_experts=None if trace.routed_experts is None else trace.routed_experts.numpy(),
+            error=trace.error,
         )
 
     async def _episode(self, env: Environment, prompt: list[int], trace: _Trace, trajectory_id: str,
@@ -202,6 +205,7 @@ class AgentLoop:
                 return TerminationReason.CANCELLED, 0.0
             if generation.finish_reason is FinishReason.ERROR:
                 log.error("engine error in %s: %s", request_id, generation.error)
+                trace.error = f"engine: {generation.error}"
                 return TerminationReason.ERROR, 0.0
             if generation.finish_reason is FinishReason.LENGTH:
                 return TerminationReason.LENGTH, 0.0

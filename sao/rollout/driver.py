@@ -296,4 +296,5 @@ def failed_record(task: Task, run_id: str, trajectory_id: str, message: str,
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=None, max_tokens=1, seed=None),
         tokenizer_version="unknown", chat_template_version="unknown", engine_name="unknown",
         engine_version="unknown", worker_id="driver", timings=Timings(now, now, now, 0.0, 0.0),
+        error=message if reason == "error" else None,
     )

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -160,14 +160,17 @@ def run_math_episodes(
     tasks: Sequence[Task],
     config: EvalConfig | None = None,
     env_config: MathToolConfig | None = None,
+    env_factory: Callable[[Task], MathToolEnv] | None = None,
 ) -> list[Episode]:
-    """Run one sampled episode per task (multi-turn, real sandboxed tool) and return them in order."""
+    """Run one sampled episode per task (multi-turn, real sandboxed tool) and return them in order.
+    ``env_factory``: the environment of a task (default: math_tool with ``env_config``); it must
+    follow math_tool's action format and count ``tool_calls`` (the ``dataset`` environment does)."""
     config = config or EvalConfig()
     chat = ChatTokens.from_tokenizer(tokenizer)
     generator = torch.Generator().manual_seed(config.seed)
     states = []
     for task in tasks:
-        env = MathToolEnv(env_config)
+        env = MathToolEnv(env_config) if env_factory is None else env_factory(task)
         context = prompt_ids(tokenizer, env.reset(task))
         states.append(_State(env, task, context, [0] * len(context)))
     was_training = model.training
@@ -223,18 +226,21 @@ def evaluate_math(
     tasks: Sequence[Task],
     config: EvalConfig | None = None,
     env_config: MathToolConfig | None = None,
+    env_factory: Callable[[Task], MathToolEnv] | None = None,
 ) -> EvalResult:
-    """Sampled accuracy on the first ``config.num_tasks`` of ``tasks``."""
+    """Sampled accuracy on the first ``config.num_tasks`` of ``tasks``: the mean reward (with a reward
+    other than 0 or 1, the mean reward and its standard error)."""
     config = config or EvalConfig()
     if not tasks:
         raise ValueError("evaluate_math: no tasks given")
     start = time.monotonic()
-    episodes = run_math_episodes(model, tokenizer, list(tasks)[: config.num_tasks], config, env_config)
+    episodes = run_math_episodes(model, tokenizer, list(tasks)[: config.num_tasks], config, env_config, env_factory)
     n = len(episodes)
     accuracy = sum(e.reward for e in episodes) / n
+    variance = sum((e.reward - accuracy) ** 2 for e in episodes) / n  # p(1 - p) for rewards of 0 and 1
     return EvalResult(
         accuracy=accuracy,
-        stderr=math.sqrt(max(accuracy * (1 - accuracy), 0.0) / n),
+        stderr=math.sqrt(max(variance, 0.0) / n),
         num_tasks=n,
         mean_tool_calls=sum(e.tool_calls for e in episodes) / n,
         terminations=dict(Counter(str(e.termination) for e in episodes)),

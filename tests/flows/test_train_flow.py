@@ -3,6 +3,7 @@ rollouts, Serve rollouts into the lake, Ray Train updates, evaluation, report ar
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,34 @@ def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_sessio
 
     keys = {a.key for a in asyncio.run(artifacts())}
     assert {artifact_key("tiny", what) for what in ("progress", "report", "metrics", "pretrain-value")} <= keys
+
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE_CONFIGS = ["configs/demo.yaml", *sorted(str(p.relative_to(REPO)) for p in REPO.glob("examples/*/config.yaml"))]
+
+
+@pytest.mark.parametrize("example", EXAMPLE_CONFIGS)
+def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ray_session, prefect_harness,
+                                               monkeypatch):
+    """An example as its README says to run it (from the repository root, where its data and reward
+    modules are found), for 2 steps, its warm start reused; the run reconciles with `sao lake check`."""
+    from flows.train import train
+    from sao.config import resolve
+    from sao.lake.check import check_run
+
+    monkeypatch.chdir(REPO)
+    config, sources = resolve(example, [
+        f"workdir={tmp_path / 'runs'}", f"lake.root={tmp_path / 'lake'}", "train.steps=2", "train.batch_size=8",
+        "eval.tasks=4", "value_pretraining.samples=8", "rollout.num_replicas=1"])
+    shutil.copytree(policy_dir, config.sft_dir)
+    result = train(config=config, sources=sources)
+    assert result["version"] == 2 and result["settings"]["data"] == config.public()["data"]
+    lake = Lake.open(config.lake.root)
+    report = check_run(lake, config.run_id)
+    assert report.ok, report
+    rows = lake.read("trajectories", predicate=f"run_id = '{config.run_id}'").to_pylist()
+    if config.data.train is not None:  # the user's tasks, scored by the user's rewards
+        assert {row["env_name"] for row in rows} == {"dataset"}
+        assert all(row["error"] is None for row in rows), [row["error"] for row in rows if row["error"]]
+    (started,) = lake.read("runs", predicate=f"run_id = '{config.run_id}'").to_pylist()
+    assert json.loads(started["config"]) == config.public() and started["event"] == "start"

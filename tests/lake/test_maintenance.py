@@ -63,6 +63,7 @@ def test_short_retention_is_refused_unless_forced(local_lake):
         "policy_versions",
         "train_steps",
         "rollout_tasks",
+        "runs",
     }
     assert all(r.dry_run for r in reports)
 

@@ -141,7 +141,21 @@ def test_environment_failure_ends_with_error_not_an_exception(engine, tokenizer)
     loop = AgentLoop(engine, tokenizer, lambda task: BrokenEnv(), AgentConfig(max_tokens=300))
     record = run(loop, TASKS[5], seed=5)
     assert record.termination_reason == "error"
+    assert record.error is not None and record.error.startswith("RuntimeError: ")  # stored with the record
     check_record(record, tokenizer)
+
+
+def test_a_reward_function_that_raises_ends_the_trajectory_with_error_and_its_message(engine, tokenizer):
+    from sao.envs.base import Task
+    from sao.envs.dataset import DatasetEnv, DatasetEnvConfig
+
+    config = DatasetEnvConfig(rewards=("tests.envs.test_dataset:raises",), max_tool_calls=0)
+    loop = AgentLoop(engine, tokenizer, lambda task: DatasetEnv(config), AgentConfig(max_tokens=300, max_turns=1))
+    task = Task("t1", "dataset", "What is 2 + 2?", "4", "train")
+    record = run(loop, task, seed=3)  # this seed's turn ends within the budget, so the reward is asked for
+    assert record.termination_reason == "error" and record.reward == 0.0
+    assert "reward function tests.envs.test_dataset:raises raised ValueError: no reward for you" in record.error
+    assert validate_record(record, newest_version=0) == []
 
 
 def test_natural_end_is_distinguishable_from_budget_ends(engine, tokenizer):

@@ -52,10 +52,11 @@ def test_every_table_records_the_schema_version_per_row(name):
 
 
 def test_trajectories_schema_is_the_record_schema_plus_writer_columns():
-    v2 = ["routed_experts", "router_top_k"]  # schema version 2: appended after version 1's writer fields
-    assert tr.SCHEMA.names == tr.RECORD_SCHEMA.names[: -len(v2)] + list(tr.WRITER_FIELDS) + v2
-    assert tr.RECORD_SCHEMA.names[-len(v2):] == v2
-    assert all(tr.SCHEMA.field(name).nullable for name in v2)
+    # Schema versions 2 and 3: appended after version 1's writer fields, nullable (added in place).
+    later = ["routed_experts", "router_top_k", "error"]
+    assert tr.SCHEMA.names == tr.RECORD_SCHEMA.names[: -len(later)] + list(tr.WRITER_FIELDS) + later
+    assert tr.RECORD_SCHEMA.names[-len(later):] == later
+    assert all(tr.SCHEMA.field(name).nullable for name in later)
     assert tr.PARTITION_BY == ("run_id",)
 
 

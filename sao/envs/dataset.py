@@ -1,0 +1,122 @@
+"""The ``dataset`` environment: tasks from the user's files (:mod:`sao.data`), scored by reward
+functions (:mod:`sao.rewards`).
+
+An episode shows the task's prompt (its chat messages, or one user message), then takes the policy's
+actions in the chat format of :mod:`sao.models.chat`: a tool call (``<tool_call>code</tool_call>``)
+runs in the sandboxed Python tool, as in math_tool, while ``max_tool_calls`` allows (0: single-turn);
+any other action ends the episode with ``stop``, and the reward functions score it. Calling more tools
+than allowed ends it with ``turns`` (reward 0, the functions are not called).
+
+A reward function that raises or returns a non-finite number raises :class:`~sao.rewards.RewardError`
+out of :meth:`DatasetEnv.step`: the agent loop ends that trajectory with ``error`` and stores the
+message (``trajectories.error``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from typing import Any
+
+from sao.envs.base import StepResult, Task, Termination
+from sao.envs.latency import LatencyConfig
+from sao.envs.math_tool import MathToolEnv
+from sao.envs.sandbox import SandboxConfig
+from sao.models.chat import IM_END, Message, ToolCall, parse_action
+from sao.rewards import RewardSet, call_arguments
+
+__all__ = ["ENV_NAME", "DatasetEnv", "DatasetEnvConfig", "task_messages"]
+
+ENV_NAME = "dataset"
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetEnvConfig:
+    """Episode rules and rewards of the ``dataset`` environment.
+
+    Attributes:
+        rewards: reward functions, ``module:function`` each (:mod:`sao.rewards`).
+        weights: one weight per reward function (None: 1 each); the reward is the weighted sum.
+        paths: folders the reward modules were imported from at start (set by the run, so replicas in
+            other processes import the same files).
+        max_tool_calls: sandboxed Python tool calls allowed per episode; one more ends it with
+            ``turns``. 0: single-turn.
+        system_prompt: a system message before the task's prompt ('' = none; a task that gives chat
+            messages keeps its own).
+        sandbox: limits of the Python tool.
+        latency: injected per-call tool delay (off by default).
+    """
+
+    rewards: tuple[str, ...] = ("sao.rewards:exact_match",)
+    weights: tuple[float, ...] | None = None
+    paths: tuple[str, ...] = ()
+    max_tool_calls: int = 3
+    system_prompt: str = ""
+    sandbox: SandboxConfig = SandboxConfig()
+    latency: LatencyConfig = LatencyConfig()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rewards", tuple(self.rewards))
+        object.__setattr__(self, "paths", tuple(self.paths))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
+        if self.max_tool_calls < 0:
+            raise ValueError(f"DatasetEnvConfig.max_tool_calls must be >= 0, got {self.max_tool_calls}")
+
+
+_REWARD_SETS: dict[tuple, RewardSet] = {}
+_REWARD_LOCK = threading.Lock()
+
+
+def reward_set(config: DatasetEnvConfig) -> RewardSet:
+    """The loaded reward functions of ``config``, imported once per process."""
+    key = (config.rewards, config.weights, config.paths)
+    with _REWARD_LOCK:
+        if key not in _REWARD_SETS:
+            _REWARD_SETS[key] = RewardSet(config.rewards, config.weights, config.paths)
+        return _REWARD_SETS[key]
+
+
+def task_messages(task: Task, system_prompt: str = "") -> list[Message]:
+    """The prompt of ``task`` as chat messages."""
+    if task.messages:
+        return [dict(m) for m in json.loads(task.messages)]
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*system, {"role": "user", "content": task.prompt}]
+
+
+class DatasetEnv(MathToolEnv):
+    """One ``dataset`` episode at a time (see the module docstring)."""
+
+    name = ENV_NAME
+
+    def __init__(self, config: DatasetEnvConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(config or DatasetEnvConfig(), **kwargs)
+        self.rewards = reward_set(self.config)
+        self.conversation: list[Message] = []
+
+    def reset(self, task: Task) -> list[Message]:
+        if task.env != ENV_NAME:
+            raise ValueError(f"DatasetEnv.reset: task {task.task_id} belongs to env {task.env!r}, not {ENV_NAME!r}")
+        self.task, self.tool_calls = task, 0
+        self.conversation = task_messages(task, self.config.system_prompt)
+        return list(self.conversation)
+
+    def step(self, action_text: str) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("DatasetEnv.step called before reset")
+        if isinstance(parse_action(action_text), ToolCall):
+            result = super().step(action_text)
+            self.conversation.append({"role": "assistant", "content": action_text})
+            if not result.done:
+                self.conversation.append({"role": "tool", "content": result.observation})
+            return result
+        completion = action_text.removesuffix(IM_END)
+        self.conversation.append({"role": "assistant", "content": completion})
+        task = self.task
+        prompt: Any = json.loads(task.messages) if task.messages else task.prompt
+        reward = self.rewards.score(**call_arguments(
+            prompt=prompt, completion=completion, messages=list(self.conversation), answer=task.answer,
+            info=json.loads(task.info) if task.info else {}, task_id=task.task_id))
+        return StepResult(None, True, reward, Termination.STOP, {"tool_calls": self.tool_calls})

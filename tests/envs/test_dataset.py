@@ -1,0 +1,92 @@
+"""The dataset environment: the user's tasks, their prompt messages, tool calls, reward functions."""
+
+import json
+
+import pytest
+
+from sao.envs import make_env
+from sao.envs.base import Task, Termination
+from sao.envs.dataset import DatasetEnv, DatasetEnvConfig, task_messages
+from sao.rewards import RewardError
+
+CALLS = []
+
+
+def recorder(**kwargs):
+    CALLS.append(kwargs)
+    return 0.25
+
+
+def raises(**kwargs):
+    raise ValueError("no reward for you")
+
+
+def nan(**kwargs):
+    return float("nan")
+
+
+TASK = Task("t1", "dataset", "What is 6 * 7?", "42", "train", info=json.dumps({"level": 1}))
+
+
+def test_an_answer_is_scored_by_the_weighted_reward_functions_with_every_argument():
+    CALLS.clear()
+    env = DatasetEnv(DatasetEnvConfig(rewards=("tests.envs.test_dataset:recorder", "sao.rewards:exact_match"),
+                                      weights=(2.0, 1.0)))
+    assert env.reset(TASK) == [{"role": "user", "content": "What is 6 * 7?"}]
+    result = env.step("<answer>42</answer>")
+    assert result.done and result.termination is Termination.STOP
+    assert result.reward == 2.0 * 0.25 + 1.0  # worked by hand: recorder 0.25 twice, exact match 1
+    (call,) = CALLS
+    assert call == {"prompt": "What is 6 * 7?", "completion": "<answer>42</answer>",
+                    "messages": [{"role": "user", "content": "What is 6 * 7?"},
+                                 {"role": "assistant", "content": "<answer>42</answer>"}],
+                    "answer": "42", "info": {"level": 1}, "task_id": "t1"}
+
+
+def test_a_tool_call_runs_in_the_sandbox_and_the_conversation_holds_it():
+    CALLS.clear()
+    env = make_env("dataset", rewards=["tests.envs.test_dataset:recorder"], max_tool_calls=1)
+    env.reset(TASK)
+    observed = env.step("<tool_call>print(6 * 7)</tool_call>")
+    assert not observed.done and "42" in observed.observation
+    assert env.step("<answer>42</answer><|im_end|>").reward == 0.25
+    roles = [m["role"] for m in CALLS[0]["messages"]]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert CALLS[0]["completion"] == "<answer>42</answer>"  # the stop token is not part of the text
+
+
+def test_the_tool_budget_ends_with_turns_without_scoring():
+    CALLS.clear()
+    env = make_env("dataset", rewards=["tests.envs.test_dataset:recorder"], max_tool_calls=0)
+    env.reset(TASK)
+    result = env.step("<tool_call>print(1)</tool_call>")
+    assert result.done and result.termination is Termination.TURNS and result.reward == 0.0 and not CALLS
+
+
+def test_chat_message_prompts_are_kept_as_given():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
+    task = Task("t2", "dataset", "2 + 2?", "4", "train", messages=json.dumps(messages))
+    assert task_messages(task, system_prompt="ignored") == messages
+    assert task_messages(TASK, system_prompt="Think.")[0] == {"role": "system", "content": "Think."}
+    CALLS.clear()
+    env = DatasetEnv(DatasetEnvConfig(rewards=("tests.envs.test_dataset:recorder",)))
+    env.reset(task)
+    env.step("4")
+    assert CALLS[0]["prompt"] == messages  # as the data gave it
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tests.envs.test_dataset:raises", "raised ValueError: no reward for you"),
+    ("tests.envs.test_dataset:nan", "returned nan, not a finite number"),
+])
+def test_a_failing_reward_function_is_an_error_naming_it(spec, message):
+    env = DatasetEnv(DatasetEnvConfig(rewards=(spec,)))
+    env.reset(TASK)
+    with pytest.raises(RewardError, match=message):
+        env.step("<answer>42</answer>")
+
+
+def test_a_task_of_another_environment_is_refused():
+    env = DatasetEnv()
+    with pytest.raises(ValueError, match="belongs to env 'math_tool'"):
+        env.reset(Task("m", "math_tool", "1 + 1?", "2", "train"))
