@@ -37,7 +37,7 @@ def evaluate(
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"run {run_id!r} has no policy version {version} at {path}: version 0 is the warm start "
-            f"({settings.sft_dir}), version N the checkpoint after N steps ({settings.checkpoint_root}); "
+            f"({settings.initial_policy_dir}), version N the checkpoint after N steps ({settings.checkpoint_root}); "
             "check run_id, version and workdir")
     result = evaluate_version(settings, version)
     get_run_logger().info("run %s version %d: held-out accuracy %.3f ± %.3f on %d tasks", run_id, version,

@@ -153,8 +153,8 @@ def train(config: RunConfig = RunConfig(), sources: dict[str, str] | None = None
         get_run_logger().info("run %s finished already (%d steps, version %d); nothing to do",
                               run_id, done["steps"], done["version"])
         return done
-    runs.prepare_inputs(config)  # the user's tasks and reward functions, checked before anything starts
-    event = runs.record_start(config, sources)
+    runs.prepare_inputs(config)  # the user's model, tasks and reward functions, checked before anything starts
+    event = runs.record_start(config, sources, notes=runs.model_notes(config))
     get_run_logger().info("run %s: %s (config recorded in the lake's runs table)", run_id, event)
     policy_path = warm_start(settings)
     before = evaluate(settings, 0)

@@ -1,7 +1,8 @@
 """The run config: one typed model (:class:`RunConfig`) of everything a training run takes, shared
 by ``sao train``, the Prefect flows (their UI form is generated from it) and the lake (``runs`` table).
 
-Sections: ``sft`` (the built-in policy's warm start), ``data`` (the user's task files), ``reward``
+Sections: ``model`` (the user's model directory), ``sft`` (the built-in policy's warm start), ``data``
+(the user's task files), ``reward``
 (reward functions), ``env`` (episode rules on those tasks), ``rollout`` (replicas, budgets, sampling),
 ``algorithm`` (every :class:`~sao.train.config.UpdateConfig` field), ``train`` (steps, batch, staleness,
 workers), ``value_pretraining``, ``eval``, ``lake``, ``ray`` and ``retention`` (every
@@ -158,8 +159,17 @@ RetentionSection = derived_section(
     RetentionConfig, "RetentionSection", "Which old checkpoint parts are pruned as the run goes.")
 
 
+class ModelSection(Section):
+    """The policy to train."""
+
+    path: str | None = None
+    """A Hugging Face model directory (config.json, safetensors weights, a fast tokenizer with a chat
+    template), dense or mixture-of-experts; it is version 0 as it is (no SFT). None: the built-in tiny
+    Qwen3-MoE policy, warm-started by SFT on math_tool demonstrations."""
+
+
 class SFTSection(Section):
-    """The SFT warm start of the built-in policy (its version 0)."""
+    """The SFT warm start of the built-in policy (its version 0; not run for model.path)."""
 
     seed: int = default_of(SFTConfig, "seed")
     """Seed of the warm start (policy initialisation and batch order)."""
@@ -286,6 +296,7 @@ class RunConfig(Section):
     """Run files go to workdir/run_id (warm start, checkpoints, plots)."""
     seed: int = default_of(TrainConfig, "seed")
     """Seed of the run (task order, sampling, torch, evaluation)."""
+    model: ModelSection = ModelSection()
     sft: SFTSection = SFTSection()
     data: DataSection = DataSection()
     reward: RewardSection = RewardSection()
@@ -324,7 +335,13 @@ class RunConfig(Section):
 
     @property
     def sft_dir(self) -> Path:
+        """The built-in policy's SFT warm start."""
         return self.run_dir / "sft"
+
+    @property
+    def initial_policy_dir(self) -> Path:
+        """The run's version-0 policy: the SFT warm start, or the model of ``model.path`` copied."""
+        return self.sft_dir if self.model.path is None else self.run_dir / "model"
 
     @property
     def checkpoint_root(self) -> Path:
@@ -398,7 +415,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
 }
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 
-RUN_OWN = ("run_id", "workdir", "data.train", "data.eval", "data.eval_fraction")
+RUN_OWN = ("run_id", "workdir", "model.path", "data.train", "data.eval", "data.eval_fraction")
 """Settings of the run itself, which no component config has."""
 
 

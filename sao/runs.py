@@ -38,7 +38,7 @@ from sao.train.pretrain import PretrainReport
 from sao.train.run_config import RolloutSettings
 
 __all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "finished", "math_tasks", "pipeline_config",
-           "policy_dir", "prepare_inputs", "pretrain_value", "record_start", "run_tasks", "user_tasks",
+           "model_notes", "policy_dir", "prepare_inputs", "pretrain_value", "record_start", "run_tasks", "user_tasks",
            "record_finished", "summarize", "train_async", "value_data_run", "warm_start"]
 
 RESULT_FILE = "result.json"
@@ -96,11 +96,17 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
         sao.data.DataError: a bad row (file, row, field), a missing file, or the task file of a resumed
             run holding other tasks than the data now gives.
         sao.rewards.RewardImportError: a reward function that cannot be imported (the paths tried).
+        sao.models.policy.ModelDirectoryError: a ``model.path`` that is not a usable model directory.
     """
     from sao.data import DataError
     from sao.envs.base import ensure_tasks
     from sao.rewards import RewardSet
 
+    if config.model.path is not None:
+        from sao.models.policy import check_model_directory
+
+        check_model_directory(config.model.path,
+                              need_tools=config.data.train is None or config.env.max_tool_calls > 0)
     if config.data.train is None:
         return ()
     rewards = RewardSet(config.reward.functions, config.reward.weights)
@@ -182,11 +188,12 @@ def record_start(config: RunConfig, sources: dict[str, str] | None = None, notes
 
 
 def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
-    """The run's version-0 policy directory: SFT warm start unless it already exists."""
-    from sao.models.policy import read_policy_metadata
+    """The run's version-0 policy directory, made unless it exists: the model of ``model.path``
+    copied as a policy directory, or the built-in policy's SFT warm start."""
+    from sao.models.policy import import_policy, read_policy_metadata
     from sao.train.sft import SFTConfig, sft_warm_start
 
-    path = config.sft_dir
+    path = config.initial_policy_dir
     if (path / "config.json").exists() and read_policy_metadata(path) is not None:
         log.info("warm start: reusing %s", path)
         return path
@@ -195,9 +202,26 @@ def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
     for leftover in (partial, path):
         if leftover.exists():
             shutil.rmtree(leftover)
-    sft_warm_start(SFTConfig(seed=config.sft.seed), partial, on_log=on_log)
+    if config.model.path is not None:
+        log.info("version 0: the model of %s (no SFT)", config.model.path)
+        import_policy(config.model.path, partial)
+    else:
+        sft_warm_start(SFTConfig(seed=config.sft.seed), partial, on_log=on_log)
     partial.rename(path)
     return path
+
+
+def model_notes(config: RunConfig) -> str | None:
+    """What the run says once about its model (in the log and its ``runs`` row): that routing is
+    not recorded for a mixture-of-experts model whose routers are not recognised."""
+    from sao.models.policy import routing_note
+
+    if config.model.path is None:
+        return None
+    note = routing_note(config.model.path)
+    if note is not None:
+        log.warning("run %s: %s", config.run_id, note)
+    return note
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -304,7 +328,7 @@ def policy_dir(config: RunConfig, version: int) -> Path:
     run's first checkpoint exists)."""
     path = checkpoint_dir(config.checkpoint_root, version) / "policy"
     if version == 0 and not path.exists():
-        return config.sft_dir
+        return config.initial_policy_dir
     return path
 
 

@@ -75,18 +75,19 @@ def run_flow(config: RunConfig, sources: dict[str, str] | None = None) -> dict:
 
 def run_or_resume(config: RunConfig, sources: dict[str, str] | None = None) -> None:
     """Run (or resume) ``config`` with the run's Ctrl-C handling and print the summary; a finished
-    run prints its recorded summary instead. Exits 130 when stopped; a resume with changed config
+    run prints its recorded summary instead. Exits 130 when stopped; a resume with changed settings
     that may not change is refused (exit 2) before anything starts."""
     from sao import interrupt, runs
     from sao.cli import fail
     from sao.data import DataError
+    from sao.models.policy import ModelDirectoryError
     from sao.prefect_server import PrefectServerError
     from sao.rewards import RewardImportError
 
     try:
-        runs.check_resume(config)
         runs.prepare_inputs(config)
-    except (ConfigError, DataError, RewardImportError) as error:
+        runs.check_resume(config)
+    except (ConfigError, DataError, RewardImportError, ModelDirectoryError) as error:
         raise fail(str(error)) from None
     done = runs.finished(config)
     if done is not None:

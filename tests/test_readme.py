@@ -7,6 +7,7 @@ stops working fails here.
   the run config (``--lake s3://...``, ``--ray-address``, ``--set``), without a cluster.
 - ``sao config``: run as written (``--config configs/...`` from the repository).
 - ``export NAME=VALUE``: applied to the environment of the block's later commands.
+- ``cat > FILE <<'END'`` ... ``END``: the file is written (in the run folder) for the commands after it.
 - ``make TARGET``: ``make -n TARGET`` must run the ``sao`` command below it, and that command has a
   named test (:data:`COVERED_BY`), which must exist.
 - ``sao ui``: its arguments must parse; the command itself is tested by :data:`COVERED_BY`.
@@ -29,6 +30,7 @@ from typer.testing import CliRunner
 import sao.runs_cli
 from sao.cli import app
 from sao.lake.store import Lake
+from sao.rewards import resolve_reward
 from sao.train.loop import prepare_run, run_training
 from tests.flows.test_deployments import PREFECT_COMMANDS
 from tests.train.test_loop import make_config, roll_out
@@ -49,9 +51,25 @@ COVERED_BY = {
 
 
 def readme_blocks() -> list[list[list[str]]]:
-    """The fenced sh/bash blocks of README.md, each a list of commands (argv lists)."""
+    """The fenced sh/bash blocks of README.md, each a list of commands (argv lists); a here-document
+    that writes a file (``cat > FILE <<'END'`` ... ``END``) is one command ``["write", FILE, TEXT]``."""
     blocks = re.findall(r"^```(?:sh|bash|shell)\n(.*?)^```", README.read_text(), flags=re.S | re.M)
-    return [[argv for line in block.splitlines() if (argv := shlex.split(line, comments=True))] for block in blocks]
+    parsed = []
+    for block in blocks:
+        commands, lines = [], iter(block.splitlines())
+        for line in lines:
+            heredoc = re.fullmatch(r"cat > (\S+) <<'(\w+)'", line.strip())
+            if heredoc:
+                body = []
+                for inner in lines:
+                    if inner == heredoc.group(2):
+                        break
+                    body.append(inner)
+                commands.append(["write", heredoc.group(1), "\n".join(body) + "\n"])
+            elif argv := shlex.split(line, comments=True):
+                commands.append(argv)
+        parsed.append(commands)
+    return parsed
 
 
 def _covered(command: str) -> None:
@@ -92,6 +110,8 @@ def _sao(argv: list[str], recorded: list) -> None:
             if flag in options:  # one of each in the README
                 name, _, amount = options[flag].partition("=")
                 assert section.resources == {name: float(amount)}
+        for spec in config.reward.functions:  # the block's own reward module is found from where it ran
+            resolve_reward(spec)
         for item in (value for option, value in zip(argv, argv[1:], strict=False) if option == "--set"):
             key, _, value = item.partition("=")
             section, _, name = key.rpartition(".")
@@ -108,9 +128,9 @@ def _sao(argv: list[str], recorded: list) -> None:
 
 
 def _in_repo(args: list[str]) -> list[str]:
-    """``--config FILE`` names a file of the repository (``configs/...``): found from any folder."""
-    return [str(REPO / arg) if previous == "--config" else arg for previous, arg in zip(["", *args], args,
-                                                                                      strict=False)]
+    """``--config FILE`` names a file of the block (written by it) or of the repository (``configs/...``)."""
+    return [str(REPO / arg) if previous == "--config" and not Path(arg).exists() else arg
+            for previous, arg in zip(["", *args], args, strict=False)]
 
 
 def run_block(block: list[list[str]], monkeypatch, recorded: list) -> None:
@@ -119,6 +139,8 @@ def run_block(block: list[list[str]], monkeypatch, recorded: list) -> None:
             for assignment in argv[1:]:
                 name, _, value = assignment.partition("=")
                 monkeypatch.setenv(name, value)
+        elif argv[0] == "write":  # a here-document: the file the next commands use
+            Path(argv[1]).write_text(argv[2])
         elif argv[0] == "make":
             _make(argv)
         elif argv[0] == "sao":

@@ -41,6 +41,8 @@ IM_END = "<|im_end|>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 ANSWER_START, ANSWER_END = "<answer>", "</answer>"
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+"""Tokens that end an assistant turn in common chat templates (ChatML, Llama 3, Phi, Gemma, GPT-2)."""
 # Every special token of the format; the order fixes the ids of our tokenizer (0 .. len - 1).
 SPECIAL_TOKENS: tuple[str, ...] = (
     PAD_TOKEN,
@@ -55,6 +57,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 )
 
 __all__ = [
+    "END_OF_TURN_TOKENS",
     "SPECIAL_TOKENS",
     "ChatTokens",
     "FinalAnswer",
@@ -77,27 +80,36 @@ Message = dict[str, Any]  # a Hugging Face chat message: {"role", "content", opt
 class ChatTokens:
     """The special token ids of a tokenizer that follows this format.
 
+    A tokenizer with every token of the format (ours) gets tool calls and answers; any other (a model
+    of the user's own) gets the plain format: an action ends at the end of the assistant's turn, and
+    tool calls and answer tags are plain text (:attr:`supports_tools` is False).
+
     Attributes:
-        pad_id: padding (``<|endoftext|>``), never sampled on purpose.
+        pad_id: padding (``<|endoftext|>``; plain format: the tokenizer's pad token, else its EOS),
+            never sampled on purpose.
         im_start_id / im_end_id: turn delimiters; ``im_end_id`` is the natural end of an episode.
         tool_call_start_id / tool_call_end_id: around the code of a tool call; the end is a stop id.
         tool_response_start_id / tool_response_end_id: around a tool's output in an observation.
         answer_start_id / answer_end_id: around a final answer.
+        end_ids: plain format only: the ids that end the assistant's turn (the tokenizer's EOS and the
+            end-of-turn tokens it has: ``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...).
     """
 
     pad_id: int
-    im_start_id: int
-    im_end_id: int
-    tool_call_start_id: int
-    tool_call_end_id: int
-    tool_response_start_id: int
-    tool_response_end_id: int
-    answer_start_id: int
-    answer_end_id: int
+    im_start_id: int | None
+    im_end_id: int | None
+    tool_call_start_id: int | None = None
+    tool_call_end_id: int | None = None
+    tool_response_start_id: int | None = None
+    tool_response_end_id: int | None = None
+    answer_start_id: int | None = None
+    answer_end_id: int | None = None
+    end_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> ChatTokens:
-        """Resolve the ids; raises ``ValueError`` naming every token the tokenizer lacks."""
+        """Resolve the ids: this format's when the tokenizer has every token of it, else the plain
+        format; raises ``ValueError`` when the tokenizer has no token that could end a turn."""
         names = {
             "pad_id": PAD_TOKEN,
             "im_start_id": IM_START,
@@ -110,15 +122,29 @@ class ChatTokens:
             "answer_end_id": ANSWER_END,
         }
         vocab = tokenizer.get_vocab()
-        missing = [token for token in names.values() if token not in vocab]
-        if missing:
-            raise ValueError(f"the tokenizer lacks the special tokens {missing} that this chat format needs")
-        return cls(**{field: vocab[token] for field, token in names.items()})
+        if all(token in vocab for token in names.values()):
+            return cls(**{field: vocab[token] for field, token in names.items()})
+        ends = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ends += [vocab[token] for token in END_OF_TURN_TOKENS if token in vocab]
+        ends = list(dict.fromkeys(int(i) for i in ends))
+        if not ends:
+            raise ValueError("the tokenizer has no EOS token and none of the end-of-turn tokens "
+                             f"{list(END_OF_TURN_TOKENS)}: nothing could end an action")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
+        return cls(pad_id=int(pad), im_start_id=vocab.get(IM_START), im_end_id=vocab.get(IM_END), end_ids=tuple(ends))
 
     @property
-    def stop_token_ids(self) -> tuple[int, int, int]:
+    def supports_tools(self) -> bool:
+        """Whether actions can call the Python tool (the tokenizer has this format's tokens)."""
+        return self.tool_call_end_id is not None
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
         """Ids that end an action segment: ``</tool_call>`` (tool call), ``<|im_end|>`` (end of turn)
-        and ``</answer>`` (final answer; see the module docstring)."""
+        and ``</answer>`` (final answer; see the module docstring); in the plain format, the end of
+        the assistant's turn (:attr:`end_ids`)."""
+        if not self.supports_tools:
+            return self.end_ids
         return (self.tool_call_end_id, self.im_end_id, self.answer_end_id)
 
 

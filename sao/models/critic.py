@@ -42,6 +42,8 @@ from transformers import AutoModel, PreTrainedModel
 __all__ = [
     "Critic",
     "CriticConfig",
+    "attention_modules",
+    "decoder_parts",
     "load_critic",
     "save_critic",
     "values_at_actions",
@@ -74,15 +76,43 @@ class CriticConfig:
         if self.value_head_init_std <= 0:
             raise ValueError(f"CriticConfig.value_head_init_std must be > 0, got {self.value_head_init_std}")
 
-    def trainable(self, name: str) -> bool:
-        """Whether the decoder parameter ``name`` (as in ``named_parameters()``) trains."""
-        if ".self_attn." in f".{name}":
+    def trainable(self, name: str, attention: frozenset[str] = frozenset(), embeddings: frozenset[str] = frozenset(),
+                  norms: frozenset[str] = frozenset()) -> bool:
+        """Whether the decoder parameter ``name`` (as in ``named_parameters()``) trains. The module
+        names of the decoder's attention blocks, embeddings and norms (:func:`decoder_parts`) place it;
+        without them, Llama/Qwen naming does."""
+        def inside(modules: frozenset[str]) -> bool:
+            return any(name.startswith(module + ".") for module in modules)
+
+        if inside(attention) or ".self_attn." in f".{name}":
             return not self.freeze_attention
-        if "embed_tokens" in name:
+        if inside(embeddings) or "embed_tokens" in name:
             return self.train_embeddings
-        if name.endswith("norm.weight") or name == "norm.weight":
+        if inside(norms) or name.endswith("norm.weight") or name == "norm.weight":
             return self.train_norms
         return True
+
+
+def _outermost(names: list[str]) -> frozenset[str]:
+    return frozenset(name for name in names if not any(name.startswith(other + ".") for other in names))
+
+
+def decoder_parts(decoder: nn.Module) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """Module names of ``decoder``'s attention blocks (:func:`attention_modules`), embeddings (token
+    and position: ``nn.Embedding`` modules) and norms (class names containing ``Norm``)."""
+    modules = [(name, module) for name, module in decoder.named_modules() if name]
+    embeddings = _outermost([name for name, module in modules if isinstance(module, nn.Embedding)])
+    norms = _outermost([name for name, module in modules if "Norm" in type(module).__name__])
+    return attention_modules(decoder), embeddings, norms
+
+
+def attention_modules(decoder: nn.Module) -> frozenset[str]:
+    """The names of the attention blocks of ``decoder``'s layers, found per decoder layer whatever the
+    architecture calls them (``self_attn`` in Llama, Qwen and Mistral, ``attn`` in GPT-2, ...): the
+    outermost submodules whose class name ends with ``Attention`` (their q/k/v/o projections and q/k
+    norms are inside)."""
+    return _outermost([name for name, module in decoder.named_modules()
+                       if name and type(module).__name__.endswith("Attention")])
 
 
 class Critic(nn.Module):
@@ -114,8 +144,9 @@ class Critic(nn.Module):
 
     def apply_freezing(self) -> None:
         """Set ``requires_grad`` on every backbone parameter from :attr:`config`; the head trains."""
+        parts = decoder_parts(self.backbone)
         for name, parameter in self.backbone.named_parameters():
-            parameter.requires_grad_(self.config.trainable(name))
+            parameter.requires_grad_(self.config.trainable(name, *parts))
         for parameter in self.value_head.parameters():
             parameter.requires_grad_(True)
 
@@ -181,7 +212,14 @@ def load_critic(path: str | Path) -> Critic:
         if not (path / name).exists():
             raise FileNotFoundError(f"load_critic: {path} has no {name} (not written by save_critic)")
     config = CriticConfig(**json.loads((path / _CONFIG_FILE).read_text()))
-    backbone = AutoModel.from_pretrained(str(path), attn_implementation="sdpa", experts_implementation="grouped_mm")
+    from transformers import AutoConfig
+
+    from sao.models.policy import is_mixture_of_experts
+
+    options = {"attn_implementation": "sdpa"}
+    if is_mixture_of_experts(AutoConfig.from_pretrained(str(path))):
+        options["experts_implementation"] = "grouped_mm"  # a dense model refuses the option
+    backbone = AutoModel.from_pretrained(str(path), **options)
     state = load_file(str(path / _HEAD_FILE))
     head = nn.Linear(backbone.config.hidden_size, 1, dtype=state["weight"].dtype)
     head.load_state_dict(state)

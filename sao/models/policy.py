@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GenerationConfig,
     PreTrainedModel,
@@ -39,7 +40,12 @@ __all__ = [
     "PolicyConfig",
     "PolicyMetadata",
     "build_policy",
+    "ModelDirectoryError",
+    "check_model_directory",
     "count_parameters",
+    "import_policy",
+    "is_mixture_of_experts",
+    "routing_note",
     "load_policy",
     "read_policy_metadata",
     "save_policy",
@@ -252,11 +258,86 @@ def load_policy(
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"load_policy: {path} has no config.json (not a Hugging Face model directory)")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path),
-        dtype=_DTYPES[dtype],
-        attn_implementation=attn_implementation,
-        experts_implementation=experts_implementation,
-    )
+    options: dict[str, Any] = {"dtype": _DTYPES[dtype], "attn_implementation": attn_implementation}
+    if is_mixture_of_experts(AutoConfig.from_pretrained(str(path))):
+        options["experts_implementation"] = experts_implementation  # a dense model refuses the option
+    model = AutoModelForCausalLM.from_pretrained(str(path), **options)
     model.eval()
     return model
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+ROUTING_RECORDED = ("qwen3_moe",)
+"""Model types whose routers :mod:`sao.models.routing` records and replays (R3)."""
+
+
+class ModelDirectoryError(ValueError):
+    """A model directory that cannot be a policy: what is missing or wrong, and where."""
+
+
+def check_model_directory(path: str | Path, *, need_tools: bool = False) -> PreTrainedTokenizerBase:
+    """Check a Hugging Face model directory of the user's before anything starts: ``config.json``,
+    weights, a fast tokenizer with a chat template and a token that ends a turn; with ``need_tools``,
+    this project's tool-call tokens. Returns the tokenizer. Loads no weights.
+
+    Raises:
+        ModelDirectoryError: naming the directory and what it lacks.
+    """
+    from sao.models.tokenizer import load_tokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelDirectoryError(f"model.path {path}: no such folder")
+    if not (path / "config.json").exists():
+        raise ModelDirectoryError(f"model.path {path}: no config.json: not a Hugging Face model directory "
+                                  "(save one with model.save_pretrained(path))")
+    if not (list(path.glob("*.safetensors")) or list(path.glob("pytorch_model*.bin"))):
+        raise ModelDirectoryError(f"model.path {path}: no weights (*.safetensors or pytorch_model*.bin)")
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as error:  # transformers raises OSError, ValueError, TypeError, ... here
+        raise ModelDirectoryError(f"model.path {path}: no usable tokenizer ({type(error).__name__}: {error}); "
+                                  "save one beside the model with tokenizer.save_pretrained(path)") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelDirectoryError(f"model.path {path}: the tokenizer has no chat template; rollouts render chat "
+                                  "messages with it (set tokenizer.chat_template and save the tokenizer again)")
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ModelDirectoryError(f"model.path {path}: the tokenizer is not a fast tokenizer (tokenizer.json); "
+                                  "trajectories record its content hash")
+    try:
+        tokens = ChatTokens.from_tokenizer(tokenizer)
+    except ValueError as error:
+        raise ModelDirectoryError(f"model.path {path}: {error}") from None
+    if need_tools and not tokens.supports_tools:
+        raise ModelDirectoryError(
+            f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
+            "(<tool_call>, <answer>, ...), so actions cannot call the Python tool: set env.max_tool_calls: 0 "
+            "(single-turn) and give the tasks in data.train")
+    return tokenizer
+
+
+def import_policy(source: str | Path, path: str | Path) -> Path:
+    """The user's model directory ``source`` as this project's version-0 policy directory ``path``
+    (float32 weights, its tokenizer, ``sao_policy.json`` naming the source); checked first
+    (:func:`check_model_directory`)."""
+    tokenizer = check_model_directory(source)
+    model = load_policy(source)
+    return save_policy(model, path, tokenizer, extra={"source": str(Path(source).resolve())})
+
+
+def routing_note(path: str | Path) -> str | None:
+    """What a run with the model at ``path`` should say once about MoE routing: None for a dense model
+    or one whose routing is recorded (:data:`ROUTING_RECORDED`)."""
+    config = AutoConfig.from_pretrained(str(path))
+    if not is_mixture_of_experts(config) or config.model_type in ROUTING_RECORDED:
+        return None
+    return (f"routing is not recorded: {config.model_type} is a mixture-of-experts model whose routers are not "
+            f"among those recorded and replayed ({', '.join(ROUTING_RECORDED)}); routed_experts stays null and the "
+            "actor's forward routes live")
+
+
+def is_mixture_of_experts(config: Any) -> bool:
+    """Whether a Hugging Face model config describes a mixture-of-experts model (Qwen-MoE's
+    ``num_experts``, Mixtral's ``num_local_experts``, DeepSeek's ``n_routed_experts``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any((getattr(text, name, None) or 0) > 1 for name in _EXPERT_COUNTS)
