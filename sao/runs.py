@@ -29,7 +29,7 @@ from sao.config import RESUME_SAFE, ConfigError, RunConfig, changed_keys, leaves
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
-from sao.lake.store import Lake, sql_literal
+from sao.lake.store import Lake, is_valid_run_id, sql_literal
 from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
 from sao.runtime import init_ray
 from sao.train.checkpoint import checkpoint_dir
@@ -38,7 +38,7 @@ from sao.train.pretrain import PretrainReport
 from sao.train.run_config import RolloutSettings
 
 __all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "finished", "math_tasks", "pipeline_config",
-           "model_notes", "policy_dir", "prepare_inputs", "pretrain_value", "record_start", "run_tasks", "user_tasks",
+           "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
            "record_finished", "summarize", "train_async", "value_data_run", "warm_start"]
 
 RESULT_FILE = "result.json"
@@ -181,10 +181,43 @@ def record_start(config: RunConfig, sources: dict[str, str] | None = None, notes
            "settings": [(key, json.dumps(value)) for key, value in leaves(config, json_values=True).items()],
            "sources": json.dumps(sources or {}, sort_keys=True),
            "changed": None if changed is None else json.dumps(changed, sort_keys=True), "notes": notes,
-           "sao_version": __version__, "schema_version": runs_table.SCHEMA_VERSION}
+           "sao_version": __version__, "schema_version": runs_table.SCHEMA_VERSION,
+           "parent_run_id": None, "parent_steps": None}
     append_blind(lake, "runs", pa.Table.from_pylist([row], schema=runs_table.SCHEMA))
     log.info("run %s: %s recorded in the lake's runs table", config.run_id, event)
     return event
+
+
+def record_what_if(lake: Lake, run_id: str, parent_run_id: str, first: int, last: int,
+                   overrides: dict[str, object], sources: dict[str, str]) -> None:
+    """Record a what-if replay of ``parent_run_id``'s steps ``first``..``last`` as run ``run_id`` in
+    ``runs``: the parent's latest config with ``overrides`` (dotted keys) applied, the parent, the steps
+    and the overrides (``changed``: key -> [parent's value, new value])."""
+    import pyarrow as pa
+
+    from sao import __version__
+    from sao.lake.commit import append_blind
+    from sao.lake.records import utc_now
+    from schemas import runs as runs_table
+
+    stored = latest_config(lake, parent_run_id)
+    notes = None
+    if stored is None:
+        notes = f"run {parent_run_id!r} has no recorded config (it started before the runs table): only the overrides are known"
+        config_data, settings, changed = {}, [], {key: [None, value] for key, value in overrides.items()}
+    else:
+        parent = RunConfig.model_validate(stored)
+        config = parent.with_values({"run_id": run_id, **overrides})
+        config_data = config.public()
+        settings = [(key, json.dumps(value)) for key, value in leaves(config, json_values=True).items()]
+        changed = {key: list(values) for key, values in changed_keys(parent.public(), config_data).items()
+                   if key != "run_id"}
+    row = {"run_id": run_id, "event": runs_table.WHAT_IF, "started_at": utc_now(),
+           "config": json.dumps(config_data, sort_keys=True), "settings": settings,
+           "sources": json.dumps(sources, sort_keys=True), "changed": json.dumps(changed, sort_keys=True),
+           "notes": notes, "sao_version": __version__, "schema_version": runs_table.SCHEMA_VERSION,
+           "parent_run_id": parent_run_id, "parent_steps": f"{first}:{last}"}
+    append_blind(lake, "runs", pa.Table.from_pylist([row], schema=runs_table.SCHEMA))
 
 
 def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
@@ -390,3 +423,33 @@ def summarize(config: RunConfig, evaluations: list[Evaluation]) -> tuple[list[Pa
               + "(" + ", ".join(f"{r}: {counts.count(r)}" for r in sorted(set(counts))) + ")",
               f"Lake: `{config.lake.root}`; plots: `{config.plots_dir}`."]
     return plots, "\n".join(lines)
+
+
+def what_if(lake: Lake, run_id: str, first: int, last: int, overrides: dict[str, object],
+            as_run: str | None = None, checkpoint_root: str | None = None) -> tuple[object, str]:
+    """A what-if replay (:func:`sao.train.replay.what_if_steps`) of ``run_id``'s steps ``first``..``last``
+    with ``overrides`` (dotted ``algorithm.*`` keys of the run config), recorded in ``runs`` as run
+    ``as_run`` (default ``<run_id>-whatif-<hash of the request>``). Returns (report, its run id).
+
+    Raises:
+        ConfigError: a key outside ``algorithm.*`` or an invalid run id.
+        sao.train.replay.ReplayError: as what_if_steps.
+    """
+    import hashlib
+
+    from sao.config import AlgorithmSection
+    from sao.train.replay import what_if_steps
+
+    outside = sorted(key for key in overrides if not key.startswith("algorithm."))
+    if outside:
+        raise ConfigError(f"{outside}: a what-if replay changes update settings only (algorithm.*), the data and "
+                          "the rollouts being the recorded ones")
+    digest = hashlib.sha256(json.dumps([run_id, first, last, overrides], sort_keys=True, default=str).encode())
+    new_run = as_run or f"{run_id}-whatif-{digest.hexdigest()[:8]}"
+    if not is_valid_run_id(new_run):
+        raise ConfigError(f"{new_run!r} is not a valid run id")
+    fields = {AlgorithmSection.renamed.get(key.removeprefix("algorithm."), key.removeprefix("algorithm.")): value
+              for key, value in overrides.items()}
+    report = what_if_steps(lake, run_id, first, last, fields, checkpoint_root=checkpoint_root)
+    record_what_if(lake, new_run, run_id, first, last, dict(overrides), dict.fromkeys(overrides, "--set"))
+    return report, new_run

@@ -1,4 +1,4 @@
-"""The ``runs`` table: one row per start, resume or what-if replay of a training run, with the resolved
+"""The ``runs`` table: one row per start or resume of a training run, and per what-if replay, with the resolved
 run config it ran with (:class:`sao.config.RunConfig`), so SQL can answer "which settings produced this
 trajectory" (join on ``run_id``).
 
@@ -12,20 +12,27 @@ import pyarrow as pa
 
 from schemas._spec import TIMESTAMP, TableSpec, doc_field
 
-__all__ = ["EVENTS", "NAME", "PARTITION_BY", "RESUME", "SCHEMA", "SCHEMA_VERSION", "SPEC", "START"]
+__all__ = ["EVENTS", "NAME", "PARTITION_BY", "RESUME", "SCHEMA", "SCHEMA_VERSION", "SPEC", "START", "WHAT_IF"]
 
 NAME = "runs"
 SCHEMA_VERSION = 1
 
 START = "start"
 RESUME = "resume"
-EVENTS = (START, RESUME)
+WHAT_IF = "what_if"
+EVENTS = (START, RESUME, WHAT_IF)
 PARTITION_BY = ()
 
 SCHEMA = pa.schema(
     [
         doc_field("run_id", pa.string(), False, "Training run."),
-        doc_field("event", pa.string(), False, "start (the run's first row) or resume (a later start)."),
+        doc_field(
+            "event",
+            pa.string(),
+            False,
+            "start (the run's first row), resume (a later start) or what_if (a what-if replay of another "
+            "run's steps with changed settings: `sao replay --set`).",
+        ),
         doc_field("started_at", TIMESTAMP, False, "When the run (re)started."),
         doc_field(
             "config",
@@ -54,6 +61,10 @@ SCHEMA = pa.schema(
             "null on a start.",
         ),
         doc_field("notes", pa.string(), True, "What the run said once about itself (null: nothing)."),
+        doc_field("parent_run_id", pa.string(), True, "what_if: the run whose steps were re-run; else null."),
+        doc_field(
+            "parent_steps", pa.string(), True, "what_if: the steps re-run, FIRST:LAST (both included); else null."
+        ),
         doc_field("sao_version", pa.string(), False, "Version of sao that wrote the row."),
         doc_field(
             "schema_version", pa.int32(), False, "Version of this schema the row was written with."

@@ -95,7 +95,9 @@ def _sao(argv: list[str], recorded: list) -> None:
         result = runner.invoke(app, argv[1:], env={"COLUMNS": "200"})
         assert result.exit_code == 0, f"{shlex.join(argv)} exited {result.exit_code}:\n{result.output}"
         assert result.output.strip()
-        if command == "replay":
+        if command == "replay" and "--set" in argv:
+            assert "what-if replay of run" in result.output and "re-run" in result.output, result.output
+        elif command == "replay":
             assert '"ok": true' in result.output or ": match" in result.output, result.output
     elif command == "train":
         result = runner.invoke(app, _in_repo(argv[1:]))

@@ -3,6 +3,10 @@
     sao replay --run R --step N             one step, bit for bit on CPU
     sao replay --run R --steps N:M          steps N to M, both included, continuing in memory
     sao replay --trajectory ID [--run R]    log-probabilities per segment, observations, reward, end
+    sao replay --run R --steps N:M --set algorithm.eps_high=4.0 [--as NEW]
+                                            what-if: the same frozen data, changed update settings,
+                                            recorded and re-run metrics side by side (recorded in the
+                                            lake's runs table as run NEW)
 
 Exit codes: 0 everything matches; 1 a mismatch (the report says which step, metric or segment);
 2 a usage error (unknown run, step or trajectory, missing run configuration, bad arguments).
@@ -60,6 +64,43 @@ def _print_steps(report) -> None:  # report: StepReplayReport
                        "matches within float tolerance only (try --metric-tolerance)")
 
 
+def _print_what_if(report, run_id: str, overrides: dict[str, object]) -> None:  # report: WhatIfReport
+    from sao.train.replay import WHAT_IF_METRICS
+
+    changes = ", ".join(f"{key}={value!r}" for key, value in overrides.items())
+    typer.echo(f"what-if replay of run {report.run_id} steps {report.first}..{report.last} with {changes}, as run "
+               f"{run_id} (from the checkpoint of version {report.start_version}, loaded in {report.load_s:.2f} s)")
+    for step in report.steps:
+        typer.echo(f"  step {step.step} v{step.policy_version_before}->v{step.policy_version_after}, "
+                   f"{step.num_trajectories} trajectories of snapshot {step.trajectories_version}: re-run weights "
+                   f"{step.weight_distance:.3g} from the recorded ones (the recorded update moved them "
+                   f"{step.recorded_update_norm:.3g})")
+        typer.echo(f"    {'metric':<22}{'recorded':>14}{'re-run':>14}")
+        for name in WHAT_IF_METRICS:
+            if name in step.recorded or name in step.rerun:
+                recorded, rerun = step.recorded.get(name), step.rerun.get(name)
+                typer.echo(f"    {name:<22}{_figure(recorded):>14}{_figure(rerun):>14}")
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def _what_if_overrides(items: list[str]) -> dict[str, object]:
+    """``--set KEY=VALUE`` items -> dotted keys and values."""
+    from sao.cli import fail
+    from sao.config import ConfigError, parse_set
+
+    overrides = {}
+    for item in items:
+        try:
+            key, value = parse_set(item)
+        except ConfigError as error:
+            raise fail(str(error)) from None
+        overrides[key] = value
+    return overrides
+
+
 def _print_trajectory(report) -> None:  # report: TrajectoryReplay
     typer.echo(f"trajectory {report.trajectory_id} of run {report.run_id}, task {report.task_id}, "
                f"ended by {report.termination_reason}: {'match' if report.ok else 'MISMATCH'}")
@@ -94,8 +135,13 @@ def replay(
     use_ray: Annotated[bool, typer.Option(
         "--ray", help="Read a range's snapshot with Ray Data on a local Ray instance.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="What-if: algorithm.KEY=VALUE, an update setting to change (repeatable).")] = None,
+    as_run: Annotated[str | None, typer.Option(
+        "--as", help="What-if: the run id it is recorded under (default: RUN-whatif-<hash>).")] = None,
 ) -> None:
-    """Replay recorded training steps (bit for bit on CPU), or re-check one recorded trajectory."""
+    """Replay recorded training steps (bit for bit on CPU), re-check one recorded trajectory, or re-run
+    steps on their frozen data with changed update settings (--set: what-if)."""
     from sao.cli import fail
     from sao.train.replay import ReplayError, RowSource, replay_steps
     from sao.train.trajectory_replay import replay_trajectory
@@ -107,7 +153,13 @@ def replay(
                    + (f" (got {', '.join(modes)})" if modes else ""))
     if trajectory is None and run is None:
         raise fail(f"{modes[0]} needs --run")
+    if (set_ or as_run) and trajectory is not None:
+        raise fail("--set and --as go with --step / --steps (a what-if replay of steps)")
     opened = _open(lake, storage_option)
+    if set_:
+        _what_if(opened, run, (step, step) if step is not None else _parse_range(steps), set_, as_run, checkpoints,
+                 as_json)
+        return
     try:
         if trajectory is not None:
             report = replay_trajectory(opened, trajectory, run_id=run, checkpoint_root=checkpoints, tasks_path=tasks,
@@ -130,3 +182,21 @@ def replay(
     else:
         printer(report)
     raise typer.Exit(0 if report.ok else 1)
+
+
+def _what_if(lake, run: str, bounds: tuple[int, int], items: list[str], as_run: str | None,
+             checkpoints: str | None, as_json: bool) -> None:
+    from sao import runs
+    from sao.cli import fail
+    from sao.config import ConfigError
+    from sao.train.replay import ReplayError
+
+    overrides = _what_if_overrides(items)
+    try:
+        report, new_run = runs.what_if(lake, run, *bounds, overrides, as_run=as_run, checkpoint_root=checkpoints)
+    except (ConfigError, ReplayError) as error:
+        raise fail(str(error)) from None
+    if as_json:
+        typer.echo(json.dumps(report.to_dict() | {"as_run": new_run}, indent=2, default=str))
+    else:
+        _print_what_if(report, new_run, overrides)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import json
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -61,6 +62,7 @@ from sao.train.checkpoint import (
     load_checkpoint,
     weights_hash,
 )
+from sao.train.config import UpdateConfig
 from sao.train.loop import TRAIN_COLUMNS, TrainConfig, compute_update
 from sao.train.run_config import RunConfigError, read_run_config
 from sao.train.step import Learner
@@ -74,11 +76,14 @@ __all__ = [
     "RowSource",
     "StepReplay",
     "StepReplayReport",
+    "WhatIfReport",
+    "WhatIfStep",
     "compare_metrics",
     "recorded_steps",
     "replay_steps",
     "run_checkpoints",
     "torch_settings",
+    "what_if_steps",
 ]
 
 NOT_REPLAYED = ("time/", "batch/stale_skipped", "batch/no_action_skipped")
@@ -437,3 +442,146 @@ def _replay_one(learner: Learner, step: RecordedStep, fetch, versions: dict[int,
         recorded_world_size=int(step.metrics.get("batch/world_size", 1.0)), lead_in=lead_in,
         seconds=time.perf_counter() - began,
     )
+
+
+# ----- what-if replay: the same frozen data, changed settings ------------------------------------------
+
+WHAT_IF_METRICS = ("actor/kept_frac", "actor/pg_loss", "actor/grad_norm", "actor/rho_mean", "critic/loss",
+                   "critic/grad_norm", "batch/reward_mean")
+"""The metrics a what-if replay prints side by side (its JSON report has every one)."""
+
+FIXED_IN_WHAT_IF = ("warmup_steps_policy", "warmup_steps_critic", "running_mean_window", "token_budget")
+"""Settings a what-if replay cannot change mid-run: they shape the optimiser schedules, the baseline's
+window and the recorded micro-batch split that the loaded checkpoint state was built with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatIfStep:
+    """One step re-run with changed settings, beside what was recorded.
+
+    Attributes:
+        recorded / rerun: every metric of the step as recorded and as re-run.
+        weight_distance: L2 distance between the re-run policy weights after the step and the recorded
+            version's weights.
+        recorded_update_norm: L2 distance between the recorded weights before and after the step (the
+            scale to read ``weight_distance`` against).
+    """
+
+    step: int
+    policy_version_before: int
+    policy_version_after: int
+    trajectories_version: int
+    num_trajectories: int
+    recorded: dict[str, float]
+    rerun: dict[str, float]
+    weight_distance: float
+    recorded_update_norm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatIfReport:
+    """Steps ``first`` .. ``last`` of ``run_id`` re-run on their recorded snapshots and trajectory ids
+    with ``overrides`` (``UpdateConfig`` fields), from the checkpoint of ``start_version`` (recorded
+    lead-in steps, if any, re-run with the recorded settings first)."""
+
+    run_id: str
+    first: int
+    last: int
+    overrides: dict[str, object]
+    start_version: int
+    steps: tuple[WhatIfStep, ...]
+    load_s: float
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
+
+def _distance(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    other = dict(b.named_parameters())
+    total = sum(float((p.detach().double() - other[name].detach().double()).pow(2).sum())
+                for name, p in a.named_parameters())
+    return math.sqrt(total)
+
+
+def _apply_settings(learner: Learner, update: UpdateConfig) -> None:
+    """Switch ``learner`` to ``update``: the loss and estimator settings are read from its config each
+    step; learning rates, weight decay and Adam's epsilon are set on the optimisers (the warm-up
+    schedule's position is kept)."""
+    learner.config = update
+    pairs = [(learner.policy_optimizer, learner.policy_scheduler, update.lr_policy)]
+    if learner.critic_optimizer is not None:
+        pairs.append((learner.critic_optimizer, learner.critic_scheduler, update.lr_critic))
+    for optimizer, scheduler, lr in pairs:
+        scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+        factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+        for group in optimizer.param_groups:
+            group.update(lr=lr * factor, initial_lr=lr, weight_decay=update.weight_decay, eps=update.adam_eps)
+
+
+def what_if_steps(lake: Lake, run_id: str, first: int, last: int, overrides: Mapping[str, object], *,
+                  checkpoint_root: str | Path | None = None) -> WhatIfReport:
+    """Re-run steps ``first`` .. ``last`` of ``run_id`` on the very snapshots and trajectory ids they
+    used, with the update settings changed by ``overrides`` (``UpdateConfig`` field -> value), and
+    report the recorded and re-run metrics and weights side by side. Nothing is written.
+
+    Raises:
+        ReplayError: as :func:`replay_steps`, and for an override that is no ``UpdateConfig`` field,
+            is out of range, changes whether the algorithm has a critic, or is in :data:`FIXED_IN_WHAT_IF`.
+    """
+    if first < 0 or last < first:
+        raise ReplayError(f"need 0 <= first <= last, got steps {first}..{last}")
+    started = time.perf_counter()
+    root, cfg, versions = run_checkpoints(lake, run_id, checkpoint_root)
+    fields = {f.name for f in dataclasses.fields(UpdateConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ReplayError(f"what-if overrides {unknown} are not update settings; they are: {sorted(fields)}")
+    fixed = sorted(set(overrides) & set(FIXED_IN_WHAT_IF))
+    if fixed:
+        raise ReplayError(f"a what-if replay cannot change {fixed}: {FIXED_IN_WHAT_IF} shape the checkpoint state "
+                          "it starts from")
+    try:
+        update = dataclasses.replace(cfg.update, **overrides)
+    except (TypeError, ValueError) as error:
+        raise ReplayError(f"what-if overrides {dict(overrides)}: {error}") from None
+    if update.uses_critic != cfg.update.uses_critic:
+        needs = "needs a critic" if update.uses_critic else "has no critic"
+        raise ReplayError(f"algorithm {update.algorithm.value!r} {needs}, unlike the run's "
+                          f"{cfg.update.algorithm.value!r}: the checkpoint cannot start it")
+    steps = recorded_steps(lake, run_id)
+    start_version, lead_in, requested = _chain(steps, run_id, first, last, root, cfg.update.uses_critic)
+    try:
+        checkpoint = load_checkpoint(root, start_version, with_critic=cfg.update.uses_critic, require_state=True)
+    except (FileNotFoundError, CheckpointPrunedError) as error:
+        raise ReplayError(str(error)) from None
+    learner = Learner(cfg.update, checkpoint.policy, checkpoint.critic)
+    if checkpoint.trainer_state is not None:
+        learner.load_state_dict(checkpoint.trainer_state)
+    load_s = time.perf_counter() - started
+    results: list[WhatIfStep] = []
+    with torch_settings(cfg.torch_threads, cfg.deterministic):
+        for step in lead_in:  # the recorded settings, to reach the first requested step's start
+            _replay_one(learner, step, lambda s: _lake_rows(lake, run_id, s), versions, 0.0, cfg.seed, lead_in=True)
+        _apply_settings(learner, update)
+        for step in requested:
+            rows = _lake_rows(lake, run_id, step)
+            torch.manual_seed(step.seeds.get("torch", cfg.seed + step.policy_version_before))
+            metrics = compute_update(learner, rows, step.policy_version_before)
+            metrics["batch/world_size"] = 1.0
+            before = _recorded_policy(root, step.policy_version_before)
+            after = _recorded_policy(root, step.policy_version_after)
+            results.append(WhatIfStep(
+                step=step.step, policy_version_before=step.policy_version_before,
+                policy_version_after=step.policy_version_after, trajectories_version=step.trajectories_version,
+                num_trajectories=len(rows), recorded=dict(step.metrics), rerun=dict(metrics),
+                weight_distance=_distance(learner.policy, after), recorded_update_norm=_distance(after, before)))
+    return WhatIfReport(run_id=run_id, first=first, last=last, overrides=dict(overrides), start_version=start_version,
+                        steps=tuple(results), load_s=load_s)
+
+
+def _recorded_policy(root: Path, version: int) -> torch.nn.Module:
+    try:
+        return load_checkpoint(root, version, with_critic=False, with_state=False).policy
+    except (FileNotFoundError, CheckpointPrunedError) as error:
+        raise ReplayError(f"the recorded weights of version {version} are gone ({error}); a what-if replay compares "
+                          "against them") from None

@@ -28,9 +28,9 @@ def test_quick_run_reports_every_arm(tmp_path):
         assert run["final"]["version"] == 2
         # the version at T was committed by T, and T is the shortest run's wall time
         assert run["at_t"]["elapsed_s"] <= data["t_equal"] + 1e-6
-        assert run["settings"]["algorithm"] == arm
+        assert run["settings"]["algorithm"]["name"] == arm
     assert data["t_equal"] == min(r["wall_s"] for r in data["runs"])
-    assert runs["grpo"]["settings"]["synchronous"] == "True"
+    assert runs["grpo"]["settings"]["train"]["synchronous"] is True
     assert all(s["metrics"]["batch/staleness_max"] == 0 for s in runs["grpo"]["step_rows"])
     # version 0 is the same SFT policy for every arm of a seed: one evaluation, the same figure
     assert len({json.dumps(r["curve"][0], sort_keys=True) for r in data["runs"]}) == 1

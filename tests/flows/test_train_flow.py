@@ -83,3 +83,21 @@ def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ra
         assert all(row["error"] is None for row in rows), [row["error"] for row in rows if row["error"]]
     (started,) = lake.read("runs", predicate=f"run_id = '{config.run_id}'").to_pylist()
     assert json.loads(started["config"]) == config.public() and started["event"] == "start"
+
+
+def test_the_replay_flow_runs_a_what_if_replay(tmp_path, policy_dir, tokenizer, prefect_harness):
+    from flows.replay import replay
+    from sao.train.loop import prepare_run, run_training
+    from tests.train.test_loop import make_config, roll_out
+
+    cfg = make_config(tmp_path, policy_dir, total_steps=3)
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 12)
+    run_training(cfg)
+    result = replay(run_id=cfg.run_id, step=0, last_step=2, lake_root=cfg.lake.root,
+                    overrides={"algorithm.eps_high": 0.01, "algorithm.eps_low": 0.01}, as_run_id="what-if-flow")
+    assert result["as_run"] == "what-if-flow" and [s["step"] for s in result["steps"]] == [0, 1, 2]
+    assert result["overrides"] == {"eps_high": 0.01, "eps_low": 0.01}
+    (row,) = lake.read("runs", predicate="run_id = 'what-if-flow'").to_pylist()
+    assert row["event"] == "what_if" and row["parent_steps"] == "0:2"

@@ -1,5 +1,7 @@
 """Step replay: a past step recomputed from its checkpoint and frozen snapshot equals the recorded one."""
 
+import json
+
 import pyarrow as pa
 import pytest
 import torch
@@ -12,7 +14,7 @@ from sao.lake.maintenance import compact, vacuum
 from sao.lake.store import Lake
 from sao.train.checkpoint import checkpoint_dir
 from sao.train.loop import prepare_run, run_training
-from sao.train.replay import ReplayError, RowSource, replay_steps
+from sao.train.replay import ReplayError, RowSource, compare_metrics, replay_steps, what_if_steps
 from sao.train.run_config import RunConfigError, read_run_config, run_config_path
 from schemas import train_steps
 from tests.train.test_loop import make_config, roll_out
@@ -141,3 +143,60 @@ def test_a_range_replay_reads_its_snapshot_through_ray_data(trained, policy_dir,
     report = replay_steps(lake, cfg.run_id, 0, 1)  # a Ray instance is up: the range reads via Ray Data
     assert report.source is RowSource.RAY_DATA
     assert report.ok and [s.step for s in report.steps] == [0, 1]
+
+
+@pytest.fixture
+def trained3(tmp_path, policy_dir, tokenizer):
+    """A run with three committed steps (versions 0 -> 3) on twelve real trajectories."""
+    cfg = make_config(tmp_path, policy_dir, total_steps=3)
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 12)
+    run_training(cfg)
+    return cfg, lake
+
+
+def test_a_what_if_replay_without_changes_is_the_recorded_run(trained3):
+    cfg, lake = trained3
+    report = what_if_steps(lake, cfg.run_id, 0, 2, {})
+    assert [s.step for s in report.steps] == [0, 1, 2]
+    for step in report.steps:
+        assert step.weight_distance == 0.0 and step.recorded_update_norm > 0.0
+        mismatches, compared = compare_metrics(step.recorded, step.rerun)
+        assert compared > 10 and not mismatches
+
+
+def test_a_what_if_replay_with_a_tighter_dis_bound_masks_more_and_moves_elsewhere(trained3):
+    cfg, lake = trained3
+    report = what_if_steps(lake, cfg.run_id, 0, 2, {"eps_low": 1e-9, "eps_high": 1e-9})
+    assert report.overrides == {"eps_low": 1e-9, "eps_high": 1e-9} and report.start_version == 0
+    # Steps 1 and 2 train on version-0 data with a newer policy: rho != 1, so a 1e-9 interval masks tokens
+    # that the recorded interval (0.7, 6.0) kept; the weights then part from the recorded ones.
+    stale = report.steps[1:]
+    assert all(s.rerun["actor/kept_frac"] < s.recorded["actor/kept_frac"] for s in stale)
+    assert report.steps[-1].weight_distance > 0.0
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"eps_hi": 1.0}, "not update settings"),
+    ({"token_budget": 128}, "cannot change \\['token_budget'\\]"),
+    ({"algorithm": "grpo"}, "has no critic, unlike the run's 'sao'"),
+    ({"gamma": 2.0}, "gamma must lie in"),
+])
+def test_a_what_if_replay_refuses_what_it_cannot_do(trained3, overrides, message):
+    cfg, lake = trained3
+    with pytest.raises(ReplayError, match=message):
+        what_if_steps(lake, cfg.run_id, 0, 0, overrides)
+
+
+def test_sao_replay_set_prints_both_sides_and_records_the_what_if_run(trained3):
+    cfg, lake = trained3
+    result = cli(cfg, "--run", cfg.run_id, "--steps", "1:2", "--set", "algorithm.eps_high=0.01", "--as", "wi")
+    assert result.exit_code == 0, result.output
+    assert f"what-if replay of run {cfg.run_id} steps 1..2 with algorithm.eps_high=0.01, as run wi" in result.output
+    assert "actor/kept_frac" in result.output and "recorded" in result.output and "re-run" in result.output
+    (row,) = lake.read("runs", predicate="run_id = 'wi'").to_pylist()
+    assert (row["event"], row["parent_run_id"], row["parent_steps"]) == ("what_if", cfg.run_id, "1:2")
+    assert json.loads(row["changed"]) == {"algorithm.eps_high": [None, 0.01]}  # the parent has no runs row
+    refused = cli(cfg, "--run", cfg.run_id, "--steps", "0:0", "--set", "train.steps=9")
+    assert refused.exit_code == 2 and "update settings only (algorithm.*)" in refused.stderr
