@@ -40,7 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "images"
 RUN_ID = "ui-demo"
-TINY = {"steps": 2, "batch_size": 4, "eval_tasks": 4, "num_replicas": 1}
+TINY = {"train": {"steps": 2, "batch_size": 4}, "eval": {"tasks": 4}, "rollout": {"num_replicas": 1},
+        "value_pretraining": {"samples": 0}}
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run", "--hide-scrollbars",
                   "--virtual-time-budget=30000"]
@@ -90,7 +91,7 @@ async def run_train(api_url: str, timeout_s: float) -> tuple[str, dict[str, str]
                     raise TimeoutError("train/ui was not deployed in time")
                 await asyncio.sleep(2)
             run = await client.create_flow_run_from_deployment(
-                deployment.id, parameters={"run_id": RUN_ID, **TINY, "workdir": "runs", "lake_root": "lake"})
+                deployment.id, parameters={"config": {"run_id": RUN_ID, **TINY, "workdir": "runs", "lake": {"root": "lake"}}})
             while not (run.state and run.state.is_final()):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"flow run {run.id} did not finish in time (state {run.state!r})")

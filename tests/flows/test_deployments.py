@@ -35,7 +35,7 @@ from sao.prefect_server import LOOPBACK, free_port, port_in_use, prefect_env
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = {"train": {"steps": 2, "batch_size": 4}, "eval": {"tasks": 4}, "rollout": {"num_replicas": 1},
+TINY = {"train": {"steps": 2, "batch_size": 4}, "eval": {"tasks": 4}, "rollout": {"num_replicas": 1, "max_tokens": 96},
         "value_pretraining": {"samples": 0}}  # value pretraining: test_train_flow
 PREFECT_COMMANDS = {  # what README.md tells a user to run for prefect.yaml (tests/test_readme.py checks)
     "create_pool": ("work-pool", "create", "sao-local", "--type", "process"),

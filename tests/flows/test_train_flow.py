@@ -29,7 +29,8 @@ def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_sessio
 
     shutil.copytree(policy_dir, tmp_path / "runs" / "tiny" / "sft")  # the warm start is reused
     config = RunConfig(run_id="tiny", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")},
-                       train={"steps": 2, "batch_size": 4}, eval={"tasks": 4}, rollout={"num_replicas": 1},
+                       train={"steps": 2, "batch_size": 4}, eval={"tasks": 4},
+                       rollout={"num_replicas": 1, "max_tokens": 96},
                        value_pretraining={"samples": 8})
     result = train(config=config, sources={"train.steps": "test"})
     assert result["version"] == 2
@@ -87,14 +88,9 @@ def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ra
 
 def test_the_replay_flow_runs_a_what_if_replay(tmp_path, policy_dir, tokenizer, prefect_harness):
     from flows.replay import replay
-    from sao.train.loop import prepare_run, run_training
-    from tests.train.test_loop import make_config, roll_out
+    from tests.train.test_replay import trained_run
 
-    cfg = make_config(tmp_path, policy_dir, total_steps=3)
-    prepare_run(cfg)
-    lake = Lake.open(cfg.lake)
-    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 12)
-    run_training(cfg)
+    cfg, lake = trained_run(tmp_path, policy_dir, tokenizer, 3)
     result = replay(run_id=cfg.run_id, step=0, last_step=2, lake_root=cfg.lake.root,
                     overrides={"algorithm.eps_high": 0.01, "algorithm.eps_low": 0.01}, as_run_id="what-if-flow")
     assert result["as_run"] == "what-if-flow" and [s["step"] for s in result["steps"]] == [0, 1, 2]

@@ -265,7 +265,9 @@ def assert_run_accounted_for(run: UserRun, run_id: str, steps: int, lake: Lake, 
 
 
 def train_args(run_id: str, workdir: Path, lake_root: str, steps: int, *extra: str) -> list[str]:
+    """A small run: 8 trajectories a step, 96-token budgets (the random policy runs to its budget)."""
     return ["--run-id", run_id, "--steps", str(steps), "--batch-size", "8", "--eval-tasks", "8",
+            "--max-staleness", "2", "--set", "rollout.max_tokens=96",
             "--workdir", str(workdir), "--lake", lake_root, *extra]
 
 

@@ -22,15 +22,21 @@ from tests.train.test_loop import make_config, roll_out
 runner = CliRunner()
 
 
+def trained_run(tmp_path, policy_dir, tokenizer, steps: int):
+    """A run with ``steps`` committed steps of 4 trajectories each (versions 0 -> steps), all rolled out
+    by version 0: (its TrainConfig, its lake)."""
+    cfg = make_config(tmp_path, policy_dir, total_steps=steps)
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 4 * steps)
+    run_training(cfg)
+    return cfg, lake
+
+
 @pytest.fixture
 def trained(tmp_path, policy_dir, tokenizer):
     """A run with two committed steps (versions 0 -> 1 -> 2) on eight real trajectories."""
-    cfg = make_config(tmp_path, policy_dir, total_steps=2)
-    prepare_run(cfg)
-    lake = Lake.open(cfg.lake)
-    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 8)
-    run_training(cfg)
-    return cfg, lake
+    return trained_run(tmp_path, policy_dir, tokenizer, 2)
 
 
 def cli(cfg, *args):
@@ -148,12 +154,7 @@ def test_a_range_replay_reads_its_snapshot_through_ray_data(trained, policy_dir,
 @pytest.fixture
 def trained3(tmp_path, policy_dir, tokenizer):
     """A run with three committed steps (versions 0 -> 3) on twelve real trajectories."""
-    cfg = make_config(tmp_path, policy_dir, total_steps=3)
-    prepare_run(cfg)
-    lake = Lake.open(cfg.lake)
-    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 12)
-    run_training(cfg)
-    return cfg, lake
+    return trained_run(tmp_path, policy_dir, tokenizer, 3)
 
 
 def test_a_what_if_replay_without_changes_is_the_recorded_run(trained3):
