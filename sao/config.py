@@ -209,6 +209,9 @@ class EnvSection(Section):
 
     max_tool_calls: int = Field(default_of(DatasetEnvConfig, "max_tool_calls"), ge=0)
     """Sandboxed Python tool calls allowed per episode (0: single-turn, the first action is the answer)."""
+    tools: list[str] = Field(default_factory=lambda: list(default_of(DatasetEnvConfig, "tools")))
+    """Tool functions of your own, module:function each: defined in the sandbox before each tool call's
+    code, so the policy's code can call them (self-contained functions; the sandbox's limits apply)."""
     system_prompt: str = default_of(DatasetEnvConfig, "system_prompt")
     """A system message before each prompt ('' = none; a task given as chat messages keeps its own)."""
 
@@ -387,6 +390,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "reward.functions": ((DatasetEnvConfig, "rewards"),),
     "reward.weights": ((DatasetEnvConfig, "weights"),),
     "env.max_tool_calls": ((DatasetEnvConfig, "max_tool_calls"),),
+    "env.tools": ((DatasetEnvConfig, "tools"),),
     "env.system_prompt": ((DatasetEnvConfig, "system_prompt"),),
     "rollout.num_replicas": ((PipelineConfig, "num_replicas"),),
     "rollout.resources": ((PipelineConfig, "resources_per_replica"),),

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RewardError", "RewardImportError", "RewardSet", "exact_match", "final_answer", "math_verify",
-           "resolve_reward"]
+           "resolve_function", "resolve_reward"]
 
 _SPEC = re.compile(r"^([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*):([A-Za-z_]\w*)$")
 
@@ -62,16 +62,23 @@ def _module_folder(module: Any) -> str | None:
 
 
 def resolve_reward(spec: str, paths: Sequence[str] = ()) -> tuple[Callable[..., Any], str | None]:
-    """The function ``spec`` names and the folder its top-level module was imported from (None for a
-    module without a file). ``paths`` are searched before ``sys.path``; the working directory is
+    """The reward function ``spec`` names and the folder its top-level module was imported from (None
+    for a module without a file). ``paths`` are searched before ``sys.path``; the working directory is
     searched too, as ``python -c`` would.
 
     Raises:
-        RewardImportError: naming the spec and the places that were searched.
+        RewardImportError: naming the spec and the places that were searched, or a function without
+            ``**kwargs``.
     """
+    return resolve_function(spec, paths, what="reward function", require_kwargs=True)
+
+
+def resolve_function(spec: str, paths: Sequence[str] = (), *, what: str = "function",
+                     require_kwargs: bool = False) -> tuple[Callable[..., Any], str | None]:
+    """:func:`resolve_reward` for any ``module:function`` (``what`` names it in messages)."""
     match = _SPEC.match(spec.strip())
     if match is None:
-        raise RewardImportError(f"reward function {spec!r}: expected MODULE:FUNCTION, e.g. my_rewards:correct "
+        raise RewardImportError(f"{what} {spec!r}: expected MODULE:FUNCTION, e.g. my_rewards:correct "
                                 "or sao.rewards:math_verify")
     module_name, function_name = match.groups()
     searched = [*paths, str(Path.cwd())]
@@ -81,11 +88,11 @@ def resolve_reward(spec: str, paths: Sequence[str] = ()) -> tuple[Callable[..., 
         module = importlib.import_module(module_name)
     except ImportError as error:
         where = ", ".join(searched)
-        raise RewardImportError(f"reward function {spec!r}: cannot import module {module_name!r} "
+        raise RewardImportError(f"{what} {spec!r}: cannot import module {module_name!r} "
                                 f"({type(error).__name__}: {error}); searched {where} and the installed "
                                 "packages") from None
     except Exception as error:  # the user's module failed while importing
-        raise RewardImportError(f"reward function {spec!r}: importing {module_name!r} raised "
+        raise RewardImportError(f"{what} {spec!r}: importing {module_name!r} raised "
                                 f"{type(error).__name__}: {error}") from None
     finally:
         for path in added:
@@ -93,10 +100,10 @@ def resolve_reward(spec: str, paths: Sequence[str] = ()) -> tuple[Callable[..., 
                 sys.path.remove(path)
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise RewardImportError(f"reward function {spec!r}: module {module_name!r} "
+        raise RewardImportError(f"{what} {spec!r}: module {module_name!r} "
                                 f"({getattr(module, '__file__', 'built in')}) has no function {function_name!r}")
     parameters = inspect.signature(function).parameters.values()
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    if require_kwargs and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         raise RewardImportError(f"reward function {spec!r} must accept **kwargs (it is called with prompt, "
                                 "completion, messages, answer, info, task_id and possibly more)")
     return function, _module_folder(module)

@@ -84,13 +84,14 @@ def env_options(config: RunConfig, reward_paths: tuple[str, ...] = ()) -> dict[s
         return {}
     return {"dataset": {"rewards": list(config.reward.functions), "weights": config.reward.weights,
                         "paths": list(reward_paths), "max_tool_calls": config.env.max_tool_calls,
+                        "tools": list(config.env.tools),
                         "system_prompt": config.env.system_prompt}}
 
 
 def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
-    """Check the run's inputs before anything starts and write its task file: the user's tasks (every
-    row) and reward functions (imported). Returns the folders the reward modules came from (what the
-    rollout replicas add to their import path). Nothing to do for the built-in math_tool task.
+    """Check the run's inputs before anything starts and write its task file: the user's model, tasks
+    (every row), reward and tool functions (imported). Returns the folders the reward and tool modules
+    came from (what the rollout replicas add to their import path). Nothing to do for the built-in math_tool task.
 
     Raises:
         sao.data.DataError: a bad row (file, row, field), a missing file, or the task file of a resumed
@@ -100,7 +101,8 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
     """
     from sao.data import DataError
     from sao.envs.base import ensure_tasks
-    from sao.rewards import RewardSet
+    from sao.envs.dataset import tool_prelude
+    from sao.rewards import RewardSet, resolve_function
 
     if config.model.path is not None:
         from sao.models.policy import check_model_directory
@@ -110,13 +112,16 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
     if config.data.train is None:
         return ()
     rewards = RewardSet(config.reward.functions, config.reward.weights)
+    tool_paths = tuple(folder for _, folder in (resolve_function(spec, what="tool function")
+                                                for spec in config.env.tools) if folder is not None)
+    tool_prelude(tuple(config.env.tools), tool_paths)  # found, top-level, with source: or refused now
     tasks = user_tasks(config)
     try:
         ensure_tasks(tasks_path(config), tasks)
     except ValueError as error:
         raise DataError(f"{error} (the run's tasks were copied there when it started: resume with the same "
                         "data, or start a new run)") from None
-    return rewards.paths
+    return tuple(dict.fromkeys(rewards.paths + tool_paths))
 
 
 def run_tasks(config: RunConfig, split: Split | str) -> list[Task]:

@@ -35,7 +35,8 @@ def test_every_setting_builds_component_fields_and_takes_their_default():
         for component, name in targets:
             default = default_of(component, name)
             value = settings[key]
-            assert value == default or (isinstance(value, tuple) and list(value) == list(default)), (
+            sequences = isinstance(value, list | tuple) and isinstance(default, list | tuple)
+            assert value == default or (sequences and list(value) == list(default)), (
                 f"{key} defaults to {value!r} but {component.__name__}.{name} to {default!r}")
 
 
@@ -97,7 +98,7 @@ def test_set_values_are_read_as_yaml():
 
 @pytest.mark.parametrize(("sets", "expected"), [
     (["train.stepz=3"], "train.stepz: unknown key; train has: batch_size, max_staleness, resources, steps"),
-    (["trian.steps=3"], "trian: unknown key; the top level has: algorithm, eval,"),
+    (["trian.steps=3"], "trian: unknown key; the top level has: algorithm, data, env, eval,"),
     (["train.batch_size=many"], "train.batch_size: Input should be a valid integer"),
     (["train.steps=-1"], "train.steps: Input should be greater than or equal to 0 (got -1) [from --set train.steps=-1]"),
     (["algorithm.name=ppo"], "algorithm.name: Input should be 'sao', 'grpo', 'grpo_dis', 'ppo_async' or"),

@@ -3,7 +3,8 @@ functions (:mod:`sao.rewards`).
 
 An episode shows the task's prompt (its chat messages, or one user message), then takes the policy's
 actions in the chat format of :mod:`sao.models.chat`: a tool call (``<tool_call>code</tool_call>``)
-runs in the sandboxed Python tool, as in math_tool, while ``max_tool_calls`` allows (0: single-turn);
+runs in the sandboxed Python tool, as in math_tool, while ``max_tool_calls`` allows (0: single-turn),
+with the user's own tool functions (``tools``) defined before the code, so it can call them;
 any other action ends the episode with ``stop``, and the reward functions score it. Calling more tools
 than allowed ends it with ``turns`` (reward 0, the functions are not called).
 
@@ -15,7 +16,9 @@ message (``trajectories.error``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import textwrap
 import threading
 from typing import Any
 
@@ -24,9 +27,9 @@ from sao.envs.latency import LatencyConfig
 from sao.envs.math_tool import MathToolEnv
 from sao.envs.sandbox import SandboxConfig
 from sao.models.chat import IM_END, Message, ToolCall, parse_action
-from sao.rewards import RewardSet, call_arguments
+from sao.rewards import RewardImportError, RewardSet, call_arguments, resolve_function
 
-__all__ = ["ENV_NAME", "DatasetEnv", "DatasetEnvConfig", "task_messages"]
+__all__ = ["ENV_NAME", "DatasetEnv", "DatasetEnvConfig", "task_messages", "tool_prelude"]
 
 ENV_NAME = "dataset"
 
@@ -42,6 +45,9 @@ class DatasetEnvConfig:
             other processes import the same files).
         max_tool_calls: sandboxed Python tool calls allowed per episode; one more ends it with
             ``turns``. 0: single-turn.
+        tools: the user's tool functions, ``module:function`` each: their source is defined in the
+            sandbox before each tool call's code, so the code can call them (they run under the
+            sandbox's limits: self-contained functions of the allow-listed modules).
         system_prompt: a system message before the task's prompt ('' = none; a task that gives chat
             messages keeps its own).
         sandbox: limits of the Python tool.
@@ -52,6 +58,7 @@ class DatasetEnvConfig:
     weights: tuple[float, ...] | None = None
     paths: tuple[str, ...] = ()
     max_tool_calls: int = 3
+    tools: tuple[str, ...] = ()
     system_prompt: str = ""
     sandbox: SandboxConfig = SandboxConfig()
     latency: LatencyConfig = LatencyConfig()
@@ -59,6 +66,7 @@ class DatasetEnvConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "rewards", tuple(self.rewards))
         object.__setattr__(self, "paths", tuple(self.paths))
+        object.__setattr__(self, "tools", tuple(self.tools))
         if self.weights is not None:
             object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
         if self.max_tool_calls < 0:
@@ -78,6 +86,30 @@ def reward_set(config: DatasetEnvConfig) -> RewardSet:
         return _REWARD_SETS[key]
 
 
+_PRELUDES: dict[tuple, str] = {}
+
+
+def tool_prelude(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> str:
+    """The source of the user's tool functions, defined before a tool call's code (imported once per
+    process). Raises :class:`~sao.rewards.RewardImportError` for a tool that cannot be found or is not a
+    top-level function with source."""
+    key = (tools, paths)
+    with _REWARD_LOCK:
+        if key not in _PRELUDES:
+            sources = []
+            for spec in tools:
+                function, _ = resolve_function(spec, paths, what="tool function")
+                if not inspect.isfunction(function) or function.__qualname__ != function.__name__:
+                    raise RewardImportError(f"tool function {spec!r}: must be a top-level def (its source is run "
+                                            "in the sandbox)")
+                try:
+                    sources.append(textwrap.dedent(inspect.getsource(function)))
+                except (OSError, TypeError) as error:
+                    raise RewardImportError(f"tool function {spec!r}: no source to run in the sandbox ({error})") from None
+            _PRELUDES[key] = "\n\n".join(sources)
+        return _PRELUDES[key]
+
+
 def task_messages(task: Task, system_prompt: str = "") -> list[Message]:
     """The prompt of ``task`` as chat messages."""
     if task.messages:
@@ -94,7 +126,11 @@ class DatasetEnv(MathToolEnv):
     def __init__(self, config: DatasetEnvConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config or DatasetEnvConfig(), **kwargs)
         self.rewards = reward_set(self.config)
+        self.prelude = tool_prelude(self.config.tools, self.config.paths)
         self.conversation: list[Message] = []
+
+    def tool_code(self, code: str) -> str:
+        return f"{self.prelude}\n\n{code}" if self.prelude else code
 
     def reset(self, task: Task) -> list[Message]:
         if task.env != ENV_NAME:

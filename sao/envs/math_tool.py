@@ -193,6 +193,10 @@ class MathToolEnv:
         messages: list[Message] = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
         return [*messages, {"role": "user", "content": task.prompt}]
 
+    def tool_code(self, code: str) -> str:
+        """What the sandbox runs for a tool call of ``code`` (the code itself here)."""
+        return code
+
     def step(self, action_text: str) -> StepResult:
         if self.task is None:
             raise RuntimeError("MathToolEnv.step called before reset")
@@ -202,7 +206,7 @@ class MathToolEnv:
                 return StepResult(None, True, 0.0, Termination.TURNS, {"tool_calls": self.tool_calls})
             delay = self.latency.sleep(self.task.task_id, self.tool_calls)
             self.tool_calls += 1
-            result = self.sandbox.run(action.code)
+            result = self.sandbox.run(self.tool_code(action.code))
             info = {"tool_status": str(result.status), "tool_wall_s": result.wall_s, "delay_s": delay}
             return StepResult(result.observation, False, info=info)
         correct = isinstance(action, FinalAnswer) and check_answer(action.answer, self.task.answer)

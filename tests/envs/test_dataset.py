@@ -90,3 +90,27 @@ def test_a_task_of_another_environment_is_refused():
     env = DatasetEnv()
     with pytest.raises(ValueError, match="belongs to env 'math_tool'"):
         env.reset(Task("m", "math_tool", "1 + 1?", "2", "train"))
+
+
+def lookup(key):
+    return {"a": 41}[key] + 1
+
+
+def test_a_tool_function_of_ones_own_is_callable_from_the_sandboxed_code():
+    env = make_env("dataset", rewards=["sao.rewards:exact_match"], tools=["tests.envs.test_dataset:lookup"])
+    env.reset(TASK)
+    assert env.step("<tool_call>print(lookup('a'))</tool_call>").observation.strip() == "42"
+    failed = env.step("<tool_call>print(lookup('b'))</tool_call>").observation
+    assert "KeyError" in failed  # the tool's own error, as the policy sees it
+    assert env.step("<answer>42</answer>").reward == 1.0
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tests.envs.test_dataset:no_such_tool", "has no function 'no_such_tool'"),
+    ("tests.envs.test_dataset:DatasetEnv", "must be a top-level def"),
+])
+def test_an_unusable_tool_function_is_refused(spec, message):
+    from sao.rewards import RewardImportError
+
+    with pytest.raises(RewardImportError, match=message):
+        make_env("dataset", tools=[spec])

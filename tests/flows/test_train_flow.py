@@ -59,6 +59,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIGS = ["configs/demo.yaml", *sorted(str(p.relative_to(REPO)) for p in REPO.glob("examples/*/config.yaml"))]
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("example", EXAMPLE_CONFIGS)
 def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ray_session, prefect_harness,
                                                monkeypatch):
@@ -71,7 +72,7 @@ def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ra
     monkeypatch.chdir(REPO)
     config, sources = resolve(example, [
         f"workdir={tmp_path / 'runs'}", f"lake.root={tmp_path / 'lake'}", "train.steps=2", "train.batch_size=8",
-        "eval.tasks=4", "value_pretraining.samples=8", "rollout.num_replicas=1"])
+        "eval.tasks=4", "value_pretraining.samples=0", "rollout.num_replicas=1", "rollout.max_tokens=64"])
     shutil.copytree(policy_dir, config.sft_dir)
     result = train(config=config, sources=sources)
     assert result["version"] == 2 and result["settings"]["data"] == config.public()["data"]
