@@ -143,7 +143,15 @@ def test_action_text_of_messages():
         action_text({"role": "user", "content": "hi"})
 
 
-def test_a_tokenizer_without_the_format_tokens_is_rejected():
+def test_a_tokenizer_without_any_turn_end_is_rejected():
     bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
-    with pytest.raises(ValueError, match="<tool_call>"):
+    with pytest.raises(ValueError, match="no EOS token and none of the end-of-turn tokens"):
         ChatTokens.from_tokenizer(bare)
+
+
+def test_a_tokenizer_without_the_format_tokens_gets_the_plain_format():
+    backend = Tokenizer(models.BPE())
+    backend.add_special_tokens(["</s>", "<|eot_id|>"])
+    plain = ChatTokens.from_tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>"))
+    assert not plain.supports_tools and plain.tool_call_end_id is None
+    assert plain.stop_token_ids == (0, 1) and plain.pad_id == 0  # EOS first, then the end-of-turn token
