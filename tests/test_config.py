@@ -155,6 +155,19 @@ def test_a_resume_may_change_only_the_safe_keys(tmp_path):
     assert "train.steps" in RESUME_SAFE and "algorithm.eps_high" not in RESUME_SAFE
 
 
+def test_a_key_added_after_a_run_started_is_no_change_at_its_default(tmp_path, monkeypatch):
+    base = RunConfig(run_id="r", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")})
+    lake = Lake.open(base.lake_config())
+    runs.record_start(base, lake=lake)
+    older = base.public()
+    del older["env"]["tools"]  # what a run recorded before env.tools existed
+    assert changed_keys(older, base.public()) == {"env.tools": (None, [])}
+    monkeypatch.setattr(runs, "latest_config", lambda lake, run_id: older)  # as an older sao recorded it
+    assert runs.check_resume(base, lake) == {}
+    with pytest.raises(ConfigError, match=r"env.tools: recorded None, now \['x:y'\]"):
+        runs.check_resume(base.with_values({"env.tools": ["x:y"]}), lake)
+
+
 def test_the_train_flow_form_is_generated_from_the_config():
     from prefect.utilities.callables import parameter_schema
 
