@@ -60,7 +60,7 @@ from sao.train.sft import SFTConfig
 from schemas.trajectories import RUN_ID_PATTERN
 
 __all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "RUN_OWN", "ConfigError", "RunConfig", "changed_keys", "default_of",
-           "demo_config", "from_data", "leaves", "show",
+           "demo_config", "from_data", "setting_keys", "leaves", "show",
            "load_file", "resolve"]
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -456,6 +456,11 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[str]:
 
 
 _DICT_SETTINGS = frozenset({"rollout.resources", "train.resources"})
+
+
+def setting_keys(data: Mapping[str, Any]) -> set[str]:
+    """The dotted keys of a config's JSON data (:meth:`RunConfig.public`; an older one may lack some)."""
+    return set(_flatten(data))
 
 
 def _format_errors(error: ValidationError, origin: Mapping[str, str]) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sao import interrupt
-from sao.config import RESUME_SAFE, ConfigError, RunConfig, changed_keys, leaves
+from sao.config import RESUME_SAFE, ConfigError, RunConfig, changed_keys, leaves, setting_keys
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
@@ -142,16 +142,6 @@ def latest_config(lake: Lake, run_id: str) -> dict | None:
     return json.loads(max(rows, key=lambda row: row["started_at"])["config"])
 
 
-def _flat_keys(data: dict, prefix: str = "") -> set[str]:
-    keys: set[str] = set()
-    for key, value in data.items():
-        if isinstance(value, dict) and value and not (prefix + key).endswith("resources"):
-            keys |= _flat_keys(value, f"{prefix}{key}.")
-        else:
-            keys.add(prefix + key)
-    return keys
-
-
 def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple] | None:
     """What a start of ``config`` changes from the run's latest recorded config (None: the run has no
     recorded config, this is its start).
@@ -167,7 +157,7 @@ def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple
     defaults = leaves(RunConfig(), json_values=True)
     # A key the recorded config lacks (added by a later version of sao) at its default is no change.
     changed = {key: (before, after) for key, (before, after) in changed_keys(stored, config.public()).items()
-               if not (before is None and key not in _flat_keys(stored) and after == defaults.get(key))}
+               if not (before is None and key not in setting_keys(stored) and after == defaults.get(key))}
     refused = {key: values for key, values in changed.items() if key not in RESUME_SAFE}
     if refused:
         lines = "\n".join(f"  {key}: recorded {before!r}, now {after!r}" for key, (before, after) in refused.items())
