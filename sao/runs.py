@@ -38,7 +38,7 @@ from sao.train.pretrain import PretrainReport
 from sao.train.run_config import RolloutSettings
 
 __all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "finished", "math_tasks", "pipeline_config",
-           "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
+           "import_paths", "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
            "record_finished", "summarize", "train_async", "value_data_run", "warm_start"]
 
 RESULT_FILE = "result.json"
@@ -101,8 +101,6 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
     """
     from sao.data import DataError
     from sao.envs.base import ensure_tasks
-    from sao.envs.dataset import tool_prelude
-    from sao.rewards import RewardSet, resolve_function
 
     if config.model.path is not None:
         from sao.models.policy import check_model_directory
@@ -111,16 +109,29 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
                               need_tools=config.data.train is None or config.env.max_tool_calls > 0)
     if config.data.train is None:
         return ()
-    rewards = RewardSet(config.reward.functions, config.reward.weights)
-    tool_paths = tuple(folder for _, folder in (resolve_function(spec, what="tool function")
-                                                for spec in config.env.tools) if folder is not None)
-    tool_prelude(tuple(config.env.tools), tool_paths)  # found, top-level, with source: or refused now
+    paths = import_paths(config)
     tasks = user_tasks(config)
     try:
         ensure_tasks(tasks_path(config), tasks)
     except ValueError as error:
         raise DataError(f"{error} (the run's tasks were copied there when it started: resume with the same "
                         "data, or start a new run)") from None
+    return paths
+
+
+def import_paths(config: RunConfig) -> tuple[str, ...]:
+    """The folders the run's reward and tool modules are imported from (the rollout replicas add them
+    to their import path), each function found and checked; () for the built-in math_tool task. Reads
+    no task data (:func:`prepare_inputs` checks that once, at start)."""
+    from sao.envs.dataset import tool_prelude
+    from sao.rewards import RewardSet, resolve_function
+
+    if config.data.train is None:
+        return ()
+    rewards = RewardSet(config.reward.functions, config.reward.weights)
+    tool_paths = tuple(folder for _, folder in (resolve_function(spec, what="tool function")
+                                                for spec in config.env.tools) if folder is not None)
+    tool_prelude(tuple(config.env.tools), tool_paths)  # found, top-level, with source: or refused now
     return tuple(dict.fromkeys(rewards.paths + tool_paths))
 
 
@@ -168,11 +179,9 @@ def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple
     return changed
 
 
-def record_start(config: RunConfig, sources: dict[str, str] | None = None, notes: str | None = None,
-                 lake: Lake | None = None) -> str:
-    """Check a start of ``config`` (:func:`check_resume`) and append its row to ``runs``; returns the
-    event (``start`` or ``resume``). ``lake``: the run's lake opened already (default: opened from
-    ``config.lake``, with object-store options from the environment)."""
+def _append_runs_row(lake: Lake, config: RunConfig | None, **fields: object) -> None:
+    """Append one row to ``runs``: ``fields`` (run_id, event, sources, changed, notes, parent), the
+    config (JSON and by dotted key; empty when unknown) and the row's time and versions."""
     import pyarrow as pa
 
     from sao import __version__
@@ -180,18 +189,27 @@ def record_start(config: RunConfig, sources: dict[str, str] | None = None, notes
     from sao.lake.records import utc_now
     from schemas import runs as runs_table
 
+    row = {"started_at": utc_now(), "sao_version": __version__, "schema_version": runs_table.SCHEMA_VERSION,
+           "config": json.dumps({} if config is None else config.public(), sort_keys=True),
+           "settings": [] if config is None else [(key, json.dumps(value))
+                                                  for key, value in leaves(config, json_values=True).items()],
+           "parent_run_id": None, "parent_steps": None, "changed": None, "notes": None} | fields
+    append_blind(lake, "runs", pa.Table.from_pylist([row], schema=runs_table.SCHEMA))
+
+
+def record_start(config: RunConfig, sources: dict[str, str] | None = None, notes: str | None = None,
+                 lake: Lake | None = None) -> str:
+    """Check a start of ``config`` (:func:`check_resume`) and append its row to ``runs``; returns the
+    event (``start`` or ``resume``). ``lake``: the run's lake opened already (default: opened from
+    ``config.lake``, with object-store options from the environment)."""
+    from schemas import runs as runs_table
+
     lake = lake or Lake.open(config.lake_config())
     changed = check_resume(config, lake)
     resumed = changed is not None or config.checkpoint_root.exists()
     event = runs_table.RESUME if resumed else runs_table.START
-    row = {"run_id": config.run_id, "event": event, "started_at": utc_now(),
-           "config": json.dumps(config.public(), sort_keys=True),
-           "settings": [(key, json.dumps(value)) for key, value in leaves(config, json_values=True).items()],
-           "sources": json.dumps(sources or {}, sort_keys=True),
-           "changed": None if changed is None else json.dumps(changed, sort_keys=True), "notes": notes,
-           "sao_version": __version__, "schema_version": runs_table.SCHEMA_VERSION,
-           "parent_run_id": None, "parent_steps": None}
-    append_blind(lake, "runs", pa.Table.from_pylist([row], schema=runs_table.SCHEMA))
+    _append_runs_row(lake, config, run_id=config.run_id, event=event, sources=json.dumps(sources or {}, sort_keys=True),
+                     changed=None if changed is None else json.dumps(changed, sort_keys=True), notes=notes)
     log.info("run %s: %s recorded in the lake's runs table", config.run_id, event)
     return event
 
@@ -201,31 +219,21 @@ def record_what_if(lake: Lake, run_id: str, parent_run_id: str, first: int, last
     """Record a what-if replay of ``parent_run_id``'s steps ``first``..``last`` as run ``run_id`` in
     ``runs``: the parent's latest config with ``overrides`` (dotted keys) applied, the parent, the steps
     and the overrides (``changed``: key -> [parent's value, new value])."""
-    import pyarrow as pa
-
-    from sao import __version__
-    from sao.lake.commit import append_blind
-    from sao.lake.records import utc_now
     from schemas import runs as runs_table
 
     stored = latest_config(lake, parent_run_id)
-    notes = None
+    config, notes = None, None
     if stored is None:
         notes = f"run {parent_run_id!r} has no recorded config (it started before the runs table): only the overrides are known"
-        config_data, settings, changed = {}, [], {key: [None, value] for key, value in overrides.items()}
+        changed = {key: [None, value] for key, value in overrides.items()}
     else:
         parent = RunConfig.model_validate(stored)
         config = parent.with_values({"run_id": run_id, **overrides})
-        config_data = config.public()
-        settings = [(key, json.dumps(value)) for key, value in leaves(config, json_values=True).items()]
-        changed = {key: list(values) for key, values in changed_keys(parent.public(), config_data).items()
+        changed = {key: list(values) for key, values in changed_keys(parent.public(), config.public()).items()
                    if key != "run_id"}
-    row = {"run_id": run_id, "event": runs_table.WHAT_IF, "started_at": utc_now(),
-           "config": json.dumps(config_data, sort_keys=True), "settings": settings,
-           "sources": json.dumps(sources, sort_keys=True), "changed": json.dumps(changed, sort_keys=True),
-           "notes": notes, "sao_version": __version__, "schema_version": runs_table.SCHEMA_VERSION,
-           "parent_run_id": parent_run_id, "parent_steps": f"{first}:{last}"}
-    append_blind(lake, "runs", pa.Table.from_pylist([row], schema=runs_table.SCHEMA))
+    _append_runs_row(lake, config, run_id=run_id, event=runs_table.WHAT_IF, sources=json.dumps(sources, sort_keys=True),
+                     changed=json.dumps(changed, sort_keys=True), notes=notes, parent_run_id=parent_run_id,
+                     parent_steps=f"{first}:{last}")
 
 
 def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
@@ -288,10 +296,10 @@ def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tu
     is what step replay and resume start from). Kept whole, a 150-step demo's checkpoints took about
     2 GB.
 
-    ``reward_paths``: where the reward modules were imported from (None: :func:`prepare_inputs`
+    ``reward_paths``: where the reward modules were imported from (None: :func:`import_paths`
     finds them again)."""
     if reward_paths is None:
-        reward_paths = prepare_inputs(config)
+        reward_paths = import_paths(config)
     options = env_options(config, reward_paths)
     train = TrainConfig(
         run_id=config.run_id, lake=_absolute_lake(config.lake_config()),
@@ -385,7 +393,7 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     if kept.exists():
         return Evaluation(**json.loads(kept.read_text()))
     path = policy_dir(config, version)
-    options = env_options(config, prepare_inputs(config))
+    options = env_options(config, import_paths(config))
 
     def environment(task: Task):
         from sao.envs import make_env
