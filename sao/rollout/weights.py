@@ -41,9 +41,8 @@ class WeightBroker:
         self._newer: asyncio.Event | None = None  # set (and replaced) on each publish
         self._stop_requested = False
 
-    async def publish(self, version: int, refs: list, skipped: int = 0) -> int:
-        """Announce ``version``; ``skipped``: trajectories the step that made it passed over (too stale,
-        or without an action token), added to :meth:`skipped_total`.
+    async def publish(self, version: int, refs: list) -> int:
+        """Announce ``version``.
 
         Publishing the version already announced again is allowed and replaces its weights: a resumed
         trainer re-publishes the version it resumed at, which the run has just :meth:`reset` the broker
@@ -52,10 +51,8 @@ class WeightBroker:
             raise ValueError(f"version {version} is older than the published version {self._version}")
         if version == self._version and self._refs and version in self._published_at:
             self._refs = refs  # the same version again: replicas already run it; keep the first time
-            self._skipped += skipped
             return version
         self._version, self._refs = version, refs
-        self._skipped += skipped
         self._published_at[version] = time.time()
         if self._newer is not None:
             self._newer.set()
@@ -91,9 +88,17 @@ class WeightBroker:
     def latest_version(self) -> int:
         return self._version
 
+    def add_skipped(self, count: int) -> None:
+        """The trainer passed over ``count`` more trajectories (too stale when it reached them, or
+        without an action token). Reported the moment it sees them, while it waits for its batch: the
+        driver's gate gives their places back, and a batch that lacks them can still fill."""
+        if count < 0:
+            raise ValueError(f"a skipped count is never negative, got {count}")
+        self._skipped += count
+
     def skipped_total(self) -> int:
         """Trajectories the trainer passed over since the last :meth:`reset` (a count that only grows,
-        also across trainer restarts: each publication adds its step's count)."""
+        also across trainer restarts)."""
         return self._skipped
 
     def request_stop(self) -> None:
@@ -127,15 +132,15 @@ def get_or_create_broker(app_name: str):
     return actor.options(name=broker_name(app_name), get_if_exists=True, lifetime="detached").remote()
 
 
-def publish_weights(broker, version: int, weights: Mapping[str, torch.Tensor], skipped: int = 0) -> float:
-    """Put ``weights`` into the object store and announce them (with the trajectories the step passed
-    over: :meth:`WeightBroker.publish`); returns seconds spent."""
+def publish_weights(broker, version: int, weights: Mapping[str, torch.Tensor]) -> float:
+    """Put ``weights`` into the object store and announce them (:meth:`WeightBroker.publish`); returns
+    seconds spent."""
     import ray
 
     start = time.perf_counter()
     state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
     ref = ray.put(state)
-    ray.get(broker.publish.remote(version, [ref], skipped))
+    ray.get(broker.publish.remote(version, [ref]))
     return time.perf_counter() - start
 
 

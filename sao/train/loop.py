@@ -197,40 +197,52 @@ def _load_models(cfg: TrainConfig, version: int):
     return policy, critic, None
 
 
-def _broker_calls(cfg: TrainConfig):
-    """(publish(version, policy, skipped), stop_requested()) through the run's weight broker, or
-    (None, a function that is always False) when the trainer publishes nowhere."""
+@dataclasses.dataclass(frozen=True)
+class _Broker:
+    """The trainer's calls to the run's weight broker (none go anywhere when it publishes nowhere)."""
+
+    publish: Callable[[int, torch.nn.Module], float] | None = None
+    stop_requested: Callable[[], bool] = lambda: False
+    skipped: Callable[[int], None] = lambda count: None
+
+
+def _broker_calls(cfg: TrainConfig) -> _Broker:
+    """The trainer's :class:`_Broker` calls through the run's weight broker."""
     if cfg.app_name is None:
-        return None, lambda: False
+        return _Broker()
     import ray
 
     from sao.rollout.weights import get_or_create_broker, publish_weights
 
     broker = get_or_create_broker(cfg.app_name)
-    return (lambda version, policy, skipped=0: publish_weights(broker, version, policy.state_dict(), skipped),
-            lambda: ray.get(broker.stop_requested.remote()))
+    return _Broker(publish=lambda version, policy: publish_weights(broker, version, policy.state_dict()),
+                   stop_requested=lambda: ray.get(broker.stop_requested.remote()),
+                   skipped=lambda count: ray.get(broker.add_skipped.remote(count)))
 
 
 class _Stopped(Exception):
     """The run was asked to stop (a Ctrl-C) while the trainer waited for a batch."""
 
 
-def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int,
-                    stop_requested: Callable[[], bool] = lambda: False):
+def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, broker: _Broker = _Broker()):
     """Block until ``batch_size`` eligible trajectories are in the lake; returns (snapshot version,
-    rows, stale rows passed over, rows without an action token passed over). Raises :class:`_Stopped`
-    when ``stop_requested()`` turns true while it waits."""
+    rows, stale rows passed over, rows without an action token passed over). Rows passed over are
+    reported to the broker as they are found, so that the rollout driver launches others in their
+    place while this waits (at ``max_staleness`` 0 a batch would otherwise never fill once one of its
+    rollouts saw a weight update). Raises :class:`_Stopped` when the broker's stop is requested."""
     deadline = time.monotonic() + cfg.wait_timeout_s
     held: list[pa.Table] = []
     snapshot = None
     stale = no_actions = 0
     while True:
-        if stop_requested():
+        if broker.stop_requested():
             raise _Stopped
         want = cfg.batch_size - sum(t.num_rows for t in held)
         micro = reader.next_micro_batch(version, cfg.max_staleness, want)
         stale += micro.skipped_stale
         no_actions += micro.skipped_no_actions
+        if micro.skipped_stale + micro.skipped_no_actions:
+            broker.skipped(micro.skipped_stale + micro.skipped_no_actions)
         if len(micro):
             held.append(micro.data)
         snapshot = micro.snapshot_version
@@ -272,12 +284,12 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
     learner = Learner(cfg.update, policy, critic)
     if trainer_state is not None:
         learner.load_state_dict(trainer_state)
-    publish, stop_requested = _broker_calls(cfg) if rank == 0 else (None, lambda: False)
+    broker = _broker_calls(cfg) if rank == 0 else _Broker()
     if rank == 0:
         write_run_config(cfg)
         _ensure_version_registered(lake, cfg, version, policy, critic, tokenizer, learner, step - 1)
-        if publish is not None and version > 0:
-            publish(version, policy)  # replicas may be behind after a restart
+        if broker.publish is not None and version > 0:
+            broker.publish(version, policy)  # replicas may be behind after a restart
     reader = TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS) if rank == 0 else None
     reports: list[StepReport] = []
     last_report = -math.inf
@@ -288,7 +300,7 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         selection = None
         if rank == 0:
             try:
-                snapshot, table, stale, no_actions = _wait_for_batch(reader, cfg, version, stop_requested)
+                snapshot, table, stale, no_actions = _wait_for_batch(reader, cfg, version, broker)
                 last = step + 1 == cfg.total_steps or (max_steps is not None and len(reports) + 1 == max_steps)
                 due = last or time.monotonic() - last_report >= cfg.report_interval_s
                 selection = (snapshot, table.column("trajectory_id").to_pylist(), stale, no_actions, due)
@@ -331,8 +343,8 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
             if cfg.compact_ledger_every and (step + 1) % cfg.compact_ledger_every == 0:
                 compact_ledger(lake)
             crash_point("before-publish", step)
-            if publish is not None:  # after the commit: not in the step's row, only in its report
-                metrics = {**metrics, "time/publish_s": publish(version, policy, stale + no_actions)}
+            if broker.publish is not None:  # after the commit: not in the step's row, only in its report
+                metrics = {**metrics, "time/publish_s": broker.publish(version, policy)}
         report = StepReport(step, version, snapshot, tuple(ids), metrics, report_due=due)
         reports.append(report)
         if world > 1:

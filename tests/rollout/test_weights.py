@@ -7,21 +7,23 @@ import pytest
 from sao.rollout.weights import WeightBroker
 
 
-def test_the_broker_adds_up_what_each_step_passed_over_and_starts_over_on_reset():
+def test_the_broker_adds_up_what_the_trainer_passed_over_and_starts_over_on_reset():
     async def run():
         broker = WeightBroker()
-        await broker.publish(1, ["ref1"], skipped=2)
-        await broker.publish(2, ["ref2"])
-        await broker.publish(3, ["ref3"], skipped=5)
+        broker.add_skipped(2)
+        await broker.publish(1, ["ref1"])
+        broker.add_skipped(5)
         total = broker.skipped_total()
-        with pytest.raises(ValueError, match="older than the published version 3"):
-            await broker.publish(2, ["again"], skipped=9)
-        after_refusal = broker.skipped_total()
+        with pytest.raises(ValueError, match="never negative"):
+            broker.add_skipped(-1)
+        with pytest.raises(ValueError, match="older than the published version 1"):
+            await broker.publish(0, ["again"])
+        after_refusals = broker.skipped_total()
         await broker.reset(7)
-        return total, after_refusal, broker.skipped_total(), broker.latest()
+        return total, after_refusals, broker.skipped_total(), broker.latest()
 
-    total, after_refusal, after_reset, latest = asyncio.run(run())
-    assert total == 7 and after_refusal == 7  # a refused publication adds nothing
+    total, after_refusals, after_reset, latest = asyncio.run(run())
+    assert total == 7 and after_refusals == 7
     assert after_reset == 0 and latest == (7, [])
 
 
@@ -33,16 +35,16 @@ def test_a_resumed_trainer_publishes_the_version_the_run_was_reset_to():
         broker = WeightBroker()
         await broker.reset(2)
         waiter = asyncio.ensure_future(broker.wait_newer(1, timeout_s=5))
-        await broker.publish(2, ["resumed"], skipped=0)
+        await broker.publish(2, ["resumed"])
         woken = await asyncio.wait_for(waiter, 1)
         published = dict(broker._published_at)
-        await broker.publish(2, ["again"], skipped=3)  # a trainer restarted without a reset: same version
-        return woken, published, broker._published_at, broker.latest(), broker.skipped_total()
+        await broker.publish(2, ["again"])  # a trainer restarted without a reset: same version
+        return woken, published, broker._published_at, broker.latest()
 
-    woken, published, published_after, latest, skipped = asyncio.run(run())
+    woken, published, published_after, latest = asyncio.run(run())
     assert woken == (2, ["resumed"])
     assert published_after == published  # the first publication's time is kept
-    assert latest == (2, ["again"]) and skipped == 3
+    assert latest == (2, ["again"])
 
 
 def test_a_stop_request_is_seen_until_the_next_reset():

@@ -96,6 +96,34 @@ def test_stale_trajectories_are_kept_and_reported_not_trained(cfg, policy_dir, t
     assert not set(old) & set(consumed_ids(lake, cfg.run_id).to_pylist())
 
 
+def test_rows_passed_over_are_reported_while_the_trainer_waits_so_their_batch_can_fill(cfg, policy_dir, tokenizer):
+    """A row the trainer will never train on is reported the moment it is passed over, not after the
+    step: the driver launches another in its place, and the batch that lacked it fills (before, a
+    strict run waited for a step that could never come)."""
+    from sao.envs.base import Task
+    from sao.lake.reader import TrajectoryReader
+    from sao.rollout.driver import failed_record
+    from sao.train.loop import _Broker, _wait_for_batch
+
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, 3)
+    failed = failed_record(Task("t-error", "math_tool", "1 + 1?", "2", "train"), cfg.run_id, "e" * 32, "replica died")
+    with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
+        writer.add_many([failed])
+    reported = []
+
+    def skipped(count):  # the driver's side: a replacement is launched and lands in the lake
+        reported.append(count)
+        roll_out(policy_dir, tokenizer, lake, cfg.run_id, count, seed=5)
+
+    strict = cfg.__class__(**{**cfg.__dict__, "wait_timeout_s": 20.0})
+    reader = TrajectoryReader(lake, cfg.run_id, columns=["trajectory_id", "min_policy_version"])
+    _, table, stale, no_actions = _wait_for_batch(reader, strict, 0, _Broker(skipped=skipped))
+    assert reported == [1] and (stale, no_actions) == (0, 1)
+    assert table.num_rows == 4 and "e" * 32 not in table.column("trajectory_id").to_pylist()
+
+
 KILL_SCRIPT = textwrap.dedent('''
     import sys, time
     from sao.train.loop import run_training
