@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tokenizers import decoders as tokenizer_decoders
@@ -44,10 +45,49 @@ def train_tokenizer(chat_template: str | None = CHATML) -> PreTrainedTokenizerFa
     return tokenizer
 
 
+def _others(vocab: int) -> dict:
+    """Builders of architectures beyond the three trained end to end (run through the engine only)."""
+    small = {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "max_position_embeddings": 256}
+    gqa = small | {"intermediate_size": 64, "num_key_value_heads": 2}
+    moe = gqa | {"num_experts_per_tok": 2}
+    return {
+        "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**gqa)),
+        "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(pad_token_id=0, **gqa)),
+        "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=8, **gqa)),
+        "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**gqa)),
+        "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(intermediate_size=64, **small)),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2,
+                                                                              n_head=4, n_positions=256)),
+        "phi": lambda: transformers.PhiForCausalLM(transformers.PhiConfig(intermediate_size=64, **small)),
+        "starcoder2": lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**gqa)),
+        "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **small)),
+        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **moe)),
+        "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=4, **moe)),
+        # refused: attention outside the interface, latent attention, attention sinks
+        "stablelm": lambda: transformers.StableLmForCausalLM(transformers.StableLmConfig(**gqa)),
+        "falcon": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(vocab_size=vocab, hidden_size=32,
+                                                                                  num_hidden_layers=2, num_attention_heads=4)),
+        "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            moe_intermediate_size=32, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
+            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            **(moe | {"num_key_value_heads": 4}))),
+        "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(num_local_experts=4, head_dim=8, **moe)),
+    }
+
+
+REFUSED = {"stablelm": "attention does not go through Transformers' attention interface",
+           "falcon": "attention does not go through Transformers' attention interface",
+           "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks"}
+
+
 def build(architecture: str, vocab: int):
     common = {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False}
     torch.manual_seed(0)
+    others = _others(vocab)
+    if architecture in others:
+        return others[architecture]()
     if architecture == "llama":
         return LlamaForCausalLM(LlamaConfig(intermediate_size=64, **common))
     if architecture == "qwen2":
@@ -98,6 +138,64 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     untemplated = model_directory(tmp_path / "untemplated", "qwen2", train_tokenizer(chat_template=None))
     with pytest.raises(ModelDirectoryError, match="has no chat template"):
         check_model_directory(untemplated)
+
+
+@pytest.mark.parametrize("architecture", sorted(set(_others(300)) - set(REFUSED)))
+def test_the_engine_samples_what_the_model_computes_for_architectures_no_run_test_names(architecture, tmp_path):
+    """Beyond the three trained end to end: each model directory passes the start check, is imported as
+    version 0, and the torch engine's log-probabilities of its samples are the model's own; the critic
+    built from it freezes its attention and trains the rest."""
+    from sao.models.critic import Critic, decoder_parts
+    from sao.models.policy import import_policy, load_policy
+    from sao.rollout.engine import SamplingParams
+    from sao.rollout.torch_engine import TorchEngine
+
+    tokenizer = train_tokenizer()
+    policy_dir = import_policy(model_directory(tmp_path, architecture, tokenizer), tmp_path / "v0")
+    policy = load_policy(policy_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    engine = TorchEngine(load_policy(policy_dir))
+    try:
+        generations = [engine.submit(prompt, SamplingParams(max_tokens=8, seed=seed)).result(60) for seed in range(3)]
+    finally:
+        engine.close()
+    with torch.no_grad():
+        for generation in generations:
+            assert len(generation.token_ids) > 0, generation.error
+            logits = policy(torch.tensor([list(prompt) + list(generation.token_ids)])).logits[0, len(prompt) - 1:-1]
+            recomputed = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(generation.token_ids)[:, None])[:, 0]
+            assert (recomputed - torch.tensor(generation.logprobs)).abs().max() < 1e-5
+    critic = Critic.from_policy(policy)
+    attention, embeddings, norms = decoder_parts(policy.get_decoder())
+    assert len(attention) == 2  # one block per decoder layer, whatever the architecture calls it
+
+    def under(name, blocks):
+        return any(name.startswith(f"backbone.{block}.") for block in blocks)
+
+    frozen = {name for name, p in critic.named_parameters() if not p.requires_grad}
+    assert {name for name, _ in critic.named_parameters() if under(name, attention)} <= frozen
+    assert all(under(name, attention | embeddings | norms) for name in frozen)
+    assert critic.value_head.weight.requires_grad and len(frozen) < len(list(critic.parameters()))
+
+
+@pytest.mark.parametrize("architecture", sorted(REFUSED))
+def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_starts(architecture, tmp_path):
+    with pytest.raises(ModelDirectoryError, match="the torch rollout engine cannot run it: .*" + REFUSED[architecture]):
+        check_model_directory(model_directory(tmp_path, architecture))
+
+
+def test_a_sliding_attention_window_bounds_a_request():
+    from sao.rollout.engine import SamplingParams
+    from sao.rollout.torch_engine import attention_window, check_request
+
+    assert attention_window(transformers.MistralConfig(sliding_window=64)) == 64
+    assert attention_window(transformers.Qwen2Config(sliding_window=64)) is None  # use_sliding_window: false
+    assert attention_window(transformers.Gemma2Config(sliding_window=64)) == 64  # per-layer types, some slide
+    assert attention_window(transformers.LlamaConfig()) is None
+    assert check_request([1] * 40, SamplingParams(max_tokens=24), 300, 256, window=64) == [1] * 40
+    with pytest.raises(ValueError, match="sliding attention window \\(64\\)"):
+        check_request([1] * 41, SamplingParams(max_tokens=24), 300, 256, window=64)
 
 
 def test_routing_is_recorded_for_known_routers_and_said_not_to_be_for_others(tmp_path):

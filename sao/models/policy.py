@@ -30,6 +30,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from sao.models.chat import ChatTokens
@@ -258,8 +259,12 @@ def load_policy(
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"load_policy: {path} has no config.json (not a Hugging Face model directory)")
+    config = AutoConfig.from_pretrained(str(path))
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if attn_implementation == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        attn_implementation = "eager"  # an architecture without an sdpa path (the engine sets its own anyway)
     options: dict[str, Any] = {"dtype": _DTYPES[dtype], "attn_implementation": attn_implementation}
-    if is_mixture_of_experts(AutoConfig.from_pretrained(str(path))):
+    if is_mixture_of_experts(config):
         options["experts_implementation"] = experts_implementation  # a dense model refuses the option
     model = AutoModelForCausalLM.from_pretrained(str(path), **options)
     model.eval()
@@ -308,12 +313,32 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False) -> PreT
         tokens = ChatTokens.from_tokenizer(tokenizer)
     except ValueError as error:
         raise ModelDirectoryError(f"model.path {path}: {error}") from None
+    _check_architecture(path)
     if need_tools and not tokens.supports_tools:
         raise ModelDirectoryError(
             f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
             "(<tool_call>, <answer>, ...), so actions cannot call the Python tool: set env.max_tool_calls: 0 "
             "(single-turn) and give the tasks in data.train")
     return tokenizer
+
+
+def _check_architecture(path: Path) -> None:
+    """A causal LM that Transformers knows and the torch engine can run (built on the meta device:
+    no weights are read, nothing is computed)."""
+    from sao.rollout.torch_engine import engine_support  # the engine's module imports this one
+
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelDirectoryError(f"model.path {path}: config.json does not load ({error})") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelDirectoryError(f"model.path {path}: {config.model_type} is not a causal language model that "
+                                  f"transformers can load with AutoModelForCausalLM")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    unsupported = engine_support(model)
+    if unsupported:
+        raise ModelDirectoryError(f"model.path {path}: the torch rollout engine cannot run it: {unsupported}")
 
 
 def import_policy(source: str | Path, path: str | Path) -> Path:

@@ -59,7 +59,7 @@ from sao.rollout.cpus import check_cpus, pin_thread
 from sao.rollout.engine import FinishReason, FutureEngine, Generation, SamplingParams, VersionSpan
 from sao.rollout.kernels import decode_attention
 
-__all__ = ["EngineStats", "TorchEngine", "TorchEngineConfig", "check_request"]
+__all__ = ["EngineStats", "TorchEngine", "TorchEngineConfig", "attention_window", "check_request", "engine_support"]
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,10 @@ class TorchEngineConfig:
 
 
 def check_request(prompt_ids: Sequence[int], sampling: SamplingParams, vocab_size: int,
-                  max_positions: int | None) -> list[int]:
-    """The prompt as a list of ints, or ``ValueError`` naming what is wrong with the request."""
+                  max_positions: int | None, window: int | None = None) -> list[int]:
+    """The prompt as a list of ints, or ``ValueError`` naming what is wrong with the request.
+    ``window``: the model's sliding attention window (:func:`attention_window`), which the engine's
+    attention does not apply: a longer sequence is refused rather than attended to differently."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
@@ -132,7 +134,24 @@ def check_request(prompt_ids: Sequence[int], sampling: SamplingParams, vocab_siz
             f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
             f"max_position_embeddings ({max_positions})"
         )
+    if window is not None and len(prompt) + sampling.max_tokens > window:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's sliding "
+            f"attention window ({window}), which the torch engine does not apply"
+        )
     return prompt
+
+
+def attention_window(config: object) -> int | None:
+    """The sliding attention window of a Hugging Face model config, or None when every layer attends
+    to the whole sequence (``layer_types`` says which layers slide; without it, ``sliding_window`` set
+    and not switched off by ``use_sliding_window: false``, as Mistral's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return window if "sliding_attention" in layer_types else None
+    return window if window and getattr(text, "use_sliding_window", True) else None
 
 
 @dataclasses.dataclass
@@ -216,7 +235,11 @@ class TorchEngine(FutureEngine):
         self.config = config or TorchEngineConfig()
         self._on_version = on_version
         self.model = model.eval()
+        unsupported = engine_support(model)
+        if unsupported:
+            raise ValueError(f"the torch engine cannot run this model: {unsupported}")
         model.set_attn_implementation(_SLOT_ATTENTION)
+        self._window = attention_window(model.config)
         self._version = version
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
@@ -286,7 +309,7 @@ class TorchEngine(FutureEngine):
                request_id: str | None = None) -> concurrent.futures.Future[Generation]:
         """Queue a request; the future resolves with its :class:`Generation`."""
         prompt = check_request(prompt_ids, sampling, self.model.config.vocab_size,
-                               getattr(self.model.config, "max_position_embeddings", None))
+                               getattr(self.model.config, "max_position_embeddings", None), self._window)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is closed")
@@ -649,6 +672,24 @@ def chunked_columns(lengths: Sequence[int], chunk: int) -> int:
 _SLOT_ATTENTION = "sao_slot_attention"
 
 
+def engine_support(model: torch.nn.Module) -> str | None:
+    """Why the torch engine cannot run a causal LM, or None when it can (a model built on the meta
+    device answers as well: nothing is computed). The engine replaces the attention function through Transformers' attention interface and keeps its
+    own KV cache with one head size for keys and values; it cannot run a model whose attention does not
+    go through that interface (StableLM, Falcon, Bloom in Transformers 5), whose keys and values differ
+    in size (DeepSeek's multi-head latent attention), or that adds attention sinks (GPT-OSS)."""
+    name = type(model).__name__
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(model, "_supports_attention_backend", False):
+        return (f"{name}'s attention does not go through Transformers' attention interface "
+                f"(transformers {transformers.__version__}), so the engine cannot put its KV cache in")
+    if getattr(text, "kv_lora_rank", None):
+        return f"{name} uses multi-head latent attention (keys and values of different sizes)"
+    if any(parameter.endswith(".sinks") for parameter, _ in model.named_parameters()):
+        return f"{name} adds learned attention sinks, which the engine's attention does not apply"
+    return None
+
+
 def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: _SlotLayout,
                       scaling: float) -> torch.Tensor:
     """Attention of the decode rows, one query token each: ``query`` ``(decode, heads, head_dim)``, ``key`` /
@@ -727,8 +768,9 @@ class _SlotCache(Cache):
         super().__init__(layers=[])
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self._shape = (slots, text.num_key_value_heads, head_dim)
-        self.kv_heads = text.num_key_value_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads  # none: GPT-2, GPT-NeoX
+        self._shape = (slots, kv_heads, head_dim)
+        self.kv_heads = kv_heads
         self._layers = text.num_hidden_layers
         self._limit = getattr(text, "max_position_embeddings", None) or 1 << 20
         self.dtype = dtype
