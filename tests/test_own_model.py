@@ -68,6 +68,8 @@ def _others(vocab: int) -> dict:
         "stablelm": lambda: transformers.StableLmForCausalLM(transformers.StableLmConfig(**gqa)),
         "falcon": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(vocab_size=vocab, hidden_size=32,
                                                                                   num_hidden_layers=2, num_attention_heads=4)),
+        "bloom": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=vocab, hidden_size=32,
+                                                                               n_layer=2, n_head=4)),
         "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             moe_intermediate_size=32, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
@@ -78,6 +80,7 @@ def _others(vocab: int) -> dict:
 
 REFUSED = {"stablelm": "attention does not go through Transformers' attention interface",
            "falcon": "attention does not go through Transformers' attention interface",
+           "bloom": "attention does not go through Transformers' attention interface",
            "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks"}
 
 
