@@ -107,6 +107,10 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
 
         check_model_directory(config.model.path,
                               need_tools=config.data.train is None or config.env.max_tool_calls > 0)
+    if config.sft.data is not None:
+        from sao.data import load_demonstrations
+
+        load_demonstrations(config.sft.data)  # every row checked now, not after the model is loaded
     if config.data.train is None:
         return ()
     paths = import_paths(config)
@@ -238,9 +242,11 @@ def record_what_if(lake: Lake, run_id: str, parent_run_id: str, first: int, last
 
 def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
     """The run's version-0 policy directory, made unless it exists: the model of ``model.path``
-    copied as a policy directory, or the built-in policy's SFT warm start."""
+    copied as a policy directory (after SFT on ``sft.data`` when given), or the built-in policy's SFT
+    warm start."""
+    from sao.data import load_demonstrations
     from sao.models.policy import import_policy, read_policy_metadata
-    from sao.train.sft import SFTConfig, sft_warm_start
+    from sao.train.sft import SFTConfig, sft_own_model, sft_warm_start
 
     path = config.initial_policy_dir
     if (path / "config.json").exists() and read_policy_metadata(path) is not None:
@@ -251,11 +257,19 @@ def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
     for leftover in (partial, path):
         if leftover.exists():
             shutil.rmtree(leftover)
-    if config.model.path is not None:
-        log.info("version 0: the model of %s (no SFT)", config.model.path)
+    sft = SFTConfig(seed=config.sft.seed, max_steps=config.sft.max_steps, learning_rate=config.sft.learning_rate,
+                    batch_size=config.sft.batch_size)
+    if config.model.path is None:
+        sft_warm_start(sft, partial, on_log=on_log)
+    elif config.sft.data is None:
+        log.info("version 0: the model of %s (no SFT: no sft.data)", config.model.path)
         import_policy(config.model.path, partial)
     else:
-        sft_warm_start(SFTConfig(seed=config.sft.seed), partial, on_log=on_log)
+        demonstrations = load_demonstrations(config.sft.data)
+        log.info("version 0: the model of %s after SFT on %d demonstrations of %s", config.model.path,
+                 len(demonstrations), config.sft.data)
+        sft_own_model(config.model.path, demonstrations, partial, sft, system_prompt=config.env.system_prompt,
+                      on_log=on_log)
     partial.rename(path)
     return path
 
@@ -444,8 +458,9 @@ def summarize(config: RunConfig, evaluations: list[Evaluation]) -> tuple[list[Pa
 def what_if(lake: Lake, run_id: str, first: int, last: int, overrides: dict[str, object],
             as_run: str | None = None, checkpoint_root: str | None = None) -> tuple[object, str]:
     """A what-if replay (:func:`sao.train.replay.what_if_steps`) of ``run_id``'s steps ``first``..``last``
-    with ``overrides`` (dotted ``algorithm.*`` keys of the run config), recorded in ``runs`` as run
-    ``as_run`` (default ``<run_id>-whatif-<hash of the request>``). Returns (report, its run id).
+    with ``overrides`` (dotted ``algorithm.*`` keys of the run config), recorded as run ``as_run``
+    (default ``<run_id>-whatif-<hash of the request>``): its steps, versions and checkpoints, and its
+    ``runs`` row naming the parent. Returns (report, its run id).
 
     Raises:
         ConfigError: a key outside ``algorithm.*`` or an invalid run id.
@@ -466,6 +481,6 @@ def what_if(lake: Lake, run_id: str, first: int, last: int, overrides: dict[str,
         raise ConfigError(f"{new_run!r} is not a valid run id")
     fields = {AlgorithmSection.renamed.get(key.removeprefix("algorithm."), key.removeprefix("algorithm.")): value
               for key, value in overrides.items()}
-    report = what_if_steps(lake, run_id, first, last, fields, checkpoint_root=checkpoint_root)
+    report = what_if_steps(lake, run_id, first, last, fields, checkpoint_root=checkpoint_root, record_as=new_run)
     record_what_if(lake, new_run, run_id, first, last, dict(overrides), dict.fromkeys(overrides, "--set"))
     return report, new_run

@@ -4,7 +4,8 @@ A step records the Delta version of ``trajectories`` it read and the ids it cons
 consumed by at most one step of its run (the ledger refuses a second), so the set of consumed ids of a
 run is the union of ``trajectory_ids`` over its rows. Replaying step N reads ``trajectories`` at
 ``trajectories_version`` and selects ``trajectory_ids``; vacuum keeps every such version readable.
-``(run_id, step)`` is unique and steps of a run increase.
+``(run_id, step)`` is unique and steps of a run increase. A what-if replay is a run of its own whose
+steps name the parent's snapshots and ids, with ``data_run_id`` the parent.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from schemas._spec import TIMESTAMP, TableSpec, doc_field, list_of
 __all__ = ["NAME", "SCHEMA", "SCHEMA_VERSION", "SPEC"]
 
 NAME = "train_steps"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = pa.schema(
     [
@@ -61,6 +62,13 @@ SCHEMA = pa.schema(
         doc_field("recorded_at", TIMESTAMP, False, "When the row was committed."),
         doc_field(
             "schema_version", pa.int32(), False, "Version of this schema the row was written with."
+        ),
+        doc_field(
+            "data_run_id",
+            pa.string(),
+            True,
+            "The run whose trajectories the step read: null for its own; a what-if replay's steps "
+            "(`sao replay --set`) read those their parent's step read (added in schema version 2).",
         ),
     ]
 )

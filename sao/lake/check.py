@@ -23,6 +23,11 @@ Stored rows and consumption (``trajectories``, ``train_steps``):
     ``skipped``              never consumed, although a step took a later-arriving row of the run while
                              it was eligible (the reader hands rows out oldest ``ingest_seq`` first, so an
                              eligible older row must have been taken first).
+A what-if replay (``sao replay --set``) is a run whose steps read another run's trajectories
+(``train_steps.data_run_id``): its consumption is checked against that run's stored rows, and
+    ``what_if_data``         a step that did not read what the parent's step of the same number read
+                             (other ids, or another snapshot);
+issued rollouts, skips and the stale backlog are the parent's to account for (``--run <parent>``).
 Checkpoints (``policy_versions``):
     ``checkpoint_missing``   the checkpoint a row names is absent or incomplete (a policy that retention
                              pruned on purpose is a note, not a finding);
@@ -96,6 +101,7 @@ class FindingKind(enum.StrEnum):
     CONSUMED_MISSING = "consumed_missing"
     CONSUMED_STALE = "consumed_stale"
     SKIPPED = "skipped"
+    WHAT_IF_DATA = "what_if_data"
     CHECKPOINT_MISSING = "checkpoint_missing"
     CHECKPOINT_HASH = "checkpoint_hash"
 
@@ -248,8 +254,9 @@ def check_run(
     abandoned = events.filter(is_abandoned)["trajectory_id"].to_pylist()
     bad = _quarantined(lake, run_id, set(issued["trajectory_id"].to_pylist()))
     steps = _read_run(
-        lake, train_steps.NAME, run_id, ["step", "policy_version_before", "trajectory_ids"]
-    )
+        lake, train_steps.NAME, run_id,
+        ["step", "policy_version_before", "trajectory_ids", "trajectories_version", "data_run_id"],
+    )  # fmt: skip
     versions = _read_run(
         lake, policy_versions.NAME, run_id, ["version", "checkpoint_uri", "weights_hash"]
     )
@@ -263,7 +270,16 @@ def check_run(
     findings.append(_deleted_rows(lake))
     findings += _account_issued(issued["trajectory_id"].to_pylist(), set(stored_ids), bad, set(abandoned), notes)
     limit = max_staleness if max_staleness is not None else _stored_max_staleness(versions, notes)
-    findings += _check_consumption(stored, steps, limit)
+    parents = sorted({r for r in steps["data_run_id"].to_pylist() if r is not None and r != run_id})
+    if parents:  # a what-if replay: it consumed its parent's rows
+        notes.append(f"a what-if replay of run {', '.join(parents)}: its steps read that run's trajectories; "
+                     "issued rollouts, skips and the stale backlog are accounted for by checking that run")
+        read = _read_run(lake, trajectories.NAME, parents[0], ["trajectory_id", "termination_reason",
+                                                               "min_policy_version", "ingest_seq"])
+        findings += _check_consumption(read, steps, limit, skips=False)
+        findings.append(_check_what_if_steps(lake, parents, steps))
+    else:
+        findings += _check_consumption(stored, steps, limit)
     verified = 0
     if verify_checkpoints:
         checkpoint_findings, verified = _check_checkpoints(versions, notes)
@@ -273,7 +289,7 @@ def check_run(
     consumed = pc.list_flatten(steps["trajectory_ids"]).to_pylist()
     newest = None if versions.num_rows == 0 else int(pc.max(versions["version"]).as_py())
     backlog = None
-    if limit is not None and newest is not None:
+    if limit is not None and newest is not None and not parents:
         backlog = stale_backlog(lake, run_id, stored, set(consumed), newest, limit)
     return CheckReport(
         run_id=run_id,
@@ -340,7 +356,25 @@ def _account_issued(
     ]  # fmt: skip
 
 
-def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None) -> list[Finding | None]:
+def _check_what_if_steps(lake: Lake, parents: list[str], steps: pa.Table) -> Finding | None:
+    """Each what-if step read the snapshot and ids of its parent's step of the same number."""
+    if len(parents) > 1:
+        return _finding(FindingKind.WHAT_IF_DATA, parents, "the run's steps read more than one other run")
+    recorded = {r["step"]: r for r in _read_run(lake, train_steps.NAME, parents[0],
+                                                ["step", "trajectory_ids", "trajectories_version"]).to_pylist()}
+    differ = []
+    for row in sorted(steps.to_pylist(), key=lambda r: r["step"]):
+        parent = recorded.get(row["step"])
+        if parent is None:
+            differ.append(f"step {row['step']} (the parent has no such step)")
+        elif (parent["trajectory_ids"], parent["trajectories_version"]) != (row["trajectory_ids"],
+                                                                           row["trajectories_version"]):
+            differ.append(f"step {row['step']} (other ids or snapshot than {parents[0]!r}'s)")
+    return _finding(FindingKind.WHAT_IF_DATA, differ, "what-if steps that did not read their parent's data")
+
+
+def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None, *,
+                       skips: bool = True) -> list[Finding | None]:
     rows = {
         r["trajectory_id"]: (r["min_policy_version"], r["ingest_seq"]) for r in stored.to_pylist()
     }
@@ -369,7 +403,7 @@ def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None) -> 
     befores = [before for before, _ in steps_by_version]
     latest_taken = list(itertools.accumulate((seq for _, seq in steps_by_version), max))
     skipped = []
-    for trajectory_id, (oldest, seq) in rows.items():
+    for trajectory_id, (oldest, seq) in rows.items() if skips else ():
         if trajectory_id in taken or oldest is None:
             continue
         index = len(befores) if limit is None else bisect.bisect_right(befores, oldest + limit)

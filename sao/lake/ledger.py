@@ -69,12 +69,13 @@ def newest_policy_versions(lake: Lake) -> dict[str, int]:
 
 
 def register_policy_version(
-    lake: Lake, record: PolicyVersionRecord, config: CommitConfig | None = None
+    lake: Lake, record: PolicyVersionRecord, config: CommitConfig | None = None, *, first_version: int = 0
 ) -> CommitResult:
     """Append ``record`` to ``policy_versions``.
 
-    Versions of a run are registered in order: the first is 0 (parent None), each next one is the
-    newest + 1. Registering an identical row again is a no-op (``result.version`` is None).
+    Versions of a run are registered in order: the first is ``first_version`` (0, or where a what-if
+    replay of another run's steps starts; parent None), each next one is the newest + 1. Registering
+    an identical row again is a no-op (``result.version`` is None).
 
     Raises:
         LedgerError: out-of-order version, wrong parent, or a different row for an existing version.
@@ -96,7 +97,7 @@ def register_policy_version(
                 f"checkpoint {stored['checkpoint_uri']!r}, hash {stored['weights_hash']!r}"
             )
         newest = max(rows) if rows else None
-        expected = 0 if newest is None else newest + 1
+        expected = first_version if newest is None else newest + 1
         if record.version != expected:
             raise LedgerError(
                 f"run {record.run_id!r}: policy version {record.version} registered out of order; "
@@ -134,7 +135,7 @@ def record_train_step(
 
     Raises:
         ConsumptionError: an id is listed twice, was consumed by an earlier step of the run, or is not
-            in ``trajectories`` (run ``record.run_id``) at ``record.trajectories_version``.
+            in ``trajectories`` (run ``record.data_run``) at ``record.trajectories_version``.
         LedgerError: the step is not after the last recorded step, the trajectories version does not
             exist yet, or a different row exists for the same step.
     """
@@ -207,7 +208,7 @@ def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord) -> None:
         return
     snapshot = lake.table("trajectories", version=record.trajectories_version)
     stored = lake.read_from(
-        snapshot, "trajectories", columns=["trajectory_id"], predicate=_run_predicate(record.run_id)
+        snapshot, "trajectories", columns=["trajectory_id"], predicate=_run_predicate(record.data_run)
     )
     present = pc.is_in(
         pa.array(record.trajectory_ids, pa.string()),
@@ -218,7 +219,7 @@ def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord) -> None:
         examples = [record.trajectory_ids[i] for i in missing[:3].tolist()]
         raise ConsumptionError(
             f"run {record.run_id!r} step {record.step}: {missing.size} trajectory ids are not in "
-            f"trajectories version {record.trajectories_version}, e.g. {examples}"
+            f"trajectories version {record.trajectories_version} (run {record.data_run!r}), e.g. {examples}"
         )
 
 

@@ -341,6 +341,7 @@ class TrainStepRecord:
         trajectories_version: Delta version of ``trajectories`` the step read (``MicroBatch.
             snapshot_version``); trajectory_ids: what it consumed, in read order.
         metrics, seeds, timings: flat name -> value maps (``actor/kept_frac``, ``torch``, ``read_s``).
+        data_run_id: the run whose trajectories the step read, when not its own (a what-if replay).
     """
 
     run_id: str
@@ -354,9 +355,15 @@ class TrainStepRecord:
     metrics: Mapping[str, float] = field(default_factory=dict)
     seeds: Mapping[str, int] = field(default_factory=dict)
     timings: Mapping[str, float] = field(default_factory=dict)
+    data_run_id: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trajectory_ids", tuple(self.trajectory_ids))
+
+    @property
+    def data_run(self) -> str:
+        """The run whose trajectories the step read."""
+        return self.data_run_id or self.run_id
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -372,6 +379,7 @@ class TrainStepRecord:
             "timings": [(k, float(v)) for k, v in sorted(self.timings.items())],
             "started_at": self.started_at,
             "finished_at": self.finished_at,
+            "data_run_id": self.data_run_id,
         }
 
 

@@ -54,17 +54,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from sao.lake.ledger import record_train_step, register_policy_version
 from sao.lake.reader import read_trajectories
+from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
 from sao.train.checkpoint import (
     CheckpointPrunedError,
     has_full_state,
     load_checkpoint,
+    save_checkpoint,
     weights_hash,
 )
 from sao.train.config import UpdateConfig
 from sao.train.loop import TRAIN_COLUMNS, TrainConfig, compute_update
-from sao.train.run_config import RunConfigError, read_run_config
+from sao.train.run_config import RunConfigError, read_run_config, write_run_config
 from sao.train.step import Learner
 from schemas import policy_versions, train_steps, trajectories
 
@@ -114,6 +117,7 @@ class RecordedStep:
     trajectory_ids: tuple[str, ...]
     metrics: dict[str, float]
     seeds: dict[str, int]
+    data_run_id: str  # the run whose trajectories it read (its own, or a what-if's parent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +259,7 @@ def recorded_steps(lake: Lake, run_id: str) -> dict[int, RecordedStep]:
             trajectory_ids=tuple(row["trajectory_ids"]),
             metrics=dict(row["metrics"]),
             seeds=dict(row["seeds"]),
+            data_run_id=row.get("data_run_id") or run_id,
         )
         for row in rows
     }
@@ -289,17 +294,18 @@ def _chain(steps: dict[int, RecordedStep], run_id: str, first: int, last: int, r
 # ----- the rows of a step --------------------------------------------------------------------------
 
 
-def _lake_rows(lake: Lake, run_id: str, step: RecordedStep) -> list[dict]:
-    return read_trajectories(lake, version=step.trajectories_version, run_id=run_id,
+def _lake_rows(lake: Lake, step: RecordedStep) -> list[dict]:
+    return read_trajectories(lake, version=step.trajectories_version, run_id=step.data_run_id,
                              trajectory_ids=list(step.trajectory_ids), columns=list(TRAIN_COLUMNS)).to_pylist()
 
 
 class _RayDataRows:
     """The rows of a range of steps from one ``ray.data.read_delta`` of the newest recorded snapshot."""
 
-    def __init__(self, lake: Lake, run_id: str, steps: Sequence[RecordedStep]) -> None:
+    def __init__(self, lake: Lake, steps: Sequence[RecordedStep]) -> None:
         import ray
 
+        runs = pa.array(sorted({s.data_run_id for s in steps}), pa.string())
         wanted = pa.array(sorted({i for s in steps for i in s.trajectory_ids}), pa.string())
         version = max(s.trajectories_version for s in steps)
         dataset = ray.data.read_delta(
@@ -307,7 +313,7 @@ class _RayDataRows:
             storage_options=dict(lake.storage_options) or None, columns=["run_id", *TRAIN_COLUMNS])
 
         def keep(batch: pa.Table) -> pa.Table:
-            chosen = pc.and_(pc.equal(batch["run_id"], run_id), pc.is_in(batch["trajectory_id"], value_set=wanted))
+            chosen = pc.and_(pc.is_in(batch["run_id"], value_set=runs), pc.is_in(batch["trajectory_id"], value_set=wanted))
             return batch.filter(chosen).select(list(TRAIN_COLUMNS))
 
         self.rows: dict[str, dict] = {}
@@ -315,15 +321,16 @@ class _RayDataRows:
                                                                                      batch_size=None):
             for row in batch.to_pylist():
                 self.rows[row["trajectory_id"]] = row
-        self.lake, self.run_id = lake, run_id
-        self._present: dict[int, pa.Array] = {}
+        self.lake = lake
+        self._present: dict[tuple[int, str], pa.Array] = {}
 
     def __call__(self, step: RecordedStep) -> list[dict]:
-        present = self._present.get(step.trajectories_version)
+        key = (step.trajectories_version, step.data_run_id)
+        present = self._present.get(key)
         if present is None:  # index scan of the step's own snapshot: the ids must be in it
             present = self.lake.read(trajectories.NAME, version=step.trajectories_version, columns=["trajectory_id"],
-                                     predicate=_run_predicate(self.run_id))["trajectory_id"].combine_chunks()
-            self._present[step.trajectories_version] = present
+                                     predicate=_run_predicate(step.data_run_id))["trajectory_id"].combine_chunks()
+            self._present[key] = present
         ids = pa.array(step.trajectory_ids, pa.string())
         absent = [i for i, hit in zip(step.trajectory_ids, pc.is_in(ids, value_set=present).to_pylist(), strict=True)
                   if not hit or i not in self.rows]
@@ -409,8 +416,8 @@ def replay_steps(lake: Lake, run_id: str, first: int, last: int | None = None, *
     if checkpoint.trainer_state is not None:
         learner.load_state_dict(checkpoint.trainer_state)
     start_hash = weights_hash(checkpoint.policy)
-    fetch = (_RayDataRows(lake, run_id, chain) if chosen is RowSource.RAY_DATA
-             else lambda step: _lake_rows(lake, run_id, step))
+    fetch = (_RayDataRows(lake, chain) if chosen is RowSource.RAY_DATA
+             else lambda step: _lake_rows(lake, step))
     load_s = time.perf_counter() - started
     replayed: list[StepReplay] = []
     with torch_settings(cfg.torch_threads, cfg.deterministic):
@@ -519,17 +526,30 @@ def _apply_settings(learner: Learner, update: UpdateConfig) -> None:
 
 
 def what_if_steps(lake: Lake, run_id: str, first: int, last: int, overrides: Mapping[str, object], *,
-                  checkpoint_root: str | Path | None = None) -> WhatIfReport:
+                  checkpoint_root: str | Path | None = None, record_as: str | None = None,
+                  record_root: str | Path | None = None) -> WhatIfReport:
     """Re-run steps ``first`` .. ``last`` of ``run_id`` on the very snapshots and trajectory ids they
     used, with the update settings changed by ``overrides`` (``UpdateConfig`` field -> value), and
-    report the recorded and re-run metrics and weights side by side. Nothing is written.
+    report the recorded and re-run metrics and weights side by side.
+
+    Nothing is written unless ``record_as`` names a new run: then the re-run is recorded as that run, as
+    a trainer would record it (:class:`_WhatIfRun`): its own checkpoints under ``record_root`` (default:
+    beside the parent's run folder), ``run_config.json``, ``policy_versions`` rows and ``train_steps``
+    rows that name the parent's snapshots and ids with ``data_run_id`` the parent; ``sao lake check``
+    reconciles it and ``sao replay`` replays it.
 
     Raises:
         ReplayError: as :func:`replay_steps`, and for an override that is no ``UpdateConfig`` field,
-            is out of range, changes whether the algorithm has a critic, or is in :data:`FIXED_IN_WHAT_IF`.
+            is out of range, changes whether the algorithm has a critic, or is in :data:`FIXED_IN_WHAT_IF`;
+            ``record_as`` an invalid run id or one that has steps already.
     """
     if first < 0 or last < first:
         raise ReplayError(f"need 0 <= first <= last, got steps {first}..{last}")
+    if record_as is not None:
+        if not is_valid_run_id(record_as) or record_as == run_id:
+            raise ReplayError(f"{record_as!r} cannot be the what-if run's id (a valid run id other than {run_id!r})")
+        if recorded_steps(lake, record_as):
+            raise ReplayError(f"run {record_as!r} has recorded steps already: name the what-if run otherwise (--as)")
     started = time.perf_counter()
     root, cfg, versions = run_checkpoints(lake, run_id, checkpoint_root)
     fields = {f.name for f in dataclasses.fields(UpdateConfig)}
@@ -561,13 +581,19 @@ def what_if_steps(lake: Lake, run_id: str, first: int, last: int, overrides: Map
     results: list[WhatIfStep] = []
     with torch_settings(cfg.torch_threads, cfg.deterministic):
         for step in lead_in:  # the recorded settings, to reach the first requested step's start
-            _replay_one(learner, step, lambda s: _lake_rows(lake, run_id, s), versions, 0.0, cfg.seed, lead_in=True)
+            _replay_one(learner, step, lambda s: _lake_rows(lake, s), versions, 0.0, cfg.seed, lead_in=True)
         _apply_settings(learner, update)
+        recorder = None if record_as is None else _WhatIfRun(
+            lake, record_as, record_root or _what_if_root(root, run_id, record_as),
+            dataclasses.replace(cfg, run_id=record_as, update=update), learner, requested[0].policy_version_before)
         for step in requested:
-            rows = _lake_rows(lake, run_id, step)
+            started_at = utc_now()
+            rows = _lake_rows(lake, step)
             torch.manual_seed(step.seeds.get("torch", cfg.seed + step.policy_version_before))
             metrics = compute_update(learner, rows, step.policy_version_before)
             metrics["batch/world_size"] = 1.0
+            if recorder is not None:
+                recorder.record(step, metrics, started_at)
             before = _recorded_policy(root, step.policy_version_before)
             after = _recorded_policy(root, step.policy_version_after)
             results.append(WhatIfStep(
@@ -577,6 +603,43 @@ def what_if_steps(lake: Lake, run_id: str, first: int, last: int, overrides: Map
                 weight_distance=_distance(learner.policy, after), recorded_update_norm=_distance(after, before)))
     return WhatIfReport(run_id=run_id, first=first, last=last, overrides=dict(overrides), start_version=start_version,
                         steps=tuple(results), load_s=load_s)
+
+
+def _what_if_root(root: Path, run_id: str, new_run: str) -> Path:
+    """Where a what-if run's checkpoints go: ``<workdir>/<new run>/checkpoints`` beside the parent's
+    ``<workdir>/<run>/checkpoints``, else a folder beside the parent's checkpoint root."""
+    return root.parent.parent / new_run / root.name if root.parent.name == run_id else root.parent / new_run
+
+
+class _WhatIfRun:
+    """Records a what-if re-run as run ``run_id`` (see :func:`what_if_steps`): created with the learner
+    at the first re-run step's start (saved as that version, with the changed settings), then one
+    checkpoint, ``train_steps`` row and ``policy_versions`` row per re-run step."""
+
+    def __init__(self, lake: Lake, run_id: str, root: Path, cfg: TrainConfig, learner: Learner, version: int) -> None:
+        from sao.models.tokenizer import load_tokenizer
+
+        self.lake, self.run_id, self.root, self.learner = lake, run_id, root, learner
+        self.cfg = dataclasses.replace(cfg, checkpoint_root=str(root))
+        self.tokenizer = load_tokenizer(cfg.policy_path)
+        self.first_version = version
+        write_run_config(self.cfg)
+        self._register(version, parent=None, step=None)
+
+    def _register(self, version: int, parent: int | None, step: int | None) -> None:
+        path, digest = save_checkpoint(self.root, version, self.learner.policy, self.tokenizer, self.learner.critic,
+                                       self.learner.state_dict())
+        register_policy_version(self.lake, PolicyVersionRecord(
+            run_id=self.run_id, version=version, parent_version=parent, checkpoint_uri=str(path.resolve()),
+            weights_hash=digest, step=step), first_version=self.first_version)
+
+    def record(self, step: RecordedStep, metrics: Mapping[str, float], started_at) -> None:
+        record_train_step(self.lake, TrainStepRecord(
+            run_id=self.run_id, step=step.step, policy_version_before=step.policy_version_before,
+            policy_version_after=step.policy_version_after, trajectories_version=step.trajectories_version,
+            trajectory_ids=step.trajectory_ids, started_at=started_at, finished_at=utc_now(), metrics=metrics,
+            seeds=step.seeds, timings={}, data_run_id=step.data_run_id))
+        self._register(step.policy_version_after, parent=step.policy_version_before, step=step.step)
 
 
 def _recorded_policy(root: Path, version: int) -> torch.nn.Module:

@@ -201,3 +201,44 @@ def test_sao_replay_set_prints_both_sides_and_records_the_what_if_run(trained3):
     assert json.loads(row["changed"]) == {"algorithm.eps_high": [None, 0.01]}  # the parent has no runs row
     refused = cli(cfg, "--run", cfg.run_id, "--steps", "0:0", "--set", "train.steps=9")
     assert refused.exit_code == 2 and "update settings only (algorithm.*)" in refused.stderr
+    again = cli(cfg, "--run", cfg.run_id, "--steps", "1:2", "--set", "algorithm.eps_high=0.02", "--as", "wi")
+    assert again.exit_code == 2 and "run 'wi' has recorded steps already" in again.stderr
+
+
+def test_a_what_if_run_is_recorded_like_a_trained_one_reconciled_and_replayed(trained3):
+    """The what-if run has its own steps (the parent's snapshots and ids, data_run_id the parent),
+    versions and checkpoints: `sao lake check` reconciles it, `sao replay` replays it bit for bit, and a
+    step that read other data than its parent's is a finding."""
+    from sao import runs
+    from sao.lake.check import FindingKind, check_run
+    from sao.lake.ledger import record_train_step
+    from sao.lake.records import TrainStepRecord, utc_now
+
+    cfg, lake = trained3
+    report, new_run = runs.what_if(lake, cfg.run_id, 1, 2, {"algorithm.eps_high": 0.01}, as_run="wi")
+    steps = lake.read("train_steps", predicate="run_id = 'wi'").to_pylist()
+    parent = {r["step"]: r for r in lake.read("train_steps", predicate=f"run_id = '{cfg.run_id}'").to_pylist()}
+    assert [r["step"] for r in sorted(steps, key=lambda r: r["step"])] == [1, 2]
+    for row in steps:
+        assert row["data_run_id"] == cfg.run_id and row["trajectory_ids"] == parent[row["step"]]["trajectory_ids"]
+        assert row["trajectories_version"] == parent[row["step"]]["trajectories_version"]
+        assert dict(row["metrics"])["actor/kept_frac"] == report.steps[row["step"] - 1].rerun["actor/kept_frac"]
+    versions = {r["version"]: r for r in lake.read("policy_versions", predicate="run_id = 'wi'").to_pylist()}
+    theirs = {r["version"]: r for r in lake.read("policy_versions", predicate=f"run_id = '{cfg.run_id}'").to_pylist()}
+    assert sorted(versions) == [1, 2, 3] and "/wi/" in versions[3]["checkpoint_uri"]
+    assert versions[1]["weights_hash"] == theirs[1]["weights_hash"]  # it starts where the parent's step 1 did
+    assert versions[3]["weights_hash"] != theirs[3]["weights_hash"]  # and went elsewhere
+
+    checked = check_run(lake, "wi")
+    assert checked.ok, checked
+    assert checked.consumed == 8 and checked.checkpoints_verified == 3 and checked.backlog is None
+    assert any("what-if replay of run" in note for note in checked.notes)
+    replayed = replay_steps(lake, "wi", 1, 2)
+    assert replayed.ok and [s.step for s in replayed.steps] == [1, 2], replayed
+
+    record_train_step(lake, TrainStepRecord(  # a "what-if" step 1 that read the parent's step 0 data
+        run_id="forged", step=1, policy_version_before=1, policy_version_after=2,
+        trajectories_version=parent[0]["trajectories_version"], trajectory_ids=parent[0]["trajectory_ids"],
+        started_at=utc_now(), finished_at=utc_now(), data_run_id=cfg.run_id))
+    forged = check_run(lake, "forged", verify_checkpoints=False)
+    assert [f.kind for f in forged.findings] == [FindingKind.WHAT_IF_DATA]
