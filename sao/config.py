@@ -1,7 +1,7 @@
 """The run config: one typed model (:class:`RunConfig`) of everything a training run takes, shared
 by ``sao train``, the Prefect flows (their UI form is generated from it) and the lake (``runs`` table).
 
-Sections: ``model`` (the user's model directory), ``sft`` (the built-in policy's warm start), ``data``
+Sections: ``model`` (the user's model directory), ``sft`` (the warm start: the built-in policy's, or SFT of one's own model on ``sft.data``), ``data``
 (the user's task files), ``reward``
 (reward functions), ``env`` (episode rules on those tasks), ``rollout`` (replicas, budgets, sampling),
 ``algorithm`` (every :class:`~sao.train.config.UpdateConfig` field), ``train`` (steps, batch, staleness,
@@ -169,10 +169,21 @@ class ModelSection(Section):
 
 
 class SFTSection(Section):
-    """The SFT warm start of the built-in policy (its version 0; not run for model.path)."""
+    """The SFT warm start, the run's version 0: of the built-in policy on its math_tool demonstrations,
+    or of the model of model.path on sft.data (without sft.data, that model is trained as it is)."""
 
     seed: int = default_of(SFTConfig, "seed")
     """Seed of the warm start (policy initialisation and batch order)."""
+    data: str | None = None
+    """Demonstrations for the model of model.path: rows with prompt (a string or chat messages) and
+    completion (the assistant's reply, a string), in the formats of data.train (sao/data.py)."""
+    max_steps: int = Field(default_of(SFTConfig, "max_steps"), ge=1)
+    """Optimiser steps at most (training stops earlier once the held-out success reaches its target)."""
+    learning_rate: float = Field(default_of(SFTConfig, "learning_rate"), gt=0)
+    """Peak AdamW learning rate (the default suits the built-in policy trained from scratch; a
+    pretrained model of one's own wants far less, e.g. 1e-5)."""
+    batch_size: int = Field(default_of(SFTConfig, "batch_size"), ge=1)
+    """Demonstrations per optimiser step."""
 
 
 class DataSection(Section):
@@ -327,6 +338,9 @@ class RunConfig(Section):
                              f"{self.rollout.group_size}: a batch would split a group")
         if self.train.synchronous and self.train.max_staleness != 0:
             raise ValueError(f"train.synchronous needs train.max_staleness 0, got {self.train.max_staleness}")
+        if self.sft.data is not None and self.model.path is None:
+            raise ValueError("sft.data is for a model of one's own (model.path); the built-in policy is warm-started "
+                             "on its own demonstrations")
         if self.value_pretraining.samples == 1:
             raise ValueError("value_pretraining.samples must be 0 (no value pretraining) or >= 2, got 1")
         return self
@@ -387,6 +401,9 @@ class RunConfig(Section):
 BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "seed": ((TrainConfig, "seed"), (PipelineConfig, "seed"), (EvalConfig, "seed")),
     "sft.seed": ((SFTConfig, "seed"),),
+    "sft.max_steps": ((SFTConfig, "max_steps"),),
+    "sft.learning_rate": ((SFTConfig, "learning_rate"),),
+    "sft.batch_size": ((SFTConfig, "batch_size"),),
     "reward.functions": ((DatasetEnvConfig, "rewards"),),
     "reward.weights": ((DatasetEnvConfig, "weights"),),
     "env.max_tool_calls": ((DatasetEnvConfig, "max_tool_calls"),),
@@ -419,7 +436,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
 }
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 
-RUN_OWN = ("run_id", "workdir", "model.path", "data.train", "data.eval", "data.eval_fraction")
+RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction")
 """Settings of the run itself, which no component config has."""
 
 

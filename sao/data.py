@@ -25,7 +25,7 @@ from typing import Any
 from sao.envs.base import Split, Task
 from sao.envs.dataset import ENV_NAME
 
-__all__ = ["COLUMNS", "DataError", "load_tasks", "read_rows", "split_heldout"]
+__all__ = ["COLUMNS", "DataError", "load_demonstrations", "load_tasks", "read_rows", "split_heldout"]
 
 COLUMNS = ("prompt", "answer", "info", "task_id")
 _ROLES = ("system", "user", "assistant", "tool")
@@ -175,6 +175,33 @@ def load_tasks(path: str | Path, split: Split | str = Split.TRAIN) -> list[Task]
     if not tasks:
         raise DataError(f"{path}: no tasks (an empty file)")
     return tasks
+
+
+def load_demonstrations(path: str | Path) -> list[tuple[Task, str]]:
+    """(task, completion) per row of a demonstration file (``sft.data``): the task columns (see the
+    module docstring; a prompt may repeat) and ``completion``, the assistant's reply, a non-empty string.
+
+    Raises:
+        DataError: listing every bad row (file, row number, field), or an empty file.
+    """
+    path = Path(path)
+    found: list[tuple[Task, str]] = []
+    problems: list[str] = []
+    for number, row in read_rows(path):
+        task, bad = _task(row, Split.TRAIN)
+        completion = row.get("completion") if isinstance(row, dict) else None
+        if isinstance(row, dict) and (not isinstance(completion, str) or not completion.strip()):
+            bad = [*bad, f"field 'completion': must be a non-empty string (the assistant's reply), got {completion!r}"]
+        problems += [f"{path}: row {number}: {problem}" for problem in bad]
+        if task is not None and not bad:
+            found.append((task, completion))
+    if problems:
+        shown = problems[:_MAX_REPORTED]
+        more = f"\n... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
+        raise DataError(f"{len(problems)} problem(s) in the demonstrations:\n" + "\n".join(shown) + more)
+    if not found:
+        raise DataError(f"{path}: no demonstrations (an empty file)")
+    return found
 
 
 def split_heldout(tasks: Sequence[Task], fraction: float, seed: int) -> list[Task]:

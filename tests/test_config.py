@@ -110,6 +110,8 @@ def test_set_values_are_read_as_yaml():
     (["train.steps=1", "train.steps.x=1"], "train.steps: is a setting, not a section"),
     (["rollout.group_size=3"], "train.batch_size 16 is not a multiple of rollout.group_size 3"),
     (["train.synchronous=true"], "train.synchronous needs train.max_staleness 0, got 4"),
+    (["sft.data=demos.jsonl"], "sft.data is for a model of one's own (model.path)"),
+    (["sft.learning_rate=0"], "sft.learning_rate: Input should be greater than 0"),
 ])
 def test_a_bad_value_is_refused_with_its_dotted_key(sets, expected):
     with pytest.raises(ConfigError) as error:

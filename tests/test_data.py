@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sao.data import DataError, load_tasks, split_heldout
+from sao.data import DataError, load_demonstrations, load_tasks, split_heldout
 from sao.envs.base import Split, Task
 
 ROWS = [
@@ -113,3 +113,19 @@ def test_the_held_out_fraction_is_seeded_and_never_everything(tmp_path):
     assert sum(t.split is Split.HELDOUT for t in split_heldout(tasks[:2], 0.9, seed=0)) == 1
     with pytest.raises(DataError, match="too few"):
         split_heldout(tasks[:1], 0.5, seed=0)
+
+
+def test_demonstrations_pair_a_task_with_its_completion_and_every_bad_row_is_named(tmp_path):
+    good = write_jsonl(tmp_path / "demos.jsonl", [{"prompt": "2 + 2?", "completion": "4"},
+                                                  {"prompt": "2 + 2?", "completion": "four"}])  # a prompt may repeat
+    (first, four), (second, word) = load_demonstrations(good)
+    assert first.task_id == second.task_id and first.prompt == "2 + 2?" and (four, word) == ("4", "four")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1?", "completion": "1"}, {"prompt": "2?"},
+                                               {"prompt": "", "completion": 3}, "not json"])
+    with pytest.raises(DataError) as error:
+        load_demonstrations(bad)
+    message = str(error.value)
+    assert message.startswith("4 problem(s) in the demonstrations")
+    assert f"{bad}: row 2: field 'completion': must be a non-empty string (the assistant's reply), got None" in message
+    assert f"{bad}: row 3: field 'prompt'" in message and f"{bad}: row 3: field 'completion'" in message
+    assert f"{bad}: row 4: not JSON" in message

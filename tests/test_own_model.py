@@ -143,6 +143,30 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
         check_model_directory(untemplated)
 
 
+def test_sft_data_warm_starts_a_model_of_ones_own_on_its_demonstrations(tmp_path):
+    """sft.data: the user's model learns the demonstrations, laid out as its rollouts are (its chat
+    template's generation prompt, then the completion and its end-of-turn token), before version 0."""
+    from sao import runs
+    from sao.models.policy import read_policy_metadata
+
+    demos = [{"prompt": t["prompt"], "completion": t["answer"]} for t in TASKS]
+    (tmp_path / "demos.jsonl").write_text("".join(json.dumps(d) + "\n" for d in demos))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    config, _ = resolve(None, [f"workdir={tmp_path / 'runs'}", f"model.path={model_directory(tmp_path, 'llama')}",
+                               f"data.train={tmp_path / 'data.jsonl'}", "env.max_tool_calls=0",
+                               f"sft.data={tmp_path / 'demos.jsonl'}", "sft.max_steps=60", "sft.learning_rate=0.01",
+                               "sft.batch_size=8"])
+    runs.prepare_inputs(config)
+    logged = []
+    path = runs.warm_start(config, on_log=logged.append)
+    metrics = read_policy_metadata(path).extra["sft_metrics"]
+    assert metrics["demonstrations"] == 36 and metrics["held_out"] == 4 and metrics["steps"] <= 60
+    assert logged[-1].success > 10 * logged[0].success and logged[-1].loss < logged[0].loss / 2
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1 + 1?"}\n')
+    with pytest.raises(Exception, match="bad.jsonl: row 1: field 'completion'"):
+        runs.prepare_inputs(config.with_values({"sft.data": str(tmp_path / "bad.jsonl")}))
+
+
 @pytest.mark.parametrize("architecture", sorted(set(_others(300)) - set(REFUSED)))
 def test_the_engine_samples_what_the_model_computes_for_architectures_no_run_test_names(architecture, tmp_path):
     """Beyond the three trained end to end: each model directory passes the start check, is imported as

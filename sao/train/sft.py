@@ -300,37 +300,7 @@ def sft_warm_start(
     cut = len(per_task) - config.validation_tasks
     train = [conversation_example(tokenizer, messages) for group in per_task[:cut] for messages in group]
     validation = [conversation_example(tokenizer, messages) for group in per_task[cut:] for messages in group]
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
-    generator = torch.Generator().manual_seed(config.seed)
-    log: list[LogPoint] = []
-    window: list[float] = []
-    action_tokens = tokens = steps = 0
-    reached = False
-    train_start = time.monotonic()
-    while steps < config.max_steps and not reached:
-        for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(config, steps)
-        rows = torch.randint(len(train), (config.batch_size,), generator=generator).tolist()
-        input_ids, attention_mask, action_mask = collate([train[r] for r in rows], chat.pad_id)
-        loss, count = sft_loss(model, input_ids, attention_mask, action_mask)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        steps += 1
-        action_tokens += count
-        tokens += int(attention_mask.sum())
-        window.append(float(loss.detach()))
-        if steps % config.eval_every == 0 or steps == config.max_steps:
-            point = LogPoint(steps, sum(window) / len(window), success_probability(model, validation, chat.pad_id))
-            log.append(point)
-            window = []
-            reached = config.target_success is not None and point.success >= config.target_success
-            if on_log is not None:
-                on_log(point)
-    train_s = time.monotonic() - train_start
+    steps, reached, log, action_tokens, tokens, train_s = _fit(model, train, validation, chat.pad_id, config, on_log)
     model.eval()
     metrics = {"steps": steps, "reached_target": reached, "validation_success": log[-1].success,
                "action_tokens": action_tokens, "tokens": tokens, "train_s": train_s}  # fmt: skip
@@ -347,6 +317,93 @@ def sft_warm_start(
         train_s=train_s,
         log=tuple(log),
     )
+
+
+def _fit(model: PreTrainedModel, train: Sequence[Example], validation: Sequence[Example], pad_id: int,
+         config: SFTConfig, on_log: Callable[[LogPoint], None] | None
+         ) -> tuple[int, bool, list[LogPoint], int, int, float]:
+    """The SFT optimisation: (steps, reached the target, validation log, action tokens, tokens, seconds)."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+    generator = torch.Generator().manual_seed(config.seed)
+    log: list[LogPoint] = []
+    window: list[float] = []
+    action_tokens = tokens = steps = 0
+    reached = False
+    train_start = time.monotonic()
+    while steps < config.max_steps and not reached:
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(config, steps)
+        rows = torch.randint(len(train), (config.batch_size,), generator=generator).tolist()
+        input_ids, attention_mask, action_mask = collate([train[r] for r in rows], pad_id)
+        loss, count = sft_loss(model, input_ids, attention_mask, action_mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        steps += 1
+        action_tokens += count
+        tokens += int(attention_mask.sum())
+        window.append(float(loss.detach()))
+        if steps % config.eval_every == 0 or steps == config.max_steps:
+            point = LogPoint(steps, sum(window) / len(window), success_probability(model, validation, pad_id))
+            log.append(point)
+            window = []
+            reached = config.target_success is not None and point.success >= config.target_success
+            if on_log is not None:
+                on_log(point)
+    train_s = time.monotonic() - train_start
+    return steps, reached, log, action_tokens, tokens, train_s
+
+
+def own_example(tokenizer: PreTrainedTokenizerBase, chat: ChatTokens, task: Task, completion: str,
+                system_prompt: str = "") -> Example:
+    """A demonstration for a model of one's own, laid out as its rollouts are: the task's prompt
+    through the model's chat template with the generation prompt, then the completion's tokens and the
+    turn's end token as the action (what the engine samples, and where it stops)."""
+    from sao.envs.dataset import task_messages
+
+    ids = prompt_ids(tokenizer, task_messages(task, system_prompt))
+    action = tokenizer.encode(completion, add_special_tokens=False) + [chat.stop_token_ids[0]]
+    return Example(ids + action, [0] * len(ids) + [1] * len(action))
+
+
+def sft_own_model(model_dir: str | Path, demonstrations: Sequence[tuple[Task, str]], out_dir: str | Path,
+                  config: SFTConfig | None = None, *, system_prompt: str = "",
+                  on_log: Callable[[LogPoint], None] | None = None) -> SFTResult:
+    """SFT of the model at ``model_dir`` on ``demonstrations`` ((task, completion) pairs,
+    :func:`sao.data.load_demonstrations`), saved as policy version 0 to ``out_dir``. A seeded tenth of
+    the demonstrations (at most ``config.validation_tasks``, at least one) is held out for the success
+    measure; ``config``'s policy, tokenizer and task settings do not apply."""
+    from sao.models.policy import check_model_directory, load_policy
+
+    config = config or SFTConfig()
+    if len(demonstrations) < 2:
+        raise ValueError(f"SFT needs at least 2 demonstrations (one is held out), got {len(demonstrations)}")
+    start = time.monotonic()
+    torch.set_num_threads(config.num_threads)
+    tokenizer = check_model_directory(model_dir)
+    chat = ChatTokens.from_tokenizer(tokenizer)
+    torch.manual_seed(config.seed)
+    model = load_policy(model_dir)
+    model.train()
+    examples = [own_example(tokenizer, chat, task, completion, system_prompt) for task, completion in demonstrations]
+    order = list(range(len(examples)))
+    random.Random(config.seed).shuffle(order)
+    held = max(1, min(config.validation_tasks, len(examples) // 10))
+    validation = [examples[i] for i in order[:held]]
+    train = [examples[i] for i in order[held:]]
+    steps, reached, log, action_tokens, tokens, train_s = _fit(model, train, validation, chat.pad_id, config, on_log)
+    model.eval()
+    metrics = {"steps": steps, "reached_target": reached, "validation_success": log[-1].success,
+               "action_tokens": action_tokens, "tokens": tokens, "train_s": train_s,
+               "demonstrations": len(train), "held_out": held}  # fmt: skip
+    extra = {"source": str(Path(model_dir).resolve()), "sft_config": dataclasses.asdict(config), "sft_metrics": metrics}
+    path = save_policy(model, out_dir, tokenizer, policy_version=0, extra=_jsonable(extra))
+    return SFTResult(path=path, steps=steps, reached_target=reached, success=log[-1].success,
+                     action_tokens=action_tokens, tokens=tokens, wall_s=time.monotonic() - start, train_s=train_s,
+                     log=tuple(log))
 
 
 def _jsonable(value: object) -> object:
