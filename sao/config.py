@@ -164,8 +164,8 @@ class ModelSection(Section):
 
     path: str | None = None
     """A Hugging Face model directory (config.json, safetensors weights, a fast tokenizer with a chat
-    template), dense or mixture-of-experts; it is version 0 as it is (no SFT). None: the built-in tiny
-    Qwen3-MoE policy, warm-started by SFT on math_tool demonstrations."""
+    template), dense or mixture-of-experts; it is version 0 as it is, or after SFT on sft.data. None:
+    the built-in tiny Qwen3-MoE policy, warm-started by SFT on math_tool demonstrations."""
 
 
 class SFTSection(Section):

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Screenshots of the Prefect UI with a finished tiny training run and its artifacts, for README.md.
 
-    .venv/bin/python scripts/screenshot_ui.py            # writes docs/images/prefect-ui-*.png
+    .venv/bin/python scripts/screenshot_ui.py              # writes docs/images/prefect-ui-*.png
+    .venv/bin/python scripts/screenshot_ui.py --form-only  # only the train flow's Custom run form
 
 Needs Debian's chromium (this script installs nothing):
 
@@ -11,13 +12,15 @@ What it does, all in a temporary folder and on 127.0.0.1 only:
 
 1. writes a randomly initialised tiny policy as the warm start of run ``ui-demo`` (no SFT: seconds);
 2. starts ``sao ui --port <free port>`` (a Prefect server plus the served flows);
-3. starts ``train/ui`` through the API the UI's Run button uses (2 steps of 4 trajectories, 4
+3. takes a screenshot of the ``train/ui`` deployment's Custom run form, generated from the run config
+   (``sao.config.RunConfig``: one collapsible group per section, each key with its description);
+4. starts ``train/ui`` through the API the UI's Run button uses (2 steps of 4 trajectories, 4
    evaluation tasks, 1 rollout replica) and waits until it finishes (about 3-5 minutes on 2 cores);
-4. takes headless screenshots of the flow run's page (the task graph with its artifacts; the
+5. takes headless screenshots of the flow run's page (the task graph with its artifacts; the
    ``?tab=Artifacts`` query does not select that tab in a headless load), of the report artifact
    (markdown: accuracy table and the learning curve as a data-URI PNG, which the UI renders) and of
    the latest metrics table artifact;
-5. stops ``sao ui`` with SIGINT (it stops its server), by PID.
+6. stops ``sao ui`` with SIGINT (it stops its server), by PID.
 
 Each PNG is re-encoded with a 256-colour palette to stay small (under 300 KB).
 """
@@ -74,9 +77,8 @@ def start_ui(root: Path, port: int) -> tuple[subprocess.Popen, Path]:
     return process, log
 
 
-async def run_train(api_url: str, timeout_s: float) -> tuple[str, dict[str, str]]:
-    """Wait for ``train/ui``, start a tiny run through the API, wait for it; the flow run's id and the
-    id of its latest artifact of each key."""
+async def train_deployment(api_url: str, timeout_s: float) -> str:
+    """The id of the ``train/ui`` deployment, once ``sao ui`` has served it."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -85,13 +87,23 @@ async def run_train(api_url: str, timeout_s: float) -> tuple[str, dict[str, str]
             deadline = time.monotonic() + timeout_s
             while True:
                 with contextlib.suppress(Exception):
-                    deployment = await client.read_deployment_by_name("train/ui")
-                    break
+                    return str((await client.read_deployment_by_name("train/ui")).id)
                 if time.monotonic() > deadline:
                     raise TimeoutError("train/ui was not deployed in time")
                 await asyncio.sleep(2)
+
+
+async def run_train(api_url: str, deployment_id: str, timeout_s: float) -> tuple[str, dict[str, str]]:
+    """Start a tiny run of ``train/ui`` through the API and wait for it; the flow run's id and the id
+    of its latest artifact of each key."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        async with get_client() as client:
+            deadline = time.monotonic() + timeout_s
             run = await client.create_flow_run_from_deployment(
-                deployment.id, parameters={"config": {"run_id": RUN_ID, **TINY, "workdir": "runs", "lake": {"root": "lake"}}})
+                deployment_id, parameters={"config": {"run_id": RUN_ID, **TINY, "workdir": "runs", "lake": {"root": "lake"}}})
             while not (run.state and run.state.is_final()):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"flow run {run.id} did not finish in time (state {run.state!r})")
@@ -122,6 +134,7 @@ def screenshot(chromium: str, url: str, path: Path, profile: Path, height: int =
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--timeout", type=float, default=900.0, help="Seconds to wait for the run.")
+    parser.add_argument("--form-only", action="store_true", help="Only the Custom run form (no training run).")
     args = parser.parse_args(argv)
     chromium = find_chromium()
     from sao.prefect_server import free_port
@@ -133,8 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     process, log = start_ui(root, port)
     try:
-        flow_run_id, artifacts = asyncio.run(run_train(f"{url}/api", args.timeout))
+        deployment_id = asyncio.run(train_deployment(f"{url}/api", args.timeout))
         profile = root / "chromium"
+        screenshot(chromium, f"{url}/deployments/deployment/{deployment_id}/run", OUT / "prefect-ui-train-form.png",
+                   profile, 1800)
+        if args.form_only:
+            return 0
+        flow_run_id, artifacts = asyncio.run(run_train(f"{url}/api", deployment_id, args.timeout))
         screenshot(chromium, f"{url}/runs/flow-run/{flow_run_id}", OUT / "prefect-ui-flow-run.png", profile)
         screenshot(chromium, f"{url}/artifacts/artifact/{artifacts[f'{RUN_ID}-report']}",
                    OUT / "prefect-ui-report.png", profile, 1000)
@@ -154,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             if found:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(int(found.group(1)), signal.SIGKILL)
-    shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 
