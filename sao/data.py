@@ -147,6 +147,14 @@ def _task(row: Any, split: Split) -> tuple[Task | None, list[str]]:
                 info=info_text), []
 
 
+def _refuse(problems: list[str], what: str) -> None:
+    """Raise a :class:`DataError` listing ``problems`` (the first :data:`_MAX_REPORTED`), if any."""
+    if problems:
+        shown = problems[:_MAX_REPORTED]
+        more = f"\n... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
+        raise DataError(f"{len(problems)} problem(s) in {what}:\n" + "\n".join(shown) + more)
+
+
 def load_tasks(path: str | Path, split: Split | str = Split.TRAIN) -> list[Task]:
     """Every task of ``path`` (see the module docstring), checked in full.
 
@@ -168,10 +176,7 @@ def load_tasks(path: str | Path, split: Split | str = Split.TRAIN) -> list[Task]
             continue
         seen[task.task_id] = number
         tasks.append(task)
-    if problems:
-        shown = problems[:_MAX_REPORTED]
-        more = f"\n... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
-        raise DataError(f"{len(problems)} problem(s) in the task data:\n" + "\n".join(shown) + more)
+    _refuse(problems, "the task data")
     if not tasks:
         raise DataError(f"{path}: no tasks (an empty file)")
     return tasks
@@ -195,10 +200,7 @@ def load_demonstrations(path: str | Path) -> list[tuple[Task, str]]:
         problems += [f"{path}: row {number}: {problem}" for problem in bad]
         if task is not None and not bad:
             found.append((task, completion))
-    if problems:
-        shown = problems[:_MAX_REPORTED]
-        more = f"\n... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
-        raise DataError(f"{len(problems)} problem(s) in the demonstrations:\n" + "\n".join(shown) + more)
+    _refuse(problems, "the demonstrations")
     if not found:
         raise DataError(f"{path}: no demonstrations (an empty file)")
     return found
