@@ -61,6 +61,7 @@ from typing import Any
 
 from benchmarks._proctree import TreeSampler
 from benchmarks._report import machine, machine_line, update_section, write_json
+from sao.algos.waits import mean_group_wait
 
 DEFAULT_SFT = Path("runs/bench/bench-learning/sft")
 ARMS = ("trl-single", "grpo-single", "sao-single", "sao-single-raytrain", "grpo-multi", "sao-multi")
@@ -339,7 +340,7 @@ def _read_run(lake, arm: Arm) -> dict[str, Any]:
             "trained": len(batch), "timings": timings,
             "batch_created_first": min(created), "batch_finished_last": max(finished),
             "batch_arrived_last": max(_epoch(t["arrived_at"]) for t in batch),
-            "group_wait_s": statistics.fmean(max(finished) - f for f in finished),
+            "group_wait_s": mean_group_wait(finished),
             "staleness_mean": metrics.get("batch/staleness_mean", 0.0),
             "kept_frac": metrics.get("actor/kept_frac", float("nan")),
             "actor_s": metrics.get("time/actor_s", 0.0), "critic_s": metrics.get("time/critic_s", 0.0),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextvars
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -43,7 +44,15 @@ def artifact_key(run_id: str, what: str) -> str:
 @task(name="warm-start")
 def warm_start(settings: RunConfig) -> str:
     logger = get_run_logger()
-    path = runs.warm_start(settings, on_log=lambda point: logger.info("SFT %s", point))
+    started = time.monotonic()
+
+    def progress(point) -> None:  # one readable line per validation measurement, with the time left
+        elapsed = time.monotonic() - started
+        left = elapsed / point.step * (settings.sft.max_steps - point.step)
+        logger.info("SFT step %d/%d: loss %.3f, held-out success %.3f (at most %.0f s left)", point.step,
+                    settings.sft.max_steps, point.loss, point.success, left)
+
+    path = runs.warm_start(settings, on_log=progress)
     logger.info("version-0 policy: %s", path)
     return str(path)
 

@@ -11,6 +11,12 @@ import sys
 
 import typer
 
+from sao.cli_common import fail
+from sao.lake.cli import lake_app, sql
+from sao.runs_cli import config_app, demo, train
+from sao.train.cli import replay
+from sao.ui_cli import ui
+
 app = typer.Typer(
     name="sao",
     help="Single-rollout asynchronous RL with every trajectory in Delta Lake.",
@@ -35,12 +41,6 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print ``message`` to stderr and return an Exit to raise (usage errors exit with 2)."""
-    typer.echo(f"sao: error: {message}", err=True)
-    return typer.Exit(code)
-
-
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     add_help_option=False,
@@ -61,25 +61,18 @@ def bench(ctx: typer.Context, name: str = typer.Argument("--help", help="Benchma
 
 
 # Training runs: `sao train` and `sao demo` (sao/runs_cli.py), both through the Prefect flow `train`.
-from sao.runs_cli import config_app, demo, train  # noqa: E402
-
 app.command()(train)
 app.command()(demo)
 app.add_typer(config_app, name="config")
 
 # The lake: `sao sql "<query>"` and `sao lake tables|versions|counts|examples|compact|vacuum`
 # (sao/lake/cli.py).
-from sao.lake.cli import lake_app, sql  # noqa: E402
-
 app.command()(sql)
 app.add_typer(lake_app, name="lake")
 
 # `sao replay --run R --step N | --steps N:M` and `sao replay --trajectory ID` (sao/train/cli.py).
-from sao.train.cli import replay  # noqa: E402
-
 app.command()(replay)
-from sao.ui_cli import ui  # noqa: E402  - `sao ui`: local Prefect server + served flows (sao/ui_cli.py)
-
+# `sao ui`: a local Prefect server and the flows served (sao/ui_cli.py).
 app.command()(ui)
 
 

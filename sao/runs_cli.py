@@ -19,6 +19,7 @@ import time
 
 import typer
 
+from sao.cli_common import fail
 from sao.config import ConfigError, RunConfig, resolve
 from sao.train.config import Algorithm
 
@@ -78,7 +79,6 @@ def run_or_resume(config: RunConfig, sources: dict[str, str] | None = None) -> N
     run prints its recorded summary instead. Exits 130 when stopped; a resume with changed settings
     that may not change is refused (exit 2) before anything starts."""
     from sao import interrupt, runs
-    from sao.cli import fail
     from sao.data import DataError
     from sao.models.policy import ModelDirectoryError
     from sao.prefect_server import PrefectServerError
@@ -141,7 +141,6 @@ def config_from_cli(config_file: str | None, sets: list[str] | None, flags: dict
                     ) -> tuple[RunConfig, dict[str, str]]:
     """The run config of a command line (defaults < ``--config`` < ``--set`` < flags); a bad value
     exits 2 naming each dotted key, the value and where it came from."""
-    from sao.cli import fail
 
     given = {}
     for name, value in flags.items():
@@ -198,7 +197,6 @@ def demo() -> None:
     """The end-to-end demo (configs/demo.yaml): SFT warm start, value pretraining, SAO with Ray Serve
     rollouts into a local Delta lake and Ray Train updates read from it, accuracy before and after, SQL
     to try."""
-    from sao.cli import fail
     from sao.config import DEMO_CONFIG
 
     try:

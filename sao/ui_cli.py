@@ -22,6 +22,8 @@ from typing import Annotated
 
 import typer
 
+from sao.cli_common import fail
+
 __all__ = ["ui"]
 
 DEFAULT_PORT = 4200
@@ -54,7 +56,6 @@ def ui(
     Deployments -> train/ui -> Run -> Custom run, and start a training run from the form.
     Ctrl-C stops the runs in flight, the runner and the server."""
     from flows.deployments import FLOWS, SERVED_NAME
-    from sao.cli import fail
     from sao.prefect_server import LocalPrefectServer, PrefectServerError
 
     log_path = Path(tempfile.gettempdir()) / f"sao-ui-server-{port}.log"

@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny version-0 policy directory built from code (no model hub)."""
 
+import sys
+
 import pytest
 
 from sao.models.policy import build_policy, save_policy
@@ -27,3 +29,15 @@ def ray_session():
     init_ray(RayConfig(num_cpus=2, namespace="sao-tests"))
     yield
     shutdown_ray()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefect_temporary_servers_stopped():
+    """A flow called outside a harness makes Prefect start a temporary server, which it stops at
+    interpreter exit, when pytest has closed the stream its logger writes to (a "--- Logging error ---"
+    traceback after the summary). Stopped here instead, while the streams are open."""
+    yield
+    server = sys.modules.get("prefect.server.api.server")
+    if server is not None:
+        for instance in list(server.SubprocessASGIServer._instances.values()):
+            instance.stop()

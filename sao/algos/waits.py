@@ -1,4 +1,4 @@
-"""The wait a group-synchronous scheme imposes (seed example, used by the speed benchmarks).
+"""The wait a group-synchronous scheme imposes (the peer benchmark reports it per step).
 
 A group-relative update (GRPO) needs every rollout of a group before it can compute the group's
 advantages, so each finished rollout waits for the slowest one. For completion times [5, 8, 13, 40] s

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from sao.cli_common import fail, open_lake
 from sao.lake.config import LakeConfig, MaintenanceConfig
 
 __all__ = ["lake_app", "sql"]
@@ -34,22 +35,6 @@ StorageOption = Annotated[
     list[str] | None,
     typer.Option("--storage-option", "-o", help="Object-store option KEY=VALUE (repeatable)."),
 ]
-
-
-def _open(root: str, storage_options: list[str] | None):  # -> Lake (imported lazily)
-    from sao.cli import fail
-    from sao.lake.store import Lake, LakeError
-
-    options: dict[str, str] = {}
-    for item in storage_options or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise fail(f"--storage-option needs KEY=VALUE, got {item!r}")
-        options[key] = value
-    try:
-        return Lake.open(LakeConfig(root=root, storage_options=options), create=False)
-    except LakeError as error:
-        raise fail(f"cannot open the lake at {root}: {error}") from None
 
 
 def _print_table(table, title: str | None = None, max_rows: int = 50) -> None:  # table: pa.Table
@@ -85,7 +70,6 @@ def sql(
 ) -> None:
     """Run read-only SQL over the lake's tables: trajectories, quarantine, policy_versions, train_steps,
     rollout_tasks, runs."""
-    from sao.cli import fail
     from sao.lake.sql import ReadOnlyQueryError, check_read_only, run_sql, write_result
     from sao.lake.store import LakeError
 
@@ -93,7 +77,7 @@ def sql(
         check_read_only(query)
     except ReadOnlyQueryError as error:
         raise fail(str(error)) from None
-    opened = _open(lake, storage_option)
+    opened = open_lake(lake, storage_option)
     try:
         result = run_sql(opened, query)
     except LakeError as error:
@@ -113,7 +97,7 @@ def tables(lake: LakeOption = DEFAULT_ROOT, storage_option: StorageOption = None
 
     from schemas import TABLES
 
-    opened = _open(lake, storage_option)
+    opened = open_lake(lake, storage_option)
     rows = []
     for name, spec in TABLES.items():
         table = opened.table(name)
@@ -145,12 +129,11 @@ def versions(
 
     import pyarrow as pa
 
-    from sao.cli import fail
     from schemas import TABLES
 
     if table not in TABLES:
         raise fail(f"unknown table {table!r}; the lake has: {', '.join(sorted(TABLES))}")
-    opened = _open(lake, storage_option)
+    opened = open_lake(lake, storage_option)
     rows = []
     for entry in opened.table(table).history(limit):
         metrics = entry.get("operationMetrics") or {}
@@ -176,7 +159,7 @@ def counts(lake: LakeOption = DEFAULT_ROOT, storage_option: StorageOption = None
     """Trajectories per run and termination reason; quarantined deliveries per reason."""
     from sao.lake.sql import run_sql
 
-    opened = _open(lake, storage_option)
+    opened = open_lake(lake, storage_option)
     _print_table(
         run_sql(
             opened,
@@ -211,14 +194,13 @@ def compact(
     storage_option: StorageOption = None,
 ) -> None:
     """Rewrite small files into large ones (a new version; old versions stay readable)."""
-    from sao.cli import fail
     from sao.lake.maintenance import compact as run_compact
     from schemas import TABLES
 
     unknown = [t for t in table or [] if t not in TABLES]
     if unknown:
         raise fail(f"unknown table(s) {unknown}; the lake has: {', '.join(sorted(TABLES))}")
-    for report in run_compact(_open(lake, storage_option), table or None):
+    for report in run_compact(open_lake(lake, storage_option), table or None):
         typer.echo(
             f"{report.table}: {report.files_removed} files -> {report.files_added} "
             f"(version {report.version_before} -> {report.version_after})"
@@ -240,11 +222,10 @@ def vacuum(
     ] = False,
 ) -> None:
     """Delete unreferenced files, keeping every snapshot a recorded train step read."""
-    from sao.cli import fail
     from sao.lake.maintenance import MaintenanceError
     from sao.lake.maintenance import vacuum as run_vacuum
 
-    opened = _open(lake, storage_option)
+    opened = open_lake(lake, storage_option)
     try:
         reports = run_vacuum(opened, retention_hours=retention_hours, dry_run=dry_run, force=force)
     except MaintenanceError as error:
@@ -278,10 +259,9 @@ def check(
 ) -> None:
     """Account for every rollout the run issued, every stored and consumed trajectory and every
     checkpoint; exit 1 with the findings listed when something was lost, doubled or misused."""
-    from sao.cli import fail
     from sao.lake.check import UnknownRunError, check_run
 
-    opened = _open(lake, storage_option)
+    opened = open_lake(lake, storage_option)
     try:
         report = check_run(
             opened, run, max_staleness=max_staleness, verify_checkpoints=checkpoints

@@ -5,15 +5,17 @@ All tables of :data:`schemas.TABLES` are registered under their names (``traject
 pinned ones.
 
 Read-only is enforced before the query reaches the engine, because DataFusion would happily run
-``COPY (...) TO 'file'`` or ``CREATE VIEW``: the query must be one statement (a trailing ``;`` is fine)
-that starts with SELECT, WITH, EXPLAIN, DESCRIBE or VALUES and contains none of the keywords that
-modify anything (INSERT, UPDATE, DELETE, MERGE, CREATE, DROP, ALTER, COPY, TRUNCATE, SET, ...) outside
-string literals, quoted identifiers and comments. A refusal names the statement kind.
+``COPY (...) TO 'file'`` or ``CREATE VIEW``: the query is parsed (sqlglot, PostgreSQL's dialect, which
+DataFusion's SQL follows) and must be one statement (a trailing ``;`` is fine), a query (SELECT, WITH,
+VALUES, set operations), DESCRIBE, or EXPLAIN [ANALYZE] of such a statement, with no node that
+modifies anything (INSERT, UPDATE, DELETE, MERGE, CREATE, DROP, ALTER, COPY, TRUNCATE, SET, SELECT
+INTO, ...). What does not parse is refused. A refusal names the statement kind.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +23,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
+import sqlglot
 from deltalake import QueryBuilder
+from sqlglot import exp
 
 from sao.lake.store import Lake, LakeError
 from schemas import TABLES
@@ -76,40 +80,15 @@ EXAMPLE_QUERIES: dict[str, str] = {
     ),
 }
 """Audit questions and the SQL that answers them (``sao lake examples`` prints them)."""
-_MODIFYING = frozenset(
-    {
-        "INSERT",
-        "UPDATE",
-        "DELETE",
-        "MERGE",
-        "UPSERT",
-        "CREATE",
-        "DROP",
-        "ALTER",
-        "COPY",
-        "TRUNCATE",
-        "SET",
-        "RESET",
-        "GRANT",
-        "REVOKE",
-        "ATTACH",
-        "DETACH",
-        "VACUUM",
-        "OPTIMIZE",
-        "RESTORE",
-        "INTO",
-        "LOAD",
-        "CALL",
-        "EXECUTE",
-        "PREPARE",
-        "DEALLOCATE",
-        "USE",
-        "INSTALL",
-    }
-)
-# String literals, quoted identifiers and comments: removed before looking at keywords.
-_HIDDEN = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|--[^\n]*|/\*.*?\*/", re.DOTALL)
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_READ_ONLY = (exp.Select, exp.Union, exp.Intersect, exp.Except, exp.Values, exp.Describe)
+"""What a statement may be (a WITH query parses as the SELECT it prefixes)."""
+_MODIFYING = tuple(getattr(exp, name) for name in (
+    "Insert", "Update", "Delete", "Merge", "Create", "Drop", "Alter", "Copy", "Set", "Command", "Into",
+    "TruncateTable", "Use", "Pragma", "LoadData", "Grant", "Revoke", "Analyze") if hasattr(exp, name))
+"""Nodes that change something (or that the parser could not read as a query: ``Command``)
+anywhere in the statement: refused even inside a read-only one (``SELECT ... INTO``)."""
+_EXPLAIN = re.compile(r"\s*EXPLAIN(\s+ANALYZE)?(\s+VERBOSE)?\b", re.IGNORECASE)
+_NAMES = {"TruncateTable": "TRUNCATE", "Describe": "DESCRIBE", "Into": "INTO"}
 
 
 class ReadOnlyQueryError(LakeError):
@@ -117,31 +96,64 @@ class ReadOnlyQueryError(LakeError):
 
 
 def check_read_only(query: str) -> None:
-    """Raise :class:`ReadOnlyQueryError` unless ``query`` is one read-only statement."""
-    visible = _HIDDEN.sub(" ", query).strip()
-    if "'" in visible or '"' in visible:
-        raise ReadOnlyQueryError("the query has an unterminated quoted string or identifier")
-    if "/*" in visible:
-        raise ReadOnlyQueryError("the query has an unterminated /* comment")
-    body = visible[:-1].rstrip() if visible.endswith(";") else visible
-    if not body:
+    """Raise :class:`ReadOnlyQueryError` unless ``query`` is one read-only statement (see the module
+    docstring): parsed as SQL, not matched against keywords, so a column called ``use`` or a string
+    saying ``delete`` is no refusal, and a statement that does not parse is one."""
+    explained = _strip_comments(query)
+    match = _EXPLAIN.match(explained)
+    if match:  # EXPLAIN [ANALYZE] runs (or plans) the statement that follows: that one is checked
+        explained = explained[match.end():]
+        if not explained.strip(" \t\n;"):
+            raise ReadOnlyQueryError("EXPLAIN needs a statement to explain")
+    statements = _parse(explained)
+    if len(statements) > 1:
+        raise ReadOnlyQueryError("sao sql runs one statement at a time; found several separated by ';'")
+    (statement,) = statements
+    kind = _kind(statement)
+    if not isinstance(statement, _READ_ONLY):
+        raise ReadOnlyQueryError(f"sao sql is read-only: refusing the statement {kind} (allowed statements: "
+                                 f"{', '.join(ALLOWED_STATEMENTS)})")
+    for node in statement.walk():
+        if isinstance(node, _MODIFYING):
+            raise ReadOnlyQueryError(f"sao sql is read-only: refusing the statement {kind} because it contains "
+                                     f"{_kind(node)}")
+
+
+def _strip_comments(query: str) -> str:
+    """``query`` without its leading comments (for the EXPLAIN prefix; the parser reads the rest)."""
+    previous = None
+    while previous != query:
+        previous = query
+        query = re.sub(r"^\s*(--[^\n]*(\n|$)|/\*.*?\*/)", "", query, flags=re.DOTALL)
+    return query
+
+
+def _parse(query: str) -> list[exp.Expression]:
+    """The statements of ``query`` (DataFusion's SQL is read as PostgreSQL's, which it follows)."""
+    quiet = logging.getLogger("sqlglot")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "falling back to parsing as a Command": such a statement is refused below
+    try:
+        statements = [s for s in sqlglot.parse(query, dialect="postgres") if s is not None]
+    except (sqlglot.errors.ParseError, sqlglot.errors.TokenError) as error:
+        first = query.split()[0].upper() if query.split() else "?"
+        reason = str(error).splitlines()[0]
+        raise ReadOnlyQueryError(f"refusing the statement {first}: it does not parse as SQL ({reason})") from None
+    finally:
+        quiet.setLevel(level)
+    if not statements:
         raise ReadOnlyQueryError("the query is empty")
-    if ";" in body:
-        raise ReadOnlyQueryError(
-            "sao sql runs one statement at a time; found several separated by ';'"
-        )
-    words = [w.upper() for w in _WORD.findall(body)]
-    kind = words[0] if words else body.split()[0].upper()
-    if kind not in ALLOWED_STATEMENTS:
-        allowed = ", ".join(ALLOWED_STATEMENTS)
-        raise ReadOnlyQueryError(
-            f"sao sql is read-only: refusing the statement {kind} (allowed statements: {allowed})"
-        )
-    modifying = [w for w in words if w in _MODIFYING]
-    if modifying:
-        raise ReadOnlyQueryError(
-            f"sao sql is read-only: refusing the statement {kind} because it contains {modifying[0]}"
-        )
+    return statements
+
+
+def _kind(node: exp.Expression) -> str:
+    """The statement kind a person would name: the first keyword (WITH for a query with CTEs)."""
+    if isinstance(node, exp.Command):
+        return str(node.this).upper()
+    if isinstance(node, exp.Select) and node.args.get("with"):
+        return "WITH"
+    name = type(node).__name__
+    return _NAMES.get(name, name.upper())
 
 
 def run_sql(lake: Lake, query: str, *, versions: Mapping[str, int] | None = None) -> pa.Table:

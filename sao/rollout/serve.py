@@ -175,18 +175,21 @@ class RolloutReplica:
                 closer.close()
 
 
+def deployment_options(config: RolloutConfig) -> dict:
+    """The Serve deployment options of ``config``'s replicas (count, placement, request limits)."""
+    return {
+        "name": "RolloutReplica",
+        "num_replicas": config.num_replicas,
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": config.cpus_per_replica, "resources": dict(config.resources_per_replica)},
+        "health_check_period_s": 5,
+        "logging_config": {"enable_access_log": config.access_log},
+    }
+
+
 def build_rollout_app(config: RolloutConfig) -> Application:
     """A Serve application of ``config.num_replicas`` rollout replicas."""
-    deployment = serve.deployment(
-        RolloutReplica,
-        name="RolloutReplica",
-        num_replicas=config.num_replicas,
-        max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.cpus_per_replica, "resources": dict(config.resources_per_replica)},
-        health_check_period_s=5,
-        logging_config={"enable_access_log": config.access_log},
-    )
-    return deployment.bind(config)
+    return serve.deployment(RolloutReplica, **deployment_options(config)).bind(config)
 
 
 def start_rollout_app(config: RolloutConfig):

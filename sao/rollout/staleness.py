@@ -17,15 +17,8 @@ window for good, and under heavy-tailed rollout times the number in flight would
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
-__all__ = ["StalenessGate", "VersionProvider"]
-
-
-class VersionProvider(Protocol):
-    """Anything that knows the trainer's current policy version."""
-
-    def current_version(self) -> int: ...
+__all__ = ["StalenessGate"]
 
 
 @dataclasses.dataclass

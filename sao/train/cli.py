@@ -19,13 +19,13 @@ from typing import Annotated
 
 import typer
 
-from sao.lake.cli import DEFAULT_ROOT, LakeOption, StorageOption, _open
+from sao.cli_common import fail, open_lake
+from sao.lake.cli import DEFAULT_ROOT, LakeOption, StorageOption
 
 __all__ = ["replay"]
 
 
 def _parse_range(text: str) -> tuple[int, int]:
-    from sao.cli import fail
 
     first, sep, last = text.partition(":")
     try:
@@ -88,7 +88,6 @@ def _figure(value: float | None) -> str:
 
 def _what_if_overrides(items: list[str]) -> dict[str, object]:
     """``--set KEY=VALUE`` items -> dotted keys and values."""
-    from sao.cli import fail
     from sao.config import ConfigError, parse_set
 
     overrides = {}
@@ -142,7 +141,6 @@ def replay(
 ) -> None:
     """Replay recorded training steps (bit for bit on CPU), re-check one recorded trajectory, or re-run
     steps on their frozen data with changed update settings (--set: what-if)."""
-    from sao.cli import fail
     from sao.train.replay import ReplayError, RowSource, replay_steps
     from sao.train.trajectory_replay import replay_trajectory
 
@@ -155,7 +153,7 @@ def replay(
         raise fail(f"{modes[0]} needs --run")
     if (set_ or as_run) and trajectory is not None:
         raise fail("--set and --as go with --step / --steps (a what-if replay of steps)")
-    opened = _open(lake, storage_option)
+    opened = open_lake(lake, storage_option)
     if set_:
         _what_if(opened, run, (step, step) if step is not None else _parse_range(steps), set_, as_run, checkpoints,
                  as_json)
@@ -187,7 +185,6 @@ def replay(
 def _what_if(lake, run: str, bounds: tuple[int, int], items: list[str], as_run: str | None,
              checkpoints: str | None, as_json: bool) -> None:
     from sao import runs
-    from sao.cli import fail
     from sao.config import ConfigError
     from sao.train.replay import ReplayError
 

@@ -66,7 +66,8 @@ def test_quick_run_compares_the_three_methods(tmp_path):
         assert ("critic/loss" in run["metrics"][0]) == (method == "sao")
     groups = data["methods"]["grpo_dis"]["groups"]
     assert groups["rows"] == steps * data["settings"]["batch"] and groups["batches"] == steps
-    assert data["target_met"] in (True, False)
+    assert data["target_met"] is target_met(data["methods"])  # the verdict is the written figures'
+    assert data["target_met"] is not None  # all three methods ran
     for figure in ("online.png", "online-styles.png"):
         assert (tmp_path / "out" / figure).stat().st_size > 10_000
     text = results_md.read_text()

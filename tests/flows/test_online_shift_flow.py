@@ -18,7 +18,7 @@ def test_shifts_outside_the_run_are_refused_before_any_work(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_tiny_run_reports_recovery_per_shift(tmp_path, ray_session, monkeypatch):
+def test_a_tiny_run_reports_recovery_per_shift(tmp_path, ray_session, monkeypatch, prefect_harness):
     monkeypatch.chdir(tmp_path)
     result = online_shift(run_id="online-tiny", steps=6, shifts=[3], batch_size=4, max_in_flight=8,
                           max_tokens=24, sft_steps=6, smooth_window=2, pre_window=2, workdir="runs",

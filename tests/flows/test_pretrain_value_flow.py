@@ -19,14 +19,6 @@ from tests.train.test_loop import roll_out
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def tiny_run(tmp_path, policy_dir, tokenizer, run_id: str, trajectories: int) -> RunConfig:
     settings = RunConfig(run_id=run_id, workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")})
     shutil.copytree(policy_dir, settings.sft_dir)

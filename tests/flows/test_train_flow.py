@@ -14,14 +14,6 @@ from sao.train.pretrain import REPORT_FILE
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_session, prefect_harness):
     from prefect.client.orchestration import get_client
 

@@ -100,7 +100,20 @@ def test_bad_storage_option_is_a_usage_error(tmp_path):
     assert result.exit_code == 2 and "KEY=VALUE" in result.stderr
 
 
-def test_the_lake_benchmark_is_registered():
-    from sao.cli import BENCHMARKS
+def test_every_registered_benchmark_runs_through_sao_bench():
+    """Each name `sao bench` lists reaches its module's main (its --help exits 0 naming its options);
+    an unknown name is a usage error naming the known ones."""
+    import importlib
 
-    assert BENCHMARKS["lake"] == "lake_ingest"
+    from typer.testing import CliRunner
+
+    from sao.cli import BENCHMARKS, app
+
+    listed = CliRunner().invoke(app, ["bench"])
+    assert listed.exit_code == 0 and "lake" in listed.output
+    for name, module in BENCHMARKS.items():
+        assert name in listed.output and callable(importlib.import_module(f"benchmarks.{module}").main)
+    usage = CliRunner().invoke(app, ["bench", "lake", "--help"])
+    assert usage.exit_code == 0 and "--quick" in usage.output
+    unknown = CliRunner().invoke(app, ["bench", "nope"])
+    assert unknown.exit_code == 2 and "unknown benchmark 'nope'; known: bias, lake" in unknown.stderr

@@ -76,11 +76,12 @@ def ray_get(ref):
 
 
 def test_replica_resources_place_the_deployment_and_are_checked():
-    from sao.rollout.serve import build_rollout_app
+    from sao.rollout.serve import deployment_options
 
-    config = RolloutConfig(policy_path="unused", resources_per_replica={"rollout": 1.0})
-    options = build_rollout_app(config)._bound_deployment.ray_actor_options
-    assert options["resources"] == {"rollout": 1.0} and options["num_cpus"] == config.cpus_per_replica
+    config = RolloutConfig(policy_path="unused", resources_per_replica={"rollout": 1.0}, num_replicas=3)
+    options = deployment_options(config)
+    assert options["ray_actor_options"] == {"num_cpus": config.cpus_per_replica, "resources": {"rollout": 1.0}}
+    assert options["num_replicas"] == 3 and options["max_ongoing_requests"] == config.max_ongoing_requests
     with pytest.raises(ValueError, match="resources_per_replica\\['CPU'\\]"):
         RolloutConfig(policy_path="unused", resources_per_replica={"CPU": 1.0})
     with pytest.raises(ValueError, match="resources_per_replica\\['rollout'\\]"):

@@ -57,3 +57,83 @@ def test_a_stop_request_is_seen_until_the_next_reset():
         return before, during, broker.stop_requested()
 
     assert asyncio.run(run()) == (False, True, False)
+
+
+def test_wait_newer_returns_at_a_publication_or_after_its_timeout():
+    async def run():
+        broker = WeightBroker()
+        await broker.publish(0, ["v0"])
+        started = asyncio.get_running_loop().time()
+        timed_out = await broker.wait_newer(0, timeout_s=0.05)
+        waited = asyncio.get_running_loop().time() - started
+        waiter = asyncio.ensure_future(broker.wait_newer(0, timeout_s=30))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # nothing newer yet
+        await broker.publish(1, ["v1"])
+        woken = await asyncio.wait_for(waiter, 1)
+        at_once = await broker.wait_newer(0, timeout_s=30)  # already newer: no wait
+        return timed_out, waited, woken, at_once
+
+    timed_out, waited, woken, at_once = asyncio.run(run())
+    assert timed_out == (0, ["v0"]) and waited >= 0.05
+    assert woken == (1, ["v1"]) and at_once == (1, ["v1"])
+
+
+def test_publish_latency_is_the_time_until_the_nth_replica_runs_the_version(monkeypatch):
+    import sao.rollout.weights as weights
+
+    clock = iter([100.0, 100.5, 101.25, 102.0])
+    monkeypatch.setattr(weights.time, "time", lambda: next(clock))
+
+    async def run():
+        broker = WeightBroker()
+        await broker.publish(3, ["v3"])  # at 100.0
+        broker.ack("a", 2)  # an older version: not counted (100.5)
+        first = broker.publish_latency(3, 1)
+        broker.ack("a", 3)  # 101.25
+        broker.ack("b", 4)  # a newer version counts as running 3 (102.0)
+        return first, broker.publish_latency(3, 1), broker.publish_latency(3, 2), broker.publish_latency(3, 3), \
+            broker.publish_latency(9, 1), broker.replica_versions()
+
+    first, one, two, three, unknown, versions = asyncio.run(run())
+    assert first is None and one == 1.25 and two == 2.0 and three is None and unknown is None
+    assert versions == {"a": 3, "b": 4}
+
+
+@pytest.mark.ray
+def test_a_subscriber_applies_each_newer_version_and_acknowledges_it(ray_session):
+    import threading
+
+    import ray
+    import torch
+
+    from sao.rollout.weights import WeightSubscriber, get_or_create_broker, publish_weights
+
+    broker = get_or_create_broker("test-subscriber")
+    ray.get(broker.reset.remote(0))
+    running = {"version": 0}
+    applied: list[tuple[int, float]] = []
+    done = threading.Event()
+
+    def apply(version, weights):
+        applied.append((version, float(weights["w"].sum())))
+        running["version"] = version
+        if version == 2:
+            done.set()
+
+    subscriber = WeightSubscriber(broker, "replica-1", lambda: running["version"], apply, wait_s=0.2)
+    try:
+        publish_weights(broker, 1, {"w": torch.ones(3)})
+        publish_weights(broker, 2, {"w": torch.full((3,), 2.0)})
+        assert done.wait(30)
+        deadline = threading.Event()
+        for _ in range(100):  # the acknowledgement of version 2 follows its application
+            if ray.get(broker.replica_versions.remote()).get("replica-1") == 2:
+                break
+            deadline.wait(0.05)
+        assert ray.get(broker.replica_versions.remote()) == {"replica-1": 2}
+        assert applied[-1] == (2, 6.0) and [v for v, _ in applied] == sorted(v for v, _ in applied)
+        assert ray.get(broker.publish_latency.remote(2, 1)) is not None
+    finally:
+        subscriber.close()
+        ray.kill(broker)
