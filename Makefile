@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-long lint install install-dev clean ui
+.PHONY: demo test test-slow lint install install-dev clean ui
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,10 +40,11 @@ test: lint
 	@rm -f .pytest-rc
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
-# The long tier (tests marked `long`: the crash harness, about 25 minutes); .ci/run runs it after `make test`.
-test-long: install-dev
+# The slow tier (tests marked `slow`: the crash harness, the benchmarks' quick runs, the largest
+# end-to-end runs; see docs/TESTING.md); .ci/run runs it after `make test`.
+test-slow: install-dev
 	@rm -f .pytest-rc
-	$(PY) -m pytest -m long $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
+	$(PY) -m pytest -m slow $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache .pytest-rc .ruff_cache

@@ -31,7 +31,7 @@ from tests._secrets import (
     secret_marker,
 )
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray
 
 BUCKET = "sao-cluster-tests"
 RUN = "cluster-run"
@@ -79,6 +79,7 @@ def prefect_server(tmp_path_factory):
         yield server
 
 
+@pytest.mark.slow
 def test_cluster_has_two_nodes_with_their_resources(cluster):
     nodes = {n["ip"]: n["resources"] for n in cluster.alive_nodes()}
     assert set(nodes) == {"127.0.0.2", "127.0.0.3"}
@@ -107,6 +108,7 @@ def _nodes_of(placed: dict[str, set[str]], class_part: str) -> set[str]:
     return set().union(*(ips for name, ips in placed.items() if class_part in name))
 
 
+@pytest.mark.slow
 def test_training_on_the_cluster_with_an_s3_lake_and_a_prefect_server(cluster, prefect_server, s3_endpoint, aws_env,
                                                                       secret, policy_dir, tmp_path):
     workdir = tmp_path / "runs"  # every node of a real cluster would mount this path

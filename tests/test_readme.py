@@ -195,7 +195,6 @@ def test_the_readme_has_the_sections_and_commands_the_issue_asks_for():
     assert any(c.startswith("export PREFECT_API_URL=") for c in commands)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[shlex.join(b[0])[:40] for b in BLOCKS])
 def test_readme_block(block, demo_folder, monkeypatch, recorded):
     monkeypatch.chdir(demo_folder)

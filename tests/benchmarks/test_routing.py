@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from benchmarks.routing import main
 
 
-@pytest.mark.slow
 def test_quick_run_reports_both_arms(tmp_path):
     assert main(["--quick", "--workdir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "routing-quick.json").read_text())

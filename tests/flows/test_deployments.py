@@ -32,8 +32,6 @@ from flows.train import artifact_key
 from sao.lake.store import Lake
 from sao.prefect_server import LOOPBACK, free_port, port_in_use, prefect_env
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"train": {"steps": 2, "batch_size": 4}, "eval": {"tasks": 4}, "rollout": {"num_replicas": 1, "max_tokens": 96},
         "value_pretraining": {"samples": 0}}  # value pretraining: test_train_flow
@@ -166,6 +164,7 @@ def test_sao_ui_listens_on_loopback_only(ui):
     assert any(c.laddr.port == ui.port for c in psutil.Process(ui.server_pid).net_connections(kind="inet"))
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_the_run_button_trains_a_tiny_run_to_completion_with_artifacts(ui, policy_dir):
@@ -271,7 +270,7 @@ def _flow_run_processes(flow_run_id: UUID) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.long
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_retrying_a_crashed_flow_run_from_the_ui_resumes_the_run(ui, policy_dir):

@@ -11,9 +11,10 @@ from sao.config import RunConfig
 from sao.lake.store import Lake
 from sao.train.pretrain import REPORT_FILE
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray
 
 
+@pytest.mark.slow
 def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_session, prefect_harness):
     from prefect.client.orchestration import get_client
 
@@ -48,7 +49,9 @@ def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_sessio
 
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE_CONFIGS = ["configs/demo.yaml", *sorted(str(p.relative_to(REPO)) for p in REPO.glob("examples/*/config.yaml"))]
+# The demo's config in `make test`; the examples in the slow tier.
+EXAMPLE_CONFIGS = ["configs/demo.yaml", *(pytest.param(str(p.relative_to(REPO)), marks=pytest.mark.slow)
+                                          for p in sorted(REPO.glob("examples/*/config.yaml")))]
 
 
 @pytest.mark.timeout(600)

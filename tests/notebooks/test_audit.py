@@ -16,8 +16,6 @@ from sao.lake.store import Lake
 from sao.train.loop import prepare_run, run_training
 from tests.train.test_loop import make_config, roll_out
 
-pytestmark = pytest.mark.slow
-
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "audit.ipynb"
 
 

@@ -23,7 +23,7 @@ The Ctrl-C test stops a run with one SIGINT to its process group (what a termina
 exits 130 with the resume command after committing what finished, leaving no process behind; then
 with two (the second exits at once); each time the same command resumes it.
 
-These tests take about 25 minutes on 2 cores: they are in the ``long`` tier (``make test-long``, run
+These tests take about 25 minutes on 2 cores: they are in the ``slow`` tier (``make test-slow``, run
 by ``.ci/run`` after ``make test``).
 """
 
@@ -50,7 +50,7 @@ from sao.lake.store import Lake
 from sao.prefect_server import LocalPrefectServer, free_port
 from tests.lake.conftest import moto_bucket
 
-pytestmark = [pytest.mark.long, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 SAO = str(Path(sys.executable).with_name("sao"))
 BUCKET = "sao-crash-tests"

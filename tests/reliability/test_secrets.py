@@ -51,8 +51,8 @@ def test_storage_options_stay_out_of_reprs():
     assert lake.storage_options["AWS_SECRET_ACCESS_KEY"] == secret  # still there for delta-rs
 
 
-@pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_run_with_a_secret_storage_option_leaks_it_nowhere(tmp_path, policy_dir, ray_session, caplog, capfd):
     import ray
 

@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
 
 from sao.lake.check import check_run
 from sao.lake.config import LakeConfig, WriterConfig
@@ -21,8 +20,6 @@ from sao.lake.synthetic import make_trajectory
 from sao.lake.writer import TrajectoryWriter
 from sao.train.config import UpdateConfig
 from sao.train.loop import TrainConfig, prepare_run, run_training
-
-pytestmark = pytest.mark.slow
 
 RUN = "killed-trainer"
 STEPS = 4

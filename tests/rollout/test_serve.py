@@ -22,7 +22,6 @@ from sao.train.checkpoint import weights_hash
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_two_replicas_roll_out_into_the_lake_across_a_weight_update(tmp_path, policy_dir, ray_session):
     from ray import serve
 

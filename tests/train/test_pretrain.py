@@ -111,8 +111,8 @@ def test_lambda_return_targets_use_the_critics_own_values(run):
     assert steps == 2 and "critic/value_mean_before" in metrics and metrics["critic/loss"] > 0
 
 
-@pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.ray
 def test_pretraining_through_ray_data_and_ray_train_becomes_the_version_zero_critic(run, ray_session):
     cfg, lake = run
     old_critic = load_checkpoint(cfg.checkpoint_root, 0).critic

@@ -13,7 +13,7 @@ from sao.train.loop import TrainConfig, prepare_run, run_training
 from sao.train.ray_trainer import fit
 from tests.train.test_loop import make_config, roll_out
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray
 
 
 def _load(path):

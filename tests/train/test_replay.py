@@ -141,7 +141,6 @@ def test_the_run_configuration_round_trips_and_refuses_a_changed_resume(trained)
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_range_replay_reads_its_snapshot_through_ray_data(trained, policy_dir, tokenizer, ray_session):
     cfg, lake = trained
     roll_out(policy_dir, tokenizer, lake, cfg.run_id, 4, seed=2)  # rows the range did not use
