@@ -4,18 +4,11 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from sao.models.routing import record_routing
 from sao.rollout.engine import SamplingParams
-from sao.rollout.torch_engine import (
-    TorchEngine,
-    TorchEngineConfig,
-    _slot_attention,
-    _SlotLayout,
-    chunked_columns,
-)
+from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from tests.rollout.conftest import tiny_policy
 from tests.rollout.test_engine_contract import PROMPTS, recompute, wait_for_progress
 
@@ -30,34 +23,7 @@ def test_weights_queued_without_a_pause_apply_at_the_next_decode_step(engine):
     assert all(r.spans[0].start == 0 and r.spans[-1].end == 40 for r in results)
 
 
-# Decode attention in chunks, rows grouped by length ------------------------------------------------
-
-
-@pytest.mark.parametrize("chunk", [1, 3, 16])
-def test_chunked_decode_attention_equals_plain_attention_row_by_row(chunk):
-    """The fast path (chunks of rows, each reading up to its own longest row, batched products with the
-    query heads of a KV group stacked) against the slow reference: one row at a time, its own columns only,
-    KV heads repeated for every query head."""
-    generator = torch.Generator().manual_seed(0)
-    rows, heads, kv_heads, head_dim, capacity = 7, 4, 2, 8, 40
-    key = torch.randn(rows + 2, kv_heads, capacity, head_dim, generator=generator)  # spare slots are never read
-    value = torch.randn(rows + 2, kv_heads, capacity, head_dim, generator=generator)
-    query = torch.randn(1, heads, rows, head_dim, generator=generator)
-    positions = torch.tensor([3, 30, 0, 17, 39, 8, 22])
-    none = torch.zeros(0, dtype=torch.long)
-    layout = _SlotLayout.build(rows, positions, none, none, kv_heads, chunk, torch.float32)
-    out, _ = _slot_attention(None, query, key, value, None, scaling=0.3, sao_slot_layout=layout)
-    assert out.shape == (1, rows, heads, head_dim)
-    for row, position in enumerate(positions.tolist()):
-        k = key[row, :, : position + 1].repeat_interleave(heads // kv_heads, 0)
-        v = value[row, :, : position + 1].repeat_interleave(heads // kv_heads, 0)
-        expected = F.scaled_dot_product_attention(query[:, :, row : row + 1], k[None], v[None], scale=0.3)[0, :, 0]
-        torch.testing.assert_close(out[0, row], expected, atol=1e-6, rtol=1e-5)
-
-
-def test_chunked_columns_counts_each_chunk_up_to_its_longest_row():
-    assert chunked_columns([5, 9, 2, 2, 7], 2) == 2 * 9 + 2 * 2 + 7
-    assert chunked_columns([5, 9, 2, 2, 7], 5) == 5 * 9
+# Rows grouped by length (the attention itself: test_kv_cache.py) ---------------------------------
 
 
 def test_rows_regrouped_by_length_keep_tokens_logprobs_and_routing(engine):
