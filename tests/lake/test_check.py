@@ -25,7 +25,7 @@ from sao.lake.writer import TrajectoryWriter
 from sao.models.policy import load_policy
 from sao.train.checkpoint import weights_hash
 from schemas import train_steps, trajectories
-from tests.lake.test_validate import CASES
+from tests.lake.validate.test_rules import CASES
 
 RUN = "run-c"
 MANUAL = WriterConfig(flush_rows=10_000, background_flush=False)

@@ -14,7 +14,7 @@ from sao.lake.config import CommitConfig, WriterConfig
 from sao.lake.store import Lake
 from sao.lake.writer import TrajectoryWriter
 from schemas import trajectories
-from tests.lake.test_validate import base
+from tests.lake.validate.test_rules import base
 
 MANUAL = WriterConfig(flush_rows=10_000, background_flush=False)
 NO_PAUSE = CommitConfig(backoff_s=0.0, max_backoff_s=0.0)

@@ -12,7 +12,7 @@ from sao.lake.store import LakeError
 from sao.lake.synthetic import make_trajectories
 from sao.lake.writer import TrajectoryWriter
 from tests.lake.conftest import RUN
-from tests.lake.test_validate import CASES
+from tests.lake.validate.test_rules import CASES
 
 
 @pytest.fixture

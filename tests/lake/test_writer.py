@@ -23,7 +23,7 @@ from sao.lake.writer import TrajectoryWriter, WriterClosedError
 from schemas import trajectories
 from tests.lake import _processes
 from tests.lake.conftest import RUN
-from tests.lake.test_validate import CASES, base
+from tests.lake.validate.test_rules import CASES, base
 
 MANUAL = WriterConfig(flush_rows=10_000, background_flush=False)
 
