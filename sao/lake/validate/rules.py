@@ -97,7 +97,6 @@ class Rule(enum.StrEnum):
 
 
 _ORDER = {rule: index for index, rule in enumerate(Rule)}
-# The three tiling problems are one check: only the first problem of a record is reported.
 
 
 @dataclass(frozen=True)
