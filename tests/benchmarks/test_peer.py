@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from benchmarks.peer import SPLIT_PARTS, THREAD_GROUPS, _split_ours, summarize
+from benchmarks.peer import _split_ours, summarize
+from benchmarks.peer_report import SPLIT_PARTS, THREAD_GROUPS
 
 
 def _record(ends: list[float], rewards: list[float], trained: int = 8) -> dict:
