@@ -126,3 +126,66 @@ def test_quick_run_writes_json_and_markdown(tmp_path):
     assert "Someone else's section" in text and text.count("<!-- scale:begin -->") == 1
     assert "first bottleneck" in text
     assert "what to do next" in scaling.read_text() and data["datacentre"][0]["scenario"] in scaling.read_text()
+
+
+def _committed_scale_data() -> dict:
+    from benchmarks.scale_model.paths import RESULTS_DIR
+
+    return json.loads((RESULTS_DIR / "scale.json").read_text())
+
+
+def _reading(markdown: str) -> str:
+    return markdown.split("Reading the table", 1)[1]
+
+
+def test_scaling_doc_section_is_what_the_committed_data_renders_to():
+    from benchmarks.scale_model.paths import ROOT
+    from benchmarks.scale_model.report import scaling_markdown
+
+    doc = (ROOT / "docs" / "SCALING.md").read_text()
+    section = doc.split("<!-- scaling-predictions:begin -->", 1)[1].split("<!-- scaling-predictions:end -->", 1)[0]
+    assert section.strip() == scaling_markdown(_committed_scale_data()).strip()
+
+
+def test_reading_the_table_takes_its_figures_from_the_rows():
+    from benchmarks.scale_model.report import GRID_ROWS, scaling_markdown
+
+    data = _committed_scale_data()
+    assert [row["scenario"] for row in data["datacentre"]] == list(GRID_ROWS.values())
+    before = _reading(scaling_markdown(data))
+    assert "at about 26 per second" in before and "a step (28 s)" in before and "(18 s)" in before
+    assert "28% go stale" in before and "(0.3 s) cuts the stale share to 11%" in before
+    assert "(256 against 249 per second)" in before and "a step of 28 minutes" in before
+    assert "still on 2048 (12 minutes, 2.3x faster); about 30% of rollouts" in before
+
+    changed = json.loads(json.dumps(data))
+    base, faster, sharded, _, batched, widest, long, long_faster = changed["datacentre"]
+    base["trajectories_per_s"] = 31.4
+    faster.update(step_s=30.2, broadcast_s=20.4, skipped_stale_frac=0.35)
+    sharded.update(broadcast_s=0.52, skipped_stale_frac=0.07)
+    batched["trajectories_per_s"], widest["trajectories_per_s"] = 300.4, 310.0
+    long["step_s"], long_faster["step_s"], long_faster["skipped_stale_frac"] = 1800.0, 600.0, 0.41
+    long_faster["trajectories_per_s"] = long["trajectories_per_s"] * 3.04
+    after = _reading(scaling_markdown(changed))
+    assert "at about 31 per second" in after and "at about 26" not in after
+    assert "a step (30 s)" in after and "(20 s)" in after and "35% go stale" in after
+    assert "(0.5 s) cuts the stale share to 7%" in after
+    assert "(310 against 300 per second)" in after and "multiplies it by 2.6" in after
+    assert "a step of 30 minutes" in after and "still on 2048 (10 minutes, 3.0x faster); about 41% of" in after
+
+
+def test_reading_the_table_refuses_another_grid_or_a_claim_the_rows_no_longer_bear_out():
+    from benchmarks.scale_model.datacentre import datacentre_grid
+    from benchmarks.scale_model.report import GRID_ROWS, scaling_markdown
+
+    assert [sc.name for sc in datacentre_grid()] == list(GRID_ROWS.values())
+    data = _committed_scale_data()
+    quick = data | {"datacentre": data["datacentre"][:2]}
+    assert "first 2 rows only" in _reading(scaling_markdown(quick))
+    for rows in (data["datacentre"][:3] + data["datacentre"][4:], data["datacentre"][1:],
+                 [row | {"scenario": row["scenario"].replace("512", "256")} for row in data["datacentre"]]):
+        with pytest.raises(ValueError, match="GRID_ROWS"):
+            scaling_markdown(data | {"datacentre": rows})
+    lake_first = [data["datacentre"][0] | {"bottleneck": "lake"}, *data["datacentre"][1:]]
+    with pytest.raises(ValueError, match="the base row is trainer-bound"):
+        scaling_markdown(data | {"datacentre": lake_first})
