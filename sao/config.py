@@ -51,9 +51,8 @@ from sao.pipeline import PipelineConfig
 from sao.rollout.agent import AgentConfig
 from sao.rollout.driver import DriverConfig
 from sao.runtime import RayConfig
-from sao.train.config import UpdateConfig
+from sao.train.config import TrainConfig, UpdateConfig
 from sao.train.evaluate import EvalConfig
-from sao.train.loop import TrainConfig
 from sao.train.pretrain import PretrainConfig
 from sao.train.retention import RetentionConfig
 from sao.train.sft import SFTConfig

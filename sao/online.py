@@ -71,12 +71,12 @@ def online_pipeline(settings: RunConfig, policy_path: str | Path, shifts: Sequen
     trajectory replay rewards under the same preference)."""
     from sao import runs
     from sao.rollout.agent import AgentConfig
-    from sao.train.run_config import RolloutSettings
+    from sao.train.run_config import ReplayContext
 
     options = shift_options(shifts)
     config = runs.pipeline_config(settings, policy_path)
-    rollout = RolloutSettings(tasks_path=str(Path(tasks_file).resolve()), env_options=options, max_turns=1)
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, rollout=rollout),
+    context = ReplayContext(tasks_path=str(Path(tasks_file).resolve()), env_options=options, max_turns=1)
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, rollout=context),
                                agent=AgentConfig(max_tokens=max_tokens, max_turns=1), env_options=options)
 
 

@@ -41,8 +41,9 @@ from sao.rollout.driver import DriverConfig, DriverStats, RolloutDriver
 from sao.rollout.serve import RolloutConfig
 from sao.rollout.torch_engine import TorchEngineConfig
 from sao.runtime import RayConfig, init_ray
-from sao.train.checkpoint import checkpoint_dir
-from sao.train.loop import StepReport, TrainConfig, last_committed_step, prepare_run
+from sao.train.checkpoint import policy_dir
+from sao.train.config import TrainConfig
+from sao.train.loop import StepReport, last_committed_step, prepare_run
 
 __all__ = ["PipelineConfig", "PipelineResult", "run_pipeline", "task_stream"]
 
@@ -135,7 +136,7 @@ def task_stream(tasks: Sequence[Task], seed: int, start: int = 0, repeat: int = 
 
 
 def _current_policy_path(train: TrainConfig, version: int) -> str:
-    return str(checkpoint_dir(train.checkpoint_root, version) / "policy")
+    return str(policy_dir(train.checkpoint_root, version))
 
 
 def _relaunches(lake: Lake, run_id: str, issuer_id: str,

@@ -32,10 +32,11 @@ from sao.lake.config import LakeConfig
 from sao.lake.store import Lake, is_valid_run_id, sql_literal
 from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
 from sao.runtime import init_ray
-from sao.train.checkpoint import checkpoint_dir
-from sao.train.loop import StepReport, TrainConfig, prepare_run
+from sao.train import checkpoint as checkpoints
+from sao.train.config import TrainConfig
+from sao.train.loop import StepReport, prepare_run
 from sao.train.pretrain import PretrainReport
-from sao.train.run_config import RolloutSettings
+from sao.train.run_config import ReplayContext
 
 __all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "finished", "math_tasks", "pipeline_config",
            "import_paths", "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
@@ -321,8 +322,8 @@ def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tu
         policy_path=str(Path(policy_path).resolve()), update=config.update(), batch_size=config.train.batch_size,
         max_staleness=config.train.max_staleness, total_steps=config.train.steps, seed=config.seed,
         num_workers=config.train.workers, resources_per_worker=dict(config.train.resources),
-        rollout=RolloutSettings(tasks_path=str(tasks_path(config).resolve()), env_options=options,
-                                max_turns=config.agent().max_turns),
+        rollout=ReplayContext(tasks_path=str(tasks_path(config).resolve()), env_options=options,
+                              max_turns=config.agent().max_turns),
         retention=config.retention_config(),
     )
     return PipelineConfig(train=train, ray=config.ray_config(), num_replicas=config.rollout.num_replicas,
@@ -352,7 +353,7 @@ def pretrain_value(config: RunConfig, policy_path: str | Path,
     train = pipeline.train
     if config.value_pretraining.samples == 0 or not train.update.uses_critic:
         return None
-    if (checkpoint_dir(train.checkpoint_root, 0) / "critic" / REPORT_FILE).exists():
+    if (checkpoints.critic_dir(train.checkpoint_root, 0) / REPORT_FILE).exists():
         log.info("value pretraining: done already for run %s", config.run_id)
         return None
     init_ray(pipeline.ray)
@@ -389,7 +390,7 @@ class Evaluation:
 def policy_dir(config: RunConfig, version: int) -> Path:
     """Where version ``version`` of the run's policy lives (version 0: the warm start, until the
     run's first checkpoint exists)."""
-    path = checkpoint_dir(config.checkpoint_root, version) / "policy"
+    path = checkpoints.policy_dir(config.checkpoint_root, version)
     if version == 0 and not path.exists():
         return config.initial_policy_dir
     return path

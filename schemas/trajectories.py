@@ -41,11 +41,10 @@ version 2. The trainer replays recorded positions and routes the rest live (:mod
 
 from __future__ import annotations
 
-import enum
-
 import pyarrow as pa
 
 from schemas._spec import TIMESTAMP, TableSpec, doc_field, list_of
+from schemas.vocabulary import LogprobKind, SegmentKind, TerminationReason
 
 __all__ = [
     "NAME",
@@ -67,31 +66,6 @@ SCHEMA_VERSION = 3
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 """What a run id must match in full: it names a partition folder and appears in SQL predicates."""
 PARTITION_BY = ("run_id",)
-
-
-class TerminationReason(enum.StrEnum):
-    """Why a trajectory ended. Only ``stop`` ends with value 0; the budget reasons bootstrap."""
-
-    STOP = "stop"  # natural end: stop token or answer given
-    LENGTH = "length"  # token budget exhausted
-    TURNS = "turns"  # turn budget exhausted
-    TIMEOUT = "timeout"  # wall-clock budget exhausted
-    CANCELLED = "cancelled"  # cancelled by the driver (shutdown, weight refresh policy, ...)
-    ERROR = "error"  # the engine, a tool or the environment failed
-
-
-class LogprobKind(enum.StrEnum):
-    """Which distribution the engine's log-probabilities come from (the trainer must match it)."""
-
-    SAMPLING = "sampling"  # after temperature / top-k / top-p: what the sampler drew from
-    RAW = "raw"  # the model's own distribution
-
-
-class SegmentKind(enum.StrEnum):
-    """Who produced a run of completion tokens."""
-
-    ACTION = "action"  # sampled by the policy
-    OBSERVATION = "observation"  # inserted by a tool or the environment
 
 
 SEGMENT_TYPE = pa.struct(

@@ -9,7 +9,7 @@ import pytest
 from sao.envs.math_tool import MathToolConfig, generate_tasks
 from sao.lake.config import LakeConfig
 from sao.pipeline import PipelineConfig, task_stream
-from sao.train.loop import TrainConfig
+from sao.train.config import TrainConfig
 
 TASKS = generate_tasks(MathToolConfig(num_train=5, num_heldout=0))
 

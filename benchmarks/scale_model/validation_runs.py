@@ -40,7 +40,7 @@ def run_validation(workdir: Path, configs: Sequence[tuple[int, int]], steps: int
     from sao.rollout.agent import AgentConfig
     from sao.runs import math_tasks
     from sao.runtime import RayConfig, init_ray, shutdown_ray
-    from sao.train.loop import TrainConfig
+    from sao.train.config import TrainConfig
 
     policy = _policy_dir(workdir)
     lake_config = LakeConfig(root=str(workdir / "lake"))

@@ -7,8 +7,9 @@ in descending probability of the top-k distribution, whose mass reaches ``top_p`
 token is always kept; 1.0 = off). Filtered tokens get log-probability ``-inf``.
 
 The ``raw`` kind is ``log_softmax(logits)``: the model's own distribution, before any transform. An
-engine records which kind its log-probabilities are (``LogprobKind``) and the trainer recomputes the
-current policy's log-probabilities under the same kind and settings, so that rho compares like with like.
+engine records which kind its log-probabilities are (``LogprobKind``, the lake's ``logprob_kind`` values
+from the standard-library-only :mod:`schemas.vocabulary`) and the trainer recomputes the current policy's
+log-probabilities under the same kind and settings, so that rho compares like with like.
 
 Parameters may be Python scalars (one setting for the whole batch) or tensors of shape ``logits.shape[:-1]``
 (one setting per row, e.g. per request in a decode batch).
@@ -16,18 +17,11 @@ Parameters may be Python scalars (one setting for the whole batch) or tensors of
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
+from schemas.vocabulary import LogprobKind
+
 __all__ = ["LogprobKind", "check_sampling", "sampling_logprobs", "token_logprobs"]
-
-
-class LogprobKind(enum.StrEnum):
-    """Which distribution a recorded log-probability comes from."""
-
-    SAMPLING = "sampling"
-    RAW = "raw"
 
 
 Param = float | int | torch.Tensor

@@ -3,10 +3,10 @@
 Public API (what the rollout and trainer code use):
 
 - :class:`Lake` (``Lake.open(LakeConfig(root=...))``): the tables under one root, local or ``s3://``.
-- :class:`TrajectoryRecord` (+ :class:`Segment`, :class:`SamplingParams`, :class:`Timings`): what a
+- :class:`TrajectoryRecord` (+ :class:`Segment`, :class:`RecordedSampling`, :class:`Timings`): what a
   rollout worker builds; :class:`TrajectoryWriter` stores them (batched, validated, exactly once).
-- :class:`TrajectoryReader`: the trainer's next micro-batch; ``reader.record_step`` (or
-  :func:`record_train_step`) records the step in ``train_steps``, which marks its rows consumed.
+- :class:`TrajectoryReader`: the trainer's next micro-batch; :func:`record_train_step` records the
+  step in ``train_steps``, which marks its rows consumed, and then ``reader.consumed(ids)`` forgets them.
 - :func:`register_policy_version`, :func:`newest_policy_version`: the checkpoint registry.
 - :func:`read_trajectories`, :func:`read_step_trajectories`: pinned snapshots and replay input.
 - :class:`IssueLog`: the driver's record of every launched rollout (``rollout_tasks``).
@@ -47,8 +47,8 @@ from sao.lake.reader import (
 )
 from sao.lake.records import (
     PolicyVersionRecord,
+    RecordedSampling,
     RecordTypeError,
-    SamplingParams,
     Segment,
     Timings,
     TrainStepRecord,
@@ -85,8 +85,8 @@ __all__ = [
     "PolicyVersionRecord",
     "ReadOnlyQueryError",
     "RecordTypeError",
+    "RecordedSampling",
     "Rule",
-    "SamplingParams",
     "SchemaMismatchError",
     "Segment",
     "SegmentKind",

@@ -18,11 +18,12 @@ a call are set aside (and counted in ``skipped_stale``); they come back only if 
 older data (a lower ``trainer_version - max_staleness``), which a trainer whose version only grows
 never does.
 
-A reader hands each row out once. The trainer records the step that used them with
-:meth:`TrajectoryReader.record_step` (which writes ``train_steps`` and lets the reader forget them), or
-gives them back with :meth:`TrajectoryReader.release`. Rows handed out but never recorded (the trainer
-crashed) are offered again by the next reader, which starts from ``train_steps``: that is what makes
-consumption exactly-once across restarts.
+A reader hands each row out once, and only reads. The trainer records the step that used them with
+:func:`sao.lake.ledger.record_train_step` and, once that commit succeeded, tells the reader with
+:meth:`TrajectoryReader.consumed` (which forgets them); or it gives them back with
+:meth:`TrajectoryReader.release`. Rows handed out but never recorded (the trainer crashed) are offered
+again by the next reader, which starts from ``train_steps``: that is what makes consumption
+exactly-once across restarts.
 
 :func:`select_unconsumed` is the slow reference (a full scan of the run at one snapshot, anti-joined
 with ``train_steps``); a test holds the two equal.
@@ -41,10 +42,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.fs import DeltaStorageHandler
 
-from sao.lake.commit import CommitResult
-from sao.lake.config import CommitConfig
-from sao.lake.ledger import consumed_ids, record_train_step
-from sao.lake.records import TrainStepRecord
+from sao.lake.ledger import consumed_ids
 from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
 from schemas import train_steps, trajectories
 
@@ -199,15 +197,13 @@ class TrajectoryReader:
             skipped_no_actions=no_actions,
         )
 
-    def record_step(
-        self, record: TrainStepRecord, config: CommitConfig | None = None
-    ) -> CommitResult:
-        """Record a trainer step in ``train_steps`` (:func:`sao.lake.ledger.record_train_step`) and
-        forget its rows here: they are consumed and can no longer be released."""
-        result = record_train_step(self.lake, record, config)
-        for trajectory_id in record.trajectory_ids:
+    def consumed(self, trajectory_ids: Iterable[str]) -> None:
+        """Forget handed-out rows that a step recorded in ``train_steps`` consumed: they can no longer
+        be released (ids this reader did not hand out are ignored). Call it after
+        :func:`sao.lake.ledger.record_train_step` returned, never before: a failed commit leaves the
+        rows handed out, to be recorded again or released."""
+        for trajectory_id in trajectory_ids:
             self._handed_out.pop(trajectory_id, None)
-        return result
 
     def release(self, trajectory_ids: Iterable[str]) -> None:
         """Offer handed-out rows again (their step was abandoned before it was recorded)."""

@@ -26,7 +26,7 @@ from schemas.trajectories import LogprobKind, SegmentKind, TerminationReason
 __all__ = [
     "PolicyVersionRecord",
     "RecordTypeError",
-    "SamplingParams",
+    "RecordedSampling",
     "Segment",
     "Timings",
     "TrainStepRecord",
@@ -77,8 +77,22 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Engine sampling settings; see the ``sampling`` struct in :mod:`schemas.trajectories`."""
+class RecordedSampling:
+    """The sampling settings a trajectory row stores: its ``sampling`` struct
+    (:mod:`schemas.trajectories`).
+
+    Not the engine's request settings (:class:`sao.rollout.engine.SamplingParams`): this is what the
+    row keeps of them, in the table's terms. A disabled top-k is stored as null (``top_k=None``), where
+    the engine spells it ``top_k=0``; a stored ``top_k`` is otherwise >= 1. The agent loop records
+    (:meth:`sao.rollout.agent.AgentLoop.run`, mapping 0 -> None) and the trainer reads back
+    (:func:`sao.train.batch.collate`, mapping None -> 0).
+
+    Attributes:
+        temperature: the logits' divisor (> 0).
+        top_p: nucleus mass kept, in (0, 1]; 1.0 = no nucleus cut.
+        top_k: the k most likely tokens kept, >= 1; None = no top-k (the engine's 0).
+        max_tokens, seed: the token budget and the sampler seed (None: the engine drew its own).
+    """
 
     temperature: float
     top_p: float
@@ -177,7 +191,7 @@ class TrajectoryRecord:
     reward: float
     termination_reason: TerminationReason
     num_turns: int
-    sampling: SamplingParams
+    sampling: RecordedSampling
     tokenizer_version: str
     chat_template_version: str
     engine_name: str
@@ -204,9 +218,9 @@ class TrajectoryRecord:
         if self.routed_experts is not None:
             set_(self, "routed_experts", _routing_array(self.routed_experts))
         set_(self, "segments", tuple(_segment(i, s) for i, s in enumerate(self.segments)))
-        if not isinstance(self.sampling, SamplingParams):
+        if not isinstance(self.sampling, RecordedSampling):
             raise RecordTypeError(
-                "sampling", f"needs SamplingParams, got {type(self.sampling).__name__}"
+                "sampling", f"needs RecordedSampling, got {type(self.sampling).__name__}"
             )
         if not isinstance(self.timings, Timings):
             raise RecordTypeError("timings", f"needs Timings, got {type(self.timings).__name__}")
@@ -276,7 +290,7 @@ class TrajectoryRecord:
         """
         try:
             segments = tuple(_segment_from_row(i, s) for i, s in enumerate(_get(row, "segments")))
-            sampling = SamplingParams(**_subrow(row, "sampling", SamplingParams))
+            sampling = RecordedSampling(**_subrow(row, "sampling", RecordedSampling))
             timings = Timings(**_subrow(row, "timings", Timings))
         except RecordTypeError:
             raise

@@ -12,7 +12,7 @@ import uuid
 
 import numpy as np
 
-from sao.lake.records import SamplingParams, Segment, Timings, TrajectoryRecord
+from sao.lake.records import RecordedSampling, Segment, Timings, TrajectoryRecord
 from schemas.trajectories import LogprobKind, SegmentKind, TerminationReason
 
 __all__ = ["make_trajectory", "make_trajectories"]
@@ -66,7 +66,7 @@ def make_trajectory(
         reward=float(rng.integers(0, 2)),
         termination_reason=TerminationReason.STOP,
         num_turns=turns,
-        sampling=SamplingParams(
+        sampling=RecordedSampling(
             temperature=1.0, top_p=1.0, top_k=None, max_tokens=num_tokens, seed=7
         ),
         tokenizer_version="tiny-qwen3-moe@1",

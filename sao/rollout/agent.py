@@ -37,8 +37,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from sao.envs.base import Environment, Task
-from sao.lake.records import SamplingParams as RecordedSampling
-from sao.lake.records import Segment, Timings, TrajectoryRecord, utc_now
+from sao.lake.records import RecordedSampling, Segment, Timings, TrajectoryRecord, utc_now
 from sao.models.chat import ChatTokens, observation_ids, prompt_ids
 from sao.models.tokenizer import chat_template_version, tokenizer_version
 from sao.rollout.engine import Engine, FinishReason, SamplingParams

@@ -36,7 +36,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from sao.envs.base import Task
 from sao.lake.issued import IssuedRollout
@@ -111,6 +111,42 @@ class DriverStats:
         return self.slot_busy_s / (self.wall_s * max_in_flight) if self.wall_s > 0 else 0.0
 
 
+class _Launch(NamedTuple):
+    """A launch to make: a task's ``attempt`` (0 first), naming the trajectory it retries, if any."""
+
+    task: Task
+    attempt: int
+    retry_of: str | None
+
+
+class _InFlight(NamedTuple):
+    """A rollout that runs: what it was launched as and when it began (``time.monotonic``)."""
+
+    task: Task
+    attempt: int
+    began: float
+    trajectory_id: str
+
+
+@dataclasses.dataclass
+class _RunState:
+    """What one :meth:`RolloutDriver.run` carries from one iteration to the next."""
+
+    source: Iterator[Task]
+    retry: collections.deque[_Launch]  # relaunches and failed attempts, launched before new tasks
+    running: dict[asyncio.Future, _InFlight] = dataclasses.field(default_factory=dict)
+    exhausted: bool = False  # the task source has run out
+    index: int = 0  # launches so far in this run: the offset of the next seed
+    pending_sink: list[asyncio.Future] = dataclasses.field(default_factory=list)  # calls on the sink's thread
+
+    def next_launch(self) -> _Launch | None:
+        """A waiting retry, else the source's next task as a first attempt; None when both have run out."""
+        if self.retry:
+            return self.retry.popleft()
+        task = next(self.source, None)
+        return None if task is None else _Launch(task, 0, None)
+
+
 class RolloutDriver:
     """Drives a rollout app (anything with ``rollout.remote(task, run_id, trajectory_id, seed)``).
 
@@ -169,85 +205,108 @@ class RolloutDriver:
         ``cancel`` cancels what is in flight (see the module docstring); ``relaunch``: (task, abandoned
         launch) pairs launched first, each as the next attempt of its abandoned launch."""
         started = time.monotonic()
-        source: Iterator[Task] = iter(tasks)
-        retry: collections.deque[tuple[Task, int, str]] = collections.deque(
-            (task, abandoned.attempt + 1, abandoned.trajectory_id) for task, abandoned in relaunch)
-        running: dict[asyncio.Future, tuple[Task, int, float, str]] = {}
-        exhausted = False
-        index = 0
-        pending_sink: list[asyncio.Future] = []
-        loop = asyncio.get_running_loop()
+        state = _RunState(iter(tasks), collections.deque(
+            _Launch(task, abandoned.attempt + 1, abandoned.trajectory_id) for task, abandoned in relaunch))
         while True:
             stopping = (stop is not None and stop.is_set()) or (limit is not None and self.stats.launched >= limit)
-            if not stopping and (retry or not exhausted):
-                capacity, version = await self._capacity()
-                free = capacity - len(running)
-                min_version = version if self.config.synchronous else None
-                issued: list[IssuedRollout] = []
-                while free > 0 and (limit is None or self.stats.launched < limit):
-                    if retry:
-                        task, attempt, retry_of = retry.popleft()
-                    else:
-                        task, attempt, retry_of = next(source, None), 0, None
-                    if task is None:
-                        exhausted = True
-                        break
-                    trajectory_id = uuid.uuid4().hex
-                    seed = self.config.seed * 1_000_003 + index
-                    index += 1
-                    issued.append(IssuedRollout(self.run_id, trajectory_id, task.task_id, task.env, attempt, retry_of))
-                    future = asyncio.ensure_future(self._call(task, trajectory_id, seed, min_version))
-                    running[future] = (task, attempt, time.monotonic(), trajectory_id)
-                    self.stats.launched += 1
-                    if self.gate is not None:
-                        self.gate.start()
-                    free -= 1
-                if issued and self.issue_log is not None:  # same thread as the records: logged first
-                    pending_sink.append(loop.run_in_executor(self._sink_thread, self.issue_log.add_many, issued))
-            if not running:
-                if (exhausted and not retry) or stopping:
+            if not stopping and (state.retry or not state.exhausted):
+                await self._launch(state, limit)
+            if not state.running:
+                if (state.exhausted and not state.retry) or stopping:
                     break
                 await asyncio.sleep(self.config.version_poll_s)  # gate closed: wait for the trainer
                 continue
             if cancel is not None and cancel.is_set():
-                done = await self._cancel_all(running)
+                done = await self._cancel_all(state.running)
             else:
-                done, _ = await asyncio.wait(running, timeout=self.config.version_poll_s,
+                done, _ = await asyncio.wait(state.running, timeout=self.config.version_poll_s,
                                              return_when=asyncio.FIRST_COMPLETED)
-            records = []
-            for future in done:
-                task, attempt, began, trajectory_id = running.pop(future)
-                self.stats.slot_busy_s += time.monotonic() - began
-                if future.cancelled():
-                    record, failed = failed_record(task, self.run_id, trajectory_id, "the run was stopped (Ctrl-C) "
-                                                   "while it was in flight", reason="cancelled"), False
-                else:
-                    record, failed = future.result()
-                records.append(record)
-                if failed and self.config.retry_failed and attempt < self.config.max_retries and not stopping:
-                    retry.append((task, attempt + 1, trajectory_id))
-                    self.stats.retried += 1
+            records = self._collect(state, done, may_retry=not stopping)
             if records:
-                if self.gate is not None and self.trainer_skipped is None:
-                    await self._release_untrainable(records)
-                self.stats.finished += len(records)
-                for record in records:
-                    self.stats.by_reason[str(record.termination_reason)] += 1
-                    if self.on_record is not None:
-                        self.on_record(record)
-                pending_sink.append(loop.run_in_executor(self._sink_thread, self.sink.add_many, records))
-                for finished in [f for f in pending_sink if f.done()]:
-                    finished.result()  # a sink failure stops the run loudly
-                    pending_sink.remove(finished)
-        await asyncio.gather(*pending_sink)
-        if self.issue_log is not None:  # before the records' last flush: no record without its launch
-            await loop.run_in_executor(self._sink_thread, self.issue_log.flush)
-        await loop.run_in_executor(self._sink_thread, self.sink.flush)
+                await self._record(state, records)
+        await self._finish(state)
         self.stats.wall_s = time.monotonic() - started
         return self.stats
 
+    async def _launch(self, state: _RunState, limit: int | None) -> None:
+        """Fill the places free now (the gate's capacity less what runs) with retries first, then new
+        tasks, up to ``limit`` launches; the launches go to the issue log on the sink's thread, so ahead
+        of any of their records."""
+        capacity, version = await self._capacity()
+        free = capacity - len(state.running)
+        min_version = version if self.config.synchronous else None
+        issued: list[IssuedRollout] = []
+        while free > 0 and (limit is None or self.stats.launched < limit):
+            launch = state.next_launch()
+            if launch is None:
+                state.exhausted = True
+                break
+            issued.append(self._start(state, launch, min_version))
+            free -= 1
+        if issued and self.issue_log is not None:  # same thread as the records: logged first
+            state.pending_sink.append(self._on_sink_thread(self.issue_log.add_many, issued))
+
+    def _start(self, state: _RunState, launch: _Launch, min_version: int | None) -> IssuedRollout:
+        """Start one rollout under a new trajectory id and the run's next seed (in launch order), take
+        its place in the gate, and return its issue-log row."""
+        task = launch.task
+        trajectory_id = uuid.uuid4().hex
+        seed = self.config.seed * 1_000_003 + state.index
+        state.index += 1
+        issued = IssuedRollout(self.run_id, trajectory_id, task.task_id, task.env, launch.attempt, launch.retry_of)
+        future = asyncio.ensure_future(self._call(task, trajectory_id, seed, min_version))
+        state.running[future] = _InFlight(task, launch.attempt, time.monotonic(), trajectory_id)
+        self.stats.launched += 1
+        if self.gate is not None:
+            self.gate.start()
+        return issued
+
+    def _collect(self, state: _RunState, done: Iterable[asyncio.Future], may_retry: bool) -> list[TrajectoryRecord]:
+        """The records of the ``done`` rollouts (a cancelled one becomes a ``cancelled`` record); with
+        ``may_retry``, a failed attempt that has retries left is queued to be launched again."""
+        records = []
+        for future in done:
+            flight = state.running.pop(future)
+            self.stats.slot_busy_s += time.monotonic() - flight.began
+            if future.cancelled():
+                record, failed = failed_record(flight.task, self.run_id, flight.trajectory_id, "the run was stopped "
+                                               "(Ctrl-C) while it was in flight", reason="cancelled"), False
+            else:
+                record, failed = future.result()
+            records.append(record)
+            if failed and self.config.retry_failed and flight.attempt < self.config.max_retries and may_retry:
+                state.retry.append(_Launch(flight.task, flight.attempt + 1, flight.trajectory_id))
+                self.stats.retried += 1
+        return records
+
+    async def _record(self, state: _RunState, records: list[TrajectoryRecord]) -> None:
+        """Account for finished records (the gate's places of untrainable ones, stats, ``on_record``) and
+        hand them to the sink on its thread; a sink call that has failed meanwhile stops the run."""
+        if self.gate is not None and self.trainer_skipped is None:
+            await self._release_untrainable(records)
+        self.stats.finished += len(records)
+        for record in records:
+            self.stats.by_reason[str(record.termination_reason)] += 1
+            if self.on_record is not None:
+                self.on_record(record)
+        state.pending_sink.append(self._on_sink_thread(self.sink.add_many, records))
+        for finished in [f for f in state.pending_sink if f.done()]:
+            finished.result()  # a sink failure stops the run loudly
+            state.pending_sink.remove(finished)
+
+    async def _finish(self, state: _RunState) -> None:
+        """Drain the sink's thread, then flush the issue log before the records' last flush."""
+        await asyncio.gather(*state.pending_sink)
+        if self.issue_log is not None:  # before the records' last flush: no record without its launch
+            await self._on_sink_thread(self.issue_log.flush)
+        await self._on_sink_thread(self.sink.flush)
+
+    def _on_sink_thread(self, fn: Callable, *args) -> asyncio.Future:
+        """``fn(*args)`` on the sink's one thread, in submission order."""
+        return asyncio.get_running_loop().run_in_executor(self._sink_thread, fn, *args)
+
     @staticmethod
-    async def _cancel_all(running: dict[asyncio.Future, tuple]) -> set[asyncio.Future]:
+    async def _cancel_all(running: dict[asyncio.Future, _InFlight]) -> set[asyncio.Future]:
         """Cancel every rollout in flight (the Serve request is cancelled on its replica) and wait until
         each has ended; one that finished meanwhile keeps its record."""
         for future in running:
@@ -285,7 +344,7 @@ def failed_record(task: Task, run_id: str, trajectory_id: str, message: str,
                   reason: str = "error") -> TrajectoryRecord:
     """A trajectory with no tokens that ended with ``reason``: ``error`` for a rollout whose replica
     failed before answering, ``cancelled`` for one the driver cancelled."""
-    from sao.lake.records import SamplingParams, Timings, utc_now
+    from sao.lake.records import RecordedSampling, Timings, utc_now
 
     now = utc_now()
     log.info("recording %s as %s: %s", trajectory_id, reason, message)
@@ -293,7 +352,7 @@ def failed_record(task: Task, run_id: str, trajectory_id: str, message: str,
         trajectory_id=trajectory_id, run_id=run_id, task_id=task.task_id, env_name=task.env, prompt_ids=[],
         completion_ids=[], action_mask=[], logprobs=[], logprob_kind="sampling", segments=(), reward=0.0,
         termination_reason=reason, num_turns=0,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=None, max_tokens=1, seed=None),
+        sampling=RecordedSampling(temperature=1.0, top_p=1.0, top_k=None, max_tokens=1, seed=None),
         tokenizer_version="unknown", chat_template_version="unknown", engine_name="unknown",
         engine_version="unknown", worker_id="driver", timings=Timings(now, now, now, 0.0, 0.0),
         error=message if reason == "error" else None,

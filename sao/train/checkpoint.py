@@ -19,6 +19,7 @@ checkpoints with the same hash hold bit-identical weights, which is what step re
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import shutil
@@ -35,15 +36,20 @@ __all__ = [
     "PRUNABLE_PARTS",
     "Checkpoint",
     "CheckpointPrunedError",
+    "RegisteredState",
     "checkpoint_dir",
     "complete_versions",
+    "critic_dir",
     "has_full_state",
+    "is_complete",
     "latest_complete",
     "load_checkpoint",
+    "policy_dir",
     "prune_checkpoint",
     "pruned_parts",
     "replace_critic",
     "save_checkpoint",
+    "verify_registered",
     "weights_hash",
 ]
 
@@ -52,8 +58,10 @@ hf_logging.disable_progress_bar()  # a checkpoint per version: no progress bar p
 _COMPLETE = "COMPLETE"
 _PRUNED = "PRUNED"
 _STATE = "trainer_state.pt"
+_POLICY = "policy"
+_CRITIC = "critic"
 # What retention may delete, and the path of each part inside a version's directory.
-PRUNABLE_PARTS: dict[str, str] = {"policy": "policy", "critic": "critic", "trainer_state": _STATE}
+PRUNABLE_PARTS: dict[str, str] = {"policy": _POLICY, "critic": _CRITIC, "trainer_state": _STATE}
 
 
 class CheckpointPrunedError(RuntimeError):
@@ -76,6 +84,21 @@ def checkpoint_dir(root: str | Path, version: int) -> Path:
     return Path(root) / f"v{version:06d}"
 
 
+def policy_dir(root: str | Path, version: int) -> Path:
+    """The Hugging Face directory of version ``version``'s policy (what engines and evaluation load)."""
+    return checkpoint_dir(root, version) / _POLICY
+
+
+def critic_dir(root: str | Path, version: int) -> Path:
+    """The directory of version ``version``'s critic (absent for algorithms without one)."""
+    return checkpoint_dir(root, version) / _CRITIC
+
+
+def is_complete(root: str | Path, version: int) -> bool:
+    """Whether version ``version``'s save finished (its ``COMPLETE`` marker is written last)."""
+    return (checkpoint_dir(root, version) / _COMPLETE).exists()
+
+
 @dataclasses.dataclass
 class Checkpoint:
     """What a checkpoint directory holds once loaded."""
@@ -95,9 +118,9 @@ def save_checkpoint(root: str | Path, version: int, policy: torch.nn.Module, tok
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    save_policy(policy, path / "policy", tokenizer, policy_version=version)
+    save_policy(policy, path / _POLICY, tokenizer, policy_version=version)
     if critic is not None:
-        save_critic(critic, path / "critic")
+        save_critic(critic, path / _CRITIC)
     state = {"trainer": trainer_state, "torch_rng": torch.get_rng_state()}
     torch.save(state, path / _STATE)
     (path / _COMPLETE).write_text(f"{version}\n")
@@ -128,9 +151,9 @@ def load_checkpoint(root: str | Path, version: int, *, with_critic: bool = True,
     if gone:
         raise CheckpointPrunedError(
             f"checkpoint of version {version} at {path}: retention deleted {gone} (PRUNED lists {list(pruned)})")
-    policy = load_policy(path / "policy")
+    policy = load_policy(path / _POLICY)
     _restore_critic(path)
-    critic = load_critic(path / "critic") if with_critic and (path / "critic").exists() else None
+    critic = load_critic(path / _CRITIC) if with_critic and (path / _CRITIC).exists() else None
     state = None
     if with_state and (path / _STATE).exists():
         state = torch.load(path / _STATE, weights_only=False)["trainer"]
@@ -213,3 +236,36 @@ def latest_complete(root: str | Path) -> int | None:
     """Newest version with a complete checkpoint under ``root`` (None when there is none)."""
     versions = complete_versions(root)
     return versions[-1] if versions else None
+
+
+class RegisteredState(enum.StrEnum):
+    """What :func:`verify_registered` found at a version's registered checkpoint."""
+
+    VERIFIED = "verified"  # the policy's weights hash equals the recorded one
+    PRUNED = "pruned"  # retention deleted the policy weights (PRUNED lists them): nothing to compare
+    NOT_LOCAL = "not_local"  # a remote location: cannot be verified from this machine
+    INCOMPLETE = "incomplete"  # a policy directory without the COMPLETE marker: an interrupted save
+    MISSING = "missing"  # no policy at the location
+    HASH_DIFFERS = "hash_differs"  # the weights differ from the recorded hash
+
+
+def verify_registered(checkpoint_uri: str, version: int, recorded_hash: str) -> tuple[RegisteredState, str]:
+    """Check the checkpoint a ``policy_versions`` row registered: (state, detail for a report).
+
+    ``checkpoint_uri`` is a version directory of this layout (``<root>/v000003``) or a bare policy
+    directory (version 0 registered from the SFT warm start's directory). Loads the policy to hash it.
+    """
+    if "://" in checkpoint_uri and not checkpoint_uri.startswith("file://"):
+        return RegisteredState.NOT_LOCAL, "not a local path: cannot be verified here"
+    path = Path(checkpoint_uri.removeprefix("file://"))
+    if (path / _PRUNED).exists() and "policy" in pruned_parts(path.parent, version):
+        return RegisteredState.PRUNED, f"policy weights pruned by retention ({path})"
+    if (path / _POLICY).exists() and not (path / _COMPLETE).exists():
+        return RegisteredState.INCOMPLETE, "incomplete: no COMPLETE marker"
+    directory = next((d for d in (path / _POLICY, path) if (d / "config.json").is_file()), None)
+    if directory is None:
+        return RegisteredState.MISSING, "no policy there"
+    digest = weights_hash(load_policy(directory))
+    if digest != recorded_hash:
+        return RegisteredState.HASH_DIFFERS, f"recorded {recorded_hash[:16]}..., found {digest[:16]}..."
+    return RegisteredState.VERIFIED, ""

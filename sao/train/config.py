@@ -21,11 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
+from typing import Any
 
 from sao.algos.dis import check_interval
 from sao.algos.masked import LossAggregation
+from sao.lake.config import LakeConfig
+from sao.lake.store import is_valid_run_id
+from sao.train.retention import RetentionConfig
+from schemas.trajectories import RUN_ID_PATTERN
 
-__all__ = ["AdvantageEstimator", "Algorithm", "PolicyLossKind", "UpdateConfig"]
+__all__ = ["AdvantageEstimator", "Algorithm", "PolicyLossKind", "ReplayContext", "TrainConfig", "UpdateConfig"]
 
 
 class Algorithm(enum.StrEnum):
@@ -159,3 +165,101 @@ class UpdateConfig:
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator is AdvantageEstimator.CRITIC_GAE
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayContext:
+    """What the run's rollouts used that a trajectory does not record, for trajectory replay.
+
+    Stored as ``TrainConfig.rollout``: the key ``"rollout"`` of ``run_config.json`` (the class name is
+    not stored). Not the Serve app's settings (:class:`sao.rollout.serve.RolloutConfig`).
+
+    Attributes:
+        tasks_path: the JSON Lines task file (:func:`sao.envs.base.read_tasks`) the rollouts drew
+            from; trajectory replay finds a trajectory's task there to re-score it. None: unknown
+            (replay then needs ``--tasks``).
+        env_options: per environment name, the options ``make_env(name, **options)`` was given.
+        max_turns: the agent loop's turn budget (``AgentConfig.max_turns``); None: unknown, so a
+            ``turns`` end by the agent's budget cannot be checked.
+    """
+
+    tasks_path: str | None = None
+    env_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    max_turns: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"ReplayContext.max_turns must be >= 1 or None, got {self.max_turns}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    Attributes:
+        run_id: the run (partition of every table); a re-run with the same id resumes.
+        lake: where the tables live.
+        checkpoint_root: where every version's checkpoint goes.
+        policy_path: the version-0 policy (SFT warm start) directory.
+        critic_path: a pretrained critic directory; None builds one from the policy.
+        update: the algorithm and its settings.
+        batch_size: trajectories per actor update.
+        max_staleness: most versions a trajectory may lag when trained on.
+        total_steps: actor updates of the run (a resumed run continues to this count).
+        seed: torch seed of the run.
+        deterministic: ``torch.use_deterministic_algorithms`` (bit-exact replay on CPU).
+        torch_threads: intra-op threads per worker.
+        wait_timeout_s: longest wait for a batch to arrive before the run fails.
+        poll_s: how often the reader looks for new trajectories while waiting.
+        app_name: rollout app whose replicas receive new weights (None: do not publish).
+        num_workers: Ray Train workers (data parallel; gradients are summed across them).
+        cpus_per_worker: Ray CPUs per worker (fractions leave room for dataset reads and rollouts).
+        resources_per_worker: custom Ray resources per worker, e.g. ``{"trainer": 1}`` (placement on the
+            nodes started with them); empty: any node with the CPUs.
+        report_interval_s: on Ray Train, steps are reported to it (``ray.train.report``) at most this
+            often, and the last step always. Its controller takes a report when it polls the workers
+            (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default) and the next report blocks
+            until it has: reporting every step stalled each step by about 1.2 s. The lake has every step.
+        rollout: what the rollouts used that trajectories do not record (task file, environment
+            options, turn budget), stored for trajectory replay.
+        retention: which old checkpoints to prune after each step (None: keep every part of every one).
+        compact_ledger_every: compact the ledger tables (``train_steps``, ``policy_versions``) every this
+            many steps (0: never). Each step's commits read the ledger rows first, and every commit adds
+            a file. Uncompacted, the pause between one step's row and the next step's start grew from
+            0.1 to 0.6 s over 450 steps (three runs in one lake, `sao bench online`).
+    """
+
+    run_id: str
+    lake: LakeConfig
+    checkpoint_root: str
+    policy_path: str
+    critic_path: str | None = None
+    update: UpdateConfig = UpdateConfig()
+    batch_size: int = 16
+    max_staleness: int = 4
+    total_steps: int = 20
+    seed: int = 0
+    deterministic: bool = True
+    torch_threads: int = 1
+    wait_timeout_s: float = 900.0
+    poll_s: float = 0.1
+    app_name: str | None = "rollout"
+    num_workers: int = 1
+    cpus_per_worker: float = 0.5
+    resources_per_worker: dict[str, float] = dataclasses.field(default_factory=dict)
+    report_interval_s: float = 5.0
+    rollout: ReplayContext = ReplayContext()
+    retention: RetentionConfig | None = None
+    compact_ledger_every: int = 50
+
+    def __post_init__(self) -> None:
+        if not is_valid_run_id(self.run_id):
+            raise ValueError(f"run_id {self.run_id!r} is not a valid run id: it must match {RUN_ID_PATTERN}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.total_steps < 0:
+            raise ValueError(f"total_steps must be >= 0, got {self.total_steps}")
+        if self.compact_ledger_every < 0:
+            raise ValueError(f"compact_ledger_every must be >= 0, got {self.compact_ledger_every}")

@@ -43,25 +43,29 @@ import torch
 import torch.distributed as dist
 
 from sao.faults import crash_point
-from sao.lake.config import LakeConfig
-from sao.lake.ledger import register_policy_version
+from sao.lake.ledger import record_train_step, register_policy_version
 from sao.lake.maintenance import compact_ledger
 from sao.lake.reader import TrajectoryReader, read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
-from sao.lake.store import Lake, is_valid_run_id, sql_literal
+from sao.lake.store import Lake, sql_literal
 from sao.models.critic import Critic, load_critic
 from sao.models.policy import load_policy
 from sao.models.tokenizer import load_tokenizer
 from sao.train.batch import collate
-from sao.train.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint, weights_hash
-from sao.train.config import UpdateConfig
-from sao.train.retention import RetentionConfig, apply_retention
-from sao.train.run_config import RolloutSettings, write_run_config
+from sao.train.checkpoint import (
+    checkpoint_dir,
+    is_complete,
+    load_checkpoint,
+    save_checkpoint,
+    weights_hash,
+)
+from sao.train.config import TrainConfig
+from sao.train.retention import apply_retention
+from sao.train.run_config import write_run_config
 from sao.train.step import Learner
 from schemas import train_steps
-from schemas.trajectories import RUN_ID_PATTERN
 
-__all__ = ["StepReport", "TrainConfig", "compute_update", "last_committed_step", "prepare_run", "run_training",
+__all__ = ["StepReport", "compute_update", "last_committed_step", "prepare_run", "run_training",
            "train_worker"]
 
 log = logging.getLogger(__name__)
@@ -70,79 +74,6 @@ log = logging.getLogger(__name__)
 TRAIN_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs",
                  "logprob_kind", "reward", "termination_reason", "min_policy_version", "num_action_tokens",
                  "sampling", "routed_experts", "router_top_k")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """One training run.
-
-    Attributes:
-        run_id: the run (partition of every table); a re-run with the same id resumes.
-        lake: where the tables live.
-        checkpoint_root: where every version's checkpoint goes.
-        policy_path: the version-0 policy (SFT warm start) directory.
-        critic_path: a pretrained critic directory; None builds one from the policy.
-        update: the algorithm and its settings.
-        batch_size: trajectories per actor update.
-        max_staleness: most versions a trajectory may lag when trained on.
-        total_steps: actor updates of the run (a resumed run continues to this count).
-        seed: torch seed of the run.
-        deterministic: ``torch.use_deterministic_algorithms`` (bit-exact replay on CPU).
-        torch_threads: intra-op threads per worker.
-        wait_timeout_s: longest wait for a batch to arrive before the run fails.
-        poll_s: how often the reader looks for new trajectories while waiting.
-        app_name: rollout app whose replicas receive new weights (None: do not publish).
-        num_workers: Ray Train workers (data parallel; gradients are summed across them).
-        cpus_per_worker: Ray CPUs per worker (fractions leave room for dataset reads and rollouts).
-        resources_per_worker: custom Ray resources per worker, e.g. ``{"trainer": 1}`` (placement on the
-            nodes started with them); empty: any node with the CPUs.
-        report_interval_s: on Ray Train, steps are reported to it (``ray.train.report``) at most this
-            often, and the last step always. Its controller takes a report when it polls the workers
-            (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default) and the next report blocks
-            until it has: reporting every step stalled each step by about 1.2 s. The lake has every step.
-        rollout: what the rollouts used that trajectories do not record (task file, environment
-            options, turn budget), stored for trajectory replay.
-        retention: which old checkpoints to prune after each step (None: keep every part of every one).
-        compact_ledger_every: compact the ledger tables (``train_steps``, ``policy_versions``) every this
-            many steps (0: never). Each step's commits read the ledger rows first, and every commit adds
-            a file. Uncompacted, the pause between one step's row and the next step's start grew from
-            0.1 to 0.6 s over 450 steps (three runs in one lake, `sao bench online`).
-    """
-
-    run_id: str
-    lake: LakeConfig
-    checkpoint_root: str
-    policy_path: str
-    critic_path: str | None = None
-    update: UpdateConfig = UpdateConfig()
-    batch_size: int = 16
-    max_staleness: int = 4
-    total_steps: int = 20
-    seed: int = 0
-    deterministic: bool = True
-    torch_threads: int = 1
-    wait_timeout_s: float = 900.0
-    poll_s: float = 0.1
-    app_name: str | None = "rollout"
-    num_workers: int = 1
-    cpus_per_worker: float = 0.5
-    resources_per_worker: dict[str, float] = dataclasses.field(default_factory=dict)
-    report_interval_s: float = 5.0
-    rollout: RolloutSettings = RolloutSettings()
-    retention: RetentionConfig | None = None
-    compact_ledger_every: int = 50
-
-    def __post_init__(self) -> None:
-        if not is_valid_run_id(self.run_id):
-            raise ValueError(f"run_id {self.run_id!r} is not a valid run id: it must match {RUN_ID_PATTERN}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.total_steps < 0:
-            raise ValueError(f"total_steps must be >= 0, got {self.total_steps}")
-        if self.compact_ledger_every < 0:
-            raise ValueError(f"compact_ledger_every must be >= 0, got {self.compact_ledger_every}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,12 +258,13 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
         if rank == 0:
             t2 = time.perf_counter()
             _, digest = save_checkpoint(cfg.checkpoint_root, version, policy, tokenizer, critic, learner.state_dict())
-            reader.record_step(TrainStepRecord(
+            record_train_step(lake, TrainStepRecord(
                 run_id=cfg.run_id, step=step, policy_version_before=version - 1, policy_version_after=version,
                 trajectories_version=snapshot, trajectory_ids=tuple(ids), started_at=started_at,
                 finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
                 timings={"wait_read_s": read_s, "update_s": update_s, "commit_s": time.perf_counter() - t2},
             ))
+            reader.consumed(ids)
             crash_point("after-commit", step)  # between the step's row and its version's row
             register_policy_version(lake, PolicyVersionRecord(
                 run_id=cfg.run_id, version=version, parent_version=version - 1,
@@ -386,7 +318,7 @@ def _ensure_version_registered(lake: Lake, cfg: TrainConfig, version: int, polic
     """Version 0 gets its checkpoint and ``policy_versions`` row at the start of a run; after a crash
     between a step's commit and its version row, the row is written now (idempotent)."""
     path = checkpoint_dir(cfg.checkpoint_root, version)
-    if not (path / "COMPLETE").exists():
+    if not is_complete(cfg.checkpoint_root, version):
         save_checkpoint(cfg.checkpoint_root, version, policy, tokenizer, critic, learner.state_dict())
     register_policy_version(lake, PolicyVersionRecord(
         run_id=cfg.run_id, version=version, parent_version=None if version == 0 else version - 1,

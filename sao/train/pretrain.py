@@ -50,9 +50,9 @@ import torch
 from sao.algos.advantages import skip_observation_gae
 from sao.lake.store import Lake
 from sao.train.batch import TrainBatch, collate, split_by_token_budget
-from sao.train.checkpoint import checkpoint_dir, load_checkpoint, replace_critic
-from sao.train.config import UpdateConfig
-from sao.train.loop import TRAIN_COLUMNS, TrainConfig, prepare_run
+from sao.train.checkpoint import critic_dir, load_checkpoint, replace_critic
+from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.loop import TRAIN_COLUMNS, prepare_run
 from sao.train.step import Learner, critic_values
 from schemas import trajectories
 
@@ -297,7 +297,7 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
     run_fit(trainer)
-    written = json.loads((checkpoint_dir(cfg.checkpoint_root, 0) / "critic" / REPORT_FILE).read_text())
+    written = json.loads((critic_dir(cfg.checkpoint_root, 0) / REPORT_FILE).read_text())
     written["seconds"] = time.perf_counter() - started
     report = PretrainReport(**written)
     for name in ("loss_before", "loss_after"):

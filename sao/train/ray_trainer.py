@@ -13,7 +13,8 @@ import logging
 import threading
 from pathlib import Path
 
-from sao.train.loop import TrainConfig, train_worker
+from sao.train.config import TrainConfig
+from sao.train.loop import train_worker
 
 __all__ = ["fit", "run_fit"]
 

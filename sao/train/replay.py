@@ -65,8 +65,8 @@ from sao.train.checkpoint import (
     save_checkpoint,
     weights_hash,
 )
-from sao.train.config import UpdateConfig
-from sao.train.loop import TRAIN_COLUMNS, TrainConfig, compute_update
+from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.loop import TRAIN_COLUMNS, compute_update
 from sao.train.run_config import RunConfigError, read_run_config, write_run_config
 from sao.train.step import Learner
 from schemas import policy_versions, train_steps, trajectories

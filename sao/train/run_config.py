@@ -3,7 +3,7 @@
 A replayed step must run with the settings the step ran with (the algorithm and its learning rates,
 the token budget that fixed the micro-batch split, the seed, the thread count, deterministic kernels),
 and a replayed trajectory must find its task and the rules of its environment. None of that is in the
-lake, so :func:`write_run_config` stores the run's :class:`~sao.train.loop.TrainConfig` as JSON at
+lake, so :func:`write_run_config` stores the run's :class:`~sao.train.config.TrainConfig` as JSON at
 ``<checkpoint_root>/run_config.json`` when the run is prepared (``prepare_run``) and when a trainer
 starts; :func:`read_run_config` rebuilds it. Choices:
 
@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # loop.py imports this module; the class is imported lazily below
-    from sao.train.loop import TrainConfig
+from sao.lake.config import LakeConfig
+from sao.train.config import ReplayContext, TrainConfig, UpdateConfig
+from sao.train.retention import RetentionConfig
 
 __all__ = [
     "FORMAT",
     "REPLAY_FIELDS",
     "RUN_CONFIG_FILE",
-    "RolloutSettings",
     "RunConfigError",
     "read_run_config",
     "run_config_path",
@@ -50,28 +49,6 @@ REPLAY_FIELDS = ("run_id", "update", "seed", "deterministic", "torch_threads", "
 
 class RunConfigError(ValueError):
     """The run's stored configuration is missing, unreadable, or differs from the one given."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSettings:
-    """What the run's rollouts used that a trajectory does not record, for trajectory replay.
-
-    Attributes:
-        tasks_path: the JSON Lines task file (:func:`sao.envs.base.read_tasks`) the rollouts drew
-            from; trajectory replay finds a trajectory's task there to re-score it. None: unknown
-            (replay then needs ``--tasks``).
-        env_options: per environment name, the options ``make_env(name, **options)`` was given.
-        max_turns: the agent loop's turn budget (``AgentConfig.max_turns``); None: unknown, so a
-            ``turns`` end by the agent's budget cannot be checked.
-    """
-
-    tasks_path: str | None = None
-    env_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
-    max_turns: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"RolloutSettings.max_turns must be >= 1 or None, got {self.max_turns}")
 
 
 def run_config_path(checkpoint_root: str | Path) -> Path:
@@ -122,18 +99,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def read_run_config(checkpoint_root: str | Path) -> TrainConfig:
-    """The :class:`~sao.train.loop.TrainConfig` stored at ``checkpoint_root`` (its lake has the
+    """The :class:`~sao.train.config.TrainConfig` stored at ``checkpoint_root`` (its lake has the
     recorded root and no storage options).
 
     Raises:
         RunConfigError: no file (the run was prepared before run configurations were stored, or
             the checkpoints moved without it), an unreadable one, or unknown fields.
     """
-    from sao.lake.config import LakeConfig
-    from sao.train.config import UpdateConfig
-    from sao.train.loop import TrainConfig
-    from sao.train.retention import RetentionConfig
-
     path = run_config_path(checkpoint_root)
     if not path.exists():
         raise RunConfigError(
@@ -147,7 +119,7 @@ def read_run_config(checkpoint_root: str | Path) -> TrainConfig:
     try:
         train["lake"] = LakeConfig(root=train["lake"]["root"])
         train["update"] = UpdateConfig(**train["update"])
-        train["rollout"] = RolloutSettings(**train.get("rollout") or {})
+        train["rollout"] = ReplayContext(**train.get("rollout") or {})
         if train.get("retention") is not None:
             train["retention"] = RetentionConfig(**train["retention"])
         return TrainConfig(**train)

@@ -27,7 +27,7 @@ says what happened:
   as recorded, segments tile the completion, and ``num_turns`` matches the action turns.
 
 Finding the task: the run configuration (:mod:`sao.train.run_config`) records the task file the
-rollouts drew from (``RolloutSettings.tasks_path``), the environment options and the agent's turn
+rollouts drew from (``ReplayContext.tasks_path``), the environment options and the agent's turn
 budget; ``tasks_path`` overrides the file (``--tasks``). A task id that does not resolve is a
 :class:`~sao.train.replay.ReplayError`. The environment is re-run for real (math_tool's tool calls go
 to the sandbox again); a tool whose output is not deterministic shows up as an observation mismatch.
@@ -48,9 +48,9 @@ from sao.lake.store import Lake, LakeError
 from sao.models.chat import ChatTokens, observation_ids, prompt_ids
 from sao.models.tokenizer import chat_template_version, load_tokenizer, tokenizer_version
 from sao.train.batch import collate
-from sao.train.checkpoint import CheckpointPrunedError, checkpoint_dir, load_checkpoint
+from sao.train.checkpoint import CheckpointPrunedError, checkpoint_dir, load_checkpoint, policy_dir
 from sao.train.replay import ReplayError, run_checkpoints, torch_settings
-from sao.train.run_config import RolloutSettings
+from sao.train.run_config import ReplayContext
 from sao.train.step import policy_logprobs
 
 __all__ = ["DEFAULT_ATOL", "Check", "SegmentCheck", "TrajectoryReplay", "replay_trajectory"]
@@ -133,11 +133,11 @@ def _read_row(lake: Lake, trajectory_id: str, run_id: str | None) -> dict:
     return table.to_pylist()[0]
 
 
-def _resolve_task(task_id: str, rollout: RolloutSettings, tasks_path: str | Path | None) -> Task:
-    path = tasks_path or rollout.tasks_path
+def _resolve_task(task_id: str, context: ReplayContext, tasks_path: str | Path | None) -> Task:
+    path = tasks_path or context.tasks_path
     if path is None:
         raise ReplayError(f"task {task_id!r} cannot be found: the run configuration records no task file "
-                          "(RolloutSettings.tasks_path); pass --tasks PATH")
+                          "(ReplayContext.tasks_path); pass --tasks PATH")
     if not Path(path).exists():
         raise ReplayError(f"task file {path} does not exist")
     tasks = {task.task_id: task for task in read_tasks(path)}
@@ -233,11 +233,11 @@ def _segment_checks(row: Mapping, policies: _Policies, expected_observations: Ma
     return checks
 
 
-def _simulate(row: Mapping, task: Task, tokenizer, rollout: RolloutSettings, turns: list[_Turn]):
+def _simulate(row: Mapping, task: Task, tokenizer, context: ReplayContext, turns: list[_Turn]):
     """Re-run the environment on the stored actions: (prompt check, expected observation tokens by
     segment index, the StepResult that ended the episode or None, the observation that would follow
     the last turn or None, problems)."""
-    options = dict(rollout.env_options.get(task.env, {}))
+    options = dict(context.env_options.get(task.env, {}))
     if takes_trainer_step(task.env):
         options["trainer_step"] = int(row["min_policy_version"])
     env = make_env(task.env, **options)
@@ -311,7 +311,8 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
     row = _read_row(lake, trajectory_id, run_id)
     _, cfg, versions = run_checkpoints(lake, row["run_id"], checkpoint_root)
     policies = _Policies(Path(checkpoint_root) if checkpoint_root is not None else None, versions)
-    tokenizer = load_tokenizer(policies.directory(min(versions)) / "policy")
+    first = policies.directory(min(versions))
+    tokenizer = load_tokenizer(policy_dir(first.parent, min(versions)))
     task = _resolve_task(row["task_id"], cfg.rollout, tasks_path)
     turns = _turns(row["segments"])
     stop_ids = ChatTokens.from_tokenizer(tokenizer).stop_token_ids

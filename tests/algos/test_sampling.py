@@ -1,6 +1,8 @@
 """The sampling distribution: hand-worked values and agreement with transformers' logits warpers."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,3 +77,15 @@ def test_check_sampling_names_the_setting(kw, field):
     args = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} | kw
     with pytest.raises(ValueError, match=field):
         check_sampling(**args)
+
+
+def test_the_logprob_kind_is_the_lakes_and_the_core_loads_no_storage():
+    """One ``LogprobKind`` (the lake's vocabulary); importing the core pulls in no pyarrow or Delta."""
+    import schemas.trajectories
+    from sao.algos.sampling import LogprobKind
+
+    assert LogprobKind is schemas.trajectories.LogprobKind
+    code = ("import sys, sao.algos.sampling; "
+            "print(sorted(m for m in ('pyarrow', 'deltalake', 'ray', 'prefect') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"

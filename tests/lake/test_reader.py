@@ -87,7 +87,9 @@ def test_consumption_is_exactly_once_across_a_restart(lake):
     write(lake, records)
     reader = TrajectoryReader(lake, RUN)
     used = reader.next_micro_batch(0, 2, 4)
-    reader.record_step(step(RUN, 0, used))
+    record = step(RUN, 0, used)
+    record_train_step(lake, record)
+    reader.consumed(record.trajectory_ids)
     with pytest.raises(KeyError, match="not handed out"):  # consumed rows cannot be given back
         reader.release(used.trajectory_ids[:1])
     lost = reader.next_micro_batch(0, 2, 4)  # handed out, the trainer dies before recording it

@@ -10,7 +10,7 @@ import zlib
 
 from sao.lake.config import LakeConfig, WriterConfig
 from sao.lake.issued import IssuedRollout, IssueLog
-from sao.lake.ledger import register_policy_version
+from sao.lake.ledger import record_train_step, register_policy_version
 from sao.lake.reader import TrajectoryReader
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.store import Lake
@@ -63,8 +63,10 @@ def train(root: str, run_id: str) -> None:
             writer.add_many(records)
             micro = reader.next_micro_batch(version, max_staleness=1, max_rows=BATCH)
             now = utc_now()
-            reader.record_step(TrainStepRecord(run_id, version, version, version + 1, micro.snapshot_version,
-                                               tuple(micro.trajectory_ids), now, now))  # fmt: skip
+            record = TrainStepRecord(run_id, version, version, version + 1, micro.snapshot_version,
+                                     tuple(micro.trajectory_ids), now, now)
+            record_train_step(lake, record)
+            reader.consumed(record.trajectory_ids)
             register_policy_version(lake, PolicyVersionRecord(
                 run_id, version + 1, f"mem://{run_id}/{version + 1}", f"h{version + 1}", version, version))
     print("done", flush=True)

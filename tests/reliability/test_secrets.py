@@ -23,7 +23,7 @@ from sao.lake.config import LakeConfig
 from sao.lake.store import Lake
 from sao.pipeline import PipelineConfig, run_pipeline
 from sao.rollout.agent import AgentConfig
-from sao.train.loop import TrainConfig
+from sao.train.config import TrainConfig
 from tests._secrets import (
     files_containing,
     moto_bucket,

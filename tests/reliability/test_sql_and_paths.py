@@ -19,7 +19,7 @@ from sao.lake.sql import ReadOnlyQueryError, run_sql
 from sao.lake.store import Lake
 from sao.lake.synthetic import make_trajectories
 from sao.lake.writer import TrajectoryWriter
-from sao.train.loop import TrainConfig
+from sao.train.config import TrainConfig
 from schemas import TABLES
 
 runner = CliRunner()

@@ -13,8 +13,8 @@ from sao.lake.ledger import consumed_ids
 from sao.lake.store import Lake
 from sao.lake.synthetic import make_trajectory
 from sao.lake.writer import TrajectoryWriter
-from sao.train.config import UpdateConfig
-from sao.train.loop import TrainConfig, prepare_run, run_training
+from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.loop import prepare_run, run_training
 
 RUN = "outage"
 BACKLOG_LENGTHS = (20, 40, 60, 100, 120, 300, 300, 300)  # 3 x "1-64", 2 x "65-128", 3 x "257-512"

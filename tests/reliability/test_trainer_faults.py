@@ -18,8 +18,8 @@ from sao.lake.ledger import consumed_ids
 from sao.lake.store import Lake
 from sao.lake.synthetic import make_trajectory
 from sao.lake.writer import TrajectoryWriter
-from sao.train.config import UpdateConfig
-from sao.train.loop import TrainConfig, prepare_run, run_training
+from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.loop import prepare_run, run_training
 
 RUN = "killed-trainer"
 STEPS = 4

@@ -4,7 +4,7 @@ failed replicas become error records and retries, the staleness gate holds gener
 import asyncio
 
 from sao.envs.math_tool import MathToolConfig, generate_tasks
-from sao.lake.records import SamplingParams, Segment, Timings, TrajectoryRecord, utc_now
+from sao.lake.records import RecordedSampling, Segment, Timings, TrajectoryRecord, utc_now
 from sao.rollout.driver import DriverConfig, RolloutDriver
 
 TASKS = generate_tasks(MathToolConfig(num_train=30, num_heldout=0))
@@ -17,7 +17,7 @@ def record(task, run_id, trajectory_id):
         completion_ids=[5], action_mask=[True], logprobs=[-0.5], logprob_kind="sampling",
         segments=(Segment("action", 0, 1, 0),), reward=1.0,
         termination_reason="stop", num_turns=1,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=None, max_tokens=8, seed=None),
+        sampling=RecordedSampling(temperature=1.0, top_p=1.0, top_k=None, max_tokens=8, seed=None),
         tokenizer_version="t", chat_template_version="c", engine_name="torch", engine_version="x",
         worker_id="w", timings=Timings(now, now, now, 0.0, 0.0))
 
@@ -294,3 +294,58 @@ def test_abandoned_rollouts_are_launched_first_as_their_next_attempt():
     assert [(r.task_id, r.attempt, r.retry_of) for r in first] == [
         (TASKS[4].task_id, 1, "old-1"), (TASKS[5].task_id, 2, "old-2")]
     assert [r.retry_of for r in issued.rows[2:]] == [None] * 3
+
+
+def test_launches_reach_the_issue_log_before_their_records_and_are_flushed_first():
+    """One event log shared by the issue log and the sink: each launch is written (on the sink's
+    thread) before its record, and the issue log is flushed before the records' last flush."""
+    import threading
+
+    events = []
+
+    class Issues:
+        def add_many(self, rows):
+            events.extend(("issued", r.trajectory_id, threading.current_thread().name) for r in rows)
+
+        def flush(self):
+            events.append(("issues flushed",))
+            return 0
+
+    class Records:
+        def add_many(self, records):
+            events.extend(("recorded", r.trajectory_id, threading.current_thread().name) for r in records)
+
+        def flush(self):
+            events.append(("records flushed",))
+
+    driver = RolloutDriver(FakeApp(fail_on={2, 5}), Records(), "r",
+                           DriverConfig(max_in_flight=3, max_staleness=None), issue_log=Issues())
+    stats = asyncio.run(driver.run(TASKS[:8]))
+    at = {(e[0], e[1]): i for i, e in enumerate(events) if len(e) == 3}
+    launched = [tid for kind, tid in at if kind == "issued"]
+    assert len(launched) == stats.launched == stats.finished == 10  # 8 tasks + 2 retries
+    assert all(at["issued", tid] < at["recorded", tid] for tid in launched)
+    assert {e[2] for e in events if len(e) == 3} == {"sink_0"}  # one thread: submission order holds
+    assert events[-2:] == [("issues flushed",), ("records flushed",)]
+
+
+def test_seeds_follow_the_launch_order_retries_included():
+    seeds = {}
+
+    class SeedApp(FakeApp):
+        def __init__(self):
+            super().__init__(fail_on={1, 4})
+            inner = self.rollout.remote
+
+            async def rollout(task, run_id, trajectory_id, seed):
+                seeds[trajectory_id] = seed
+                return await inner(task, run_id, trajectory_id, seed)
+
+            self.rollout = Method(rollout)
+
+    issued = ListIssueLog()
+    driver = RolloutDriver(SeedApp(), ListSink(), "r", DriverConfig(max_in_flight=2, max_staleness=None, seed=7),
+                           issue_log=issued)
+    asyncio.run(driver.run(TASKS[:5]))
+    assert [seeds[r.trajectory_id] for r in issued.rows] == [7 * 1_000_003 + i for i in range(7)]
+    assert [r.attempt for r in issued.rows].count(1) == 2

@@ -19,8 +19,8 @@ from sao.models.policy import load_policy
 from sao.rollout.agent import AgentConfig, AgentLoop
 from sao.rollout.torch_engine import TorchEngine
 from sao.train.checkpoint import load_checkpoint, weights_hash
-from sao.train.config import UpdateConfig
-from sao.train.loop import TrainConfig, prepare_run, run_training
+from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.loop import prepare_run, run_training
 
 
 def make_config(tmp_path, policy_dir, **kw):

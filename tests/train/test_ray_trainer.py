@@ -8,8 +8,8 @@ import torch
 from sao.lake.config import LakeConfig
 from sao.lake.store import Lake
 from sao.train.checkpoint import load_checkpoint
-from sao.train.config import UpdateConfig
-from sao.train.loop import TrainConfig, prepare_run, run_training
+from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.loop import prepare_run, run_training
 from sao.train.ray_trainer import fit
 from tests.train.test_loop import make_config, roll_out
 

@@ -19,7 +19,8 @@ from sao.train.checkpoint import (
     pruned_parts,
     weights_hash,
 )
-from sao.train.loop import TrainConfig, prepare_run, run_training
+from sao.train.config import TrainConfig
+from sao.train.loop import prepare_run, run_training
 from sao.train.replay import replay_steps
 from sao.train.retention import RetentionConfig, apply_retention, referenced_versions
 from tests.train.test_loop import make_config, roll_out

@@ -16,8 +16,7 @@ from sao.envs.style_preference import StylePreferenceConfig
 from sao.envs.style_preference import generate_tasks as style_tasks
 from sao.lake.config import WriterConfig
 from sao.lake.reader import read_trajectories
-from sao.lake.records import SamplingParams as RecordedSampling
-from sao.lake.records import Segment, Timings, TrajectoryRecord, utc_now
+from sao.lake.records import RecordedSampling, Segment, Timings, TrajectoryRecord, utc_now
 from sao.lake.store import Lake
 from sao.lake.writer import TrajectoryWriter
 from sao.models.chat import IM_END, ChatTokens, prompt_ids
@@ -30,7 +29,7 @@ from sao.train.checkpoint import load_checkpoint
 from sao.train.config import UpdateConfig
 from sao.train.loop import prepare_run, run_training
 from sao.train.replay import ReplayError
-from sao.train.run_config import RolloutSettings
+from sao.train.run_config import ReplayContext
 from sao.train.step import policy_logprobs
 from sao.train.trajectory_replay import replay_trajectory
 from schemas import trajectories
@@ -104,7 +103,7 @@ def swapped(tmp_path_factory, tokenizer):
     tasks_path = write_tasks(tmp_path / "tasks.jsonl", tasks)
     cfg = make_config(tmp_path, tool_calling_policy_dir(tmp_path / "sft", tokenizer), total_steps=1,
                       update=UpdateConfig(lr_policy=1e-3, token_budget=4096),
-                      rollout=RolloutSettings(tasks_path=str(tasks_path), max_turns=AGENT.max_turns))
+                      rollout=ReplayContext(tasks_path=str(tasks_path), max_turns=AGENT.max_turns))
     prepare_run(cfg)
     lake = Lake.open(cfg.lake)
     v0 = load_checkpoint(cfg.checkpoint_root, 0).policy
@@ -220,8 +219,8 @@ def test_a_step_dependent_reward_is_rescored_at_the_trajectory_s_policy_version(
     version 1 earned 1.0, and the replay must judge it at step 1 (its min_policy_version), not step 0."""
     tasks = [t for t in style_tasks(StylePreferenceConfig()) if t.split == "train"][:6]
     cfg = make_config(tmp_path, tool_calling_policy_dir(tmp_path / "sft", tokenizer), total_steps=1,
-                      rollout=RolloutSettings(tasks_path=str(write_tasks(tmp_path / "tasks.jsonl", tasks)),
-                                          env_options={"style_preference": SHIFT_AT_1}, max_turns=1))
+                      rollout=ReplayContext(tasks_path=str(write_tasks(tmp_path / "tasks.jsonl", tasks)),
+                                        env_options={"style_preference": SHIFT_AT_1}, max_turns=1))
     prepare_run(cfg)
     lake = Lake.open(cfg.lake)
     v0 = load_checkpoint(cfg.checkpoint_root, 0).policy

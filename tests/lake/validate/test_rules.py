@@ -20,7 +20,7 @@ import pytest
 
 from sao.lake.columnar import records_to_arrow
 from sao.lake.config import SizeLimits
-from sao.lake.records import SamplingParams, Segment, Timings, TrajectoryRecord
+from sao.lake.records import RecordedSampling, Segment, Timings, TrajectoryRecord
 from sao.lake.validate import NO_VERSION, Rule, Violation, validate_record, validate_table
 from schemas.trajectories import SegmentKind
 
@@ -43,7 +43,7 @@ def base() -> TrajectoryRecord:
         reward=1.0,
         termination_reason="stop",
         num_turns=2,
-        sampling=SamplingParams(1.0, 1.0, None, 16, 7),
+        sampling=RecordedSampling(1.0, 1.0, None, 16, 7),
         tokenizer_version="tok@1",
         chat_template_version="chat@1",
         engine_name="torch",
@@ -233,11 +233,11 @@ CASES: dict[str, tuple[TrajectoryRecord, tuple[Rule, str, int | None, str]]] = {
         (Rule.NUM_TURNS_NEGATIVE, "num_turns", None, "num_turns = -1 is negative"),
     ),
     "sampling": (
-        with_(sampling=SamplingParams(1.0, 1.5, None, 16, 7)),
+        with_(sampling=RecordedSampling(1.0, 1.5, None, 16, 7)),
         (Rule.SAMPLING_INVALID, "sampling.top_p", None, "top_p = 1.5 must lie in (0, 1]"),
     ),
     "top_k": (
-        with_(sampling=SamplingParams(1.0, 1.0, 0, 16, 7)),
+        with_(sampling=RecordedSampling(1.0, 1.0, 0, 16, 7)),
         (
             Rule.SAMPLING_INVALID,
             "sampling.top_k",

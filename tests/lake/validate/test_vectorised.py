@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sao.lake.columnar import records_to_arrow
-from sao.lake.records import SamplingParams, TrajectoryRecord
+from sao.lake.records import RecordedSampling, TrajectoryRecord
 from sao.lake.synthetic import make_trajectories
 from sao.lake.validate.reference import validate_record
 from sao.lake.validate.rules import NO_VERSION, Rule, Violation
@@ -127,7 +127,7 @@ def _corrupt(record: TrajectoryRecord, how: str, draw: st.DrawFn) -> TrajectoryR
             record, reward=float("nan"), token_rewards=np.full(n, np.nan, np.float32)
         )
     if how == "sampling":
-        return dataclasses.replace(record, sampling=SamplingParams(-1.0, 0.0, -5, 0, None))
+        return dataclasses.replace(record, sampling=RecordedSampling(-1.0, 0.0, -5, 0, None))
     if how == "timings":
         end = record.timings.created_at - dt.timedelta(seconds=1)
         return dataclasses.replace(
