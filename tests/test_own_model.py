@@ -251,8 +251,8 @@ def test_a_run_with_a_model_directory_that_is_not_one_is_refused_at_start(tmp_pa
                                           pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_session):
     from sao import runs
+    from sao.audit import check_run
     from sao.envs.base import Split
-    from sao.lake.check import check_run
     from sao.lake.store import Lake
     from sao.models.policy import load_policy
 

@@ -10,21 +10,12 @@ Public API (what the rollout and trainer code use):
 - :func:`register_policy_version`, :func:`newest_policy_version`: the checkpoint registry.
 - :func:`read_trajectories`, :func:`read_step_trajectories`: pinned snapshots and replay input.
 - :class:`IssueLog`: the driver's record of every launched rollout (``rollout_tasks``).
-- :func:`check_run` (``sao lake check``): reconcile a run, every issued, stored, consumed and
-  registered item accounted for.
+- The run audit (``sao lake check``) reads these tables from above the lake: :mod:`sao.audit`.
 - :func:`run_sql`: read-only SQL; :func:`compact`, :func:`vacuum`: maintenance.
 """
 
 from __future__ import annotations
 
-from sao.lake.check import (
-    CheckReport,
-    Finding,
-    FindingKind,
-    StaleBacklog,
-    UnknownRunError,
-    check_run,
-)
 from sao.lake.commit import CommitConflictError, CommitResult
 from sao.lake.config import CommitConfig, LakeConfig, MaintenanceConfig, WriterConfig
 from sao.lake.issued import IssuedRollout, IssueLog
@@ -62,14 +53,11 @@ from sao.lake.writer import FlushReport, TrajectoryWriter, WriterClosedError, Wr
 from schemas.trajectories import LogprobKind, SegmentKind, TerminationReason
 
 __all__ = [
-    "CheckReport",
     "CommitConfig",
     "CommitConflictError",
     "CommitResult",
     "CompactReport",
     "ConsumptionError",
-    "Finding",
-    "FindingKind",
     "FlushReport",
     "IssueLog",
     "IssuedRollout",
@@ -90,20 +78,17 @@ __all__ = [
     "SchemaMismatchError",
     "Segment",
     "SegmentKind",
-    "StaleBacklog",
     "TerminationReason",
     "Timings",
     "TrainStepRecord",
     "TrajectoryReader",
     "TrajectoryRecord",
     "TrajectoryWriter",
-    "UnknownRunError",
     "VacuumReport",
     "Violation",
     "WriterClosedError",
     "WriterConfig",
     "WriterStats",
-    "check_run",
     "compact",
     "consumed_ids",
     "newest_policy_version",

@@ -259,7 +259,7 @@ def check(
 ) -> None:
     """Account for every rollout the run issued, every stored and consumed trajectory and every
     checkpoint; exit 1 with the findings listed when something was lost, doubled or misused."""
-    from sao.lake.check import UnknownRunError, check_run
+    from sao.audit import UnknownRunError, check_run
 
     opened = open_lake(lake, storage_option)
     try:

@@ -4,7 +4,7 @@ The rollout driver hands one :class:`IssuedRollout` per launch to an :class:`Iss
 them into blind Delta appends (every row is a new event; nothing is read before writing). The driver
 calls it on the same single thread that feeds the trajectory writer, before it hands over any record of
 the rollouts, and flushes it before the writer's last flush, so a finished run's issue log is complete.
-``sao lake check`` (:mod:`sao.lake.check`) then accounts for every issued ``trajectory_id``.
+``sao lake check`` (:mod:`sao.audit`) then accounts for every issued ``trajectory_id``.
 
 A driver process that dies (SIGKILL, out of memory, a node restart) leaves the rollouts it had in
 flight issued but never stored. When the run resumes, :func:`close_out_unresolved` records each of them

@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointPrunedError",
     "RegisteredState",
     "checkpoint_dir",
+    "checkpoint_root_of",
     "complete_versions",
     "critic_dir",
     "has_full_state",
@@ -82,6 +83,17 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 def checkpoint_dir(root: str | Path, version: int) -> Path:
     return Path(root) / f"v{version:06d}"
+
+
+def checkpoint_root_of(checkpoint_uri: str) -> Path | None:
+    """The checkpoint root holding ``checkpoint_uri`` when it is a local version directory of this
+    layout (``<root>/v000003``, as ``policy_versions`` records it); None otherwise (a remote URI, a
+    bare policy directory)."""
+    if "://" in checkpoint_uri and not checkpoint_uri.startswith("file://"):
+        return None
+    path = Path(checkpoint_uri.removeprefix("file://"))
+    name = path.name
+    return path.parent if len(name) >= 7 and name[0] == "v" and name[1:].isdigit() else None
 
 
 def policy_dir(root: str | Path, version: int) -> Path:

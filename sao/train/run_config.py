@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.lake.config import LakeConfig
+from sao.train.checkpoint import checkpoint_root_of
 from sao.train.config import ReplayContext, TrainConfig, UpdateConfig
 from sao.train.retention import RetentionConfig
 
@@ -38,6 +39,7 @@ __all__ = [
     "RunConfigError",
     "read_run_config",
     "run_config_path",
+    "stored_max_staleness",
     "write_run_config",
 ]
 
@@ -53,6 +55,20 @@ class RunConfigError(ValueError):
 
 def run_config_path(checkpoint_root: str | Path) -> Path:
     return Path(checkpoint_root) / RUN_CONFIG_FILE
+
+
+def stored_max_staleness(checkpoint_uri: str) -> int | None:
+    """The ``max_staleness`` stored for the run that registered ``checkpoint_uri`` (a version's
+    checkpoint directory, :func:`sao.train.checkpoint.checkpoint_root_of`); None when that is not a
+    local version directory of a run with a stored configuration (a bare SFT directory, a remote URI).
+
+    Raises:
+        RunConfigError: a stored configuration that cannot be read.
+    """
+    root = checkpoint_root_of(checkpoint_uri)
+    if root is None or not run_config_path(root).is_file():
+        return None
+    return read_run_config(root).max_staleness
 
 
 def _jsonable(cfg: TrainConfig) -> dict[str, Any]:

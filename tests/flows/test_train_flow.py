@@ -61,8 +61,8 @@ def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ra
     """An example as its README says to run it (from the repository root, where its data and reward
     modules are found), for 2 steps, its warm start reused; the run reconciles with `sao lake check`."""
     from flows.train import train
+    from sao.audit import check_run
     from sao.config import resolve
-    from sao.lake.check import check_run
 
     monkeypatch.chdir(REPO)
     config, sources = resolve(example, [
@@ -93,7 +93,7 @@ def test_the_replay_flow_runs_a_what_if_replay(tmp_path, policy_dir, tokenizer, 
     assert result["overrides"] == {"eps_high": 0.01, "eps_low": 0.01}
     (row,) = lake.read("runs", predicate="run_id = 'what-if-flow'").to_pylist()
     assert row["event"] == "what_if" and row["parent_steps"] == "0:2"
-    from sao.lake.check import check_run
+    from sao.audit import check_run
 
     checked = check_run(lake, "what-if-flow")  # reconciled: 3 steps on the parent's data, 4 versions
     assert checked.ok and (checked.steps, checked.policy_versions, checked.checkpoints_verified) == (3, 4, 4), checked

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow.compute as pc
 
-from sao.lake.check import check_run
+from sao.audit import check_run
 from sao.lake.config import LakeConfig
 from sao.lake.ledger import consumed_ids
 from sao.lake.store import Lake

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sao.lake.check import check_run
+from sao.audit import check_run
 from sao.lake.columnar import records_to_arrow
 from sao.lake.config import LakeConfig, SizeLimits, WriterConfig
 from sao.lake.issued import IssuedRollout, IssueLog

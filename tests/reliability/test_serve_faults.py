@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from sao.audit import check_run
 from sao.envs.math_tool import MathToolConfig, generate_tasks
-from sao.lake.check import check_run
 from sao.lake.config import LakeConfig, WriterConfig
 from sao.lake.issued import IssueLog
 from sao.lake.ledger import register_policy_version

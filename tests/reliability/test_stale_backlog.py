@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from typer.testing import CliRunner
 
+from sao.audit import check_run
 from sao.cli import app
-from sao.lake.check import check_run
 from sao.lake.config import LakeConfig, WriterConfig
 from sao.lake.ledger import consumed_ids
 from sao.lake.store import Lake
@@ -17,7 +17,7 @@ from sao.train.config import TrainConfig, UpdateConfig
 from sao.train.loop import prepare_run, run_training
 
 RUN = "outage"
-BACKLOG_LENGTHS = (20, 40, 60, 100, 120, 300, 300, 300)  # 3 x "1-64", 2 x "65-128", 3 x "257-512"
+BACKLOG_LENGTHS = (20, 40, 60, 100, 120, 300, 300, 300)  # "17-32", 2 x "33-64", 2 x "65-128", 3 x "257-512"
 
 
 def write(lake: Lake, rng: np.random.Generator, lengths, version: int) -> list[str]:
@@ -51,8 +51,8 @@ def test_an_old_backlog_is_kept_reported_and_not_trained_on(tmp_path, policy_dir
     assert check.ok, check.lines()
     assert check.max_staleness == 1 and check.checkpoints_verified == 4
     assert (check.backlog.trainer_version, check.backlog.count, check.backlog.eligible) == (3, 8, 0)
-    assert check.backlog.by_length == {"1-64": 3, "65-128": 2, "257-512": 3}
+    assert check.backlog.by_length == {"17-32": 1, "33-64": 2, "65-128": 2, "257-512": 3}
     result = CliRunner().invoke(app, ["lake", "check", "--run", RUN, "--lake", cfg.lake.root])
     assert result.exit_code == 0, result.output
-    assert ("stale backlog at version 3: 8 kept, not trained on (by completion length: 1-64: 3, "
-            "65-128: 2, 257-512: 3)") in result.stdout  # fmt: skip
+    assert ("stale backlog at version 3: 8 kept, not trained on (by completion length: 17-32: 1, "
+            "33-64: 2, 65-128: 2, 257-512: 3)") in result.stdout  # fmt: skip

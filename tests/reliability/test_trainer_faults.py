@@ -12,7 +12,7 @@ import textwrap
 
 import numpy as np
 
-from sao.lake.check import check_run
+from sao.audit import check_run
 from sao.lake.config import LakeConfig, WriterConfig
 from sao.lake.ledger import consumed_ids
 from sao.lake.store import Lake

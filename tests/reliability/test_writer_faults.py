@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sao.lake.check import check_run
+from sao.audit import check_run
 from sao.lake.config import LakeConfig, WriterConfig
 from sao.lake.issued import IssueLog
 from sao.lake.ledger import register_policy_version

@@ -1,12 +1,25 @@
-"""Checkpoints survive a kill in the middle of replacing the version-0 critic (value pretraining)."""
+"""Checkpoints: their layout (what the audit asks about a registered version), and a kill in the middle of
+replacing the version-0 critic (value pretraining)."""
 
 import shutil
+from pathlib import Path
 
 import torch
 
 from sao.models.critic import Critic
 from sao.models.policy import load_policy
-from sao.train.checkpoint import checkpoint_dir, load_checkpoint, replace_critic, save_checkpoint
+from sao.train.checkpoint import (
+    RegisteredState,
+    checkpoint_dir,
+    checkpoint_root_of,
+    load_checkpoint,
+    prune_checkpoint,
+    replace_critic,
+    save_checkpoint,
+    verify_registered,
+    weights_hash,
+)
+from sao.train.checkpoint import policy_dir as version_policy_dir  # the fixture is `policy_dir`
 
 
 def test_a_critic_replacement_killed_between_its_renames_keeps_the_old_critic(tmp_path, policy_dir, tokenizer):
@@ -28,3 +41,29 @@ def test_a_critic_replacement_killed_between_its_renames_keeps_the_old_critic(tm
     assert sorted(p.name for p in path.iterdir() if p.name.startswith("critic")) == ["critic"]
     again = load_checkpoint(tmp_path, 0).critic
     assert torch.equal(next(again.parameters()), next(critic.parameters()))
+
+
+def test_the_root_of_a_registered_version_directory():
+    assert checkpoint_root_of("/runs/a/checkpoints/v000003") == Path("/runs/a/checkpoints")
+    assert checkpoint_root_of("file:///runs/a/checkpoints/v1000000") == Path("/runs/a/checkpoints")
+    assert checkpoint_root_of("/runs/a/sft") is None  # a bare policy directory (version 0 from the warm start)
+    assert checkpoint_root_of("s3://bucket/checkpoints/v000003") is None
+    assert checkpoint_root_of("/runs/a/checkpoints/v12") is None
+
+
+def test_each_state_of_a_registered_checkpoint(tmp_path, policy_dir, tokenizer):
+    policy = load_policy(policy_dir)
+    digest = weights_hash(policy)
+    save_checkpoint(tmp_path, 1, policy, tokenizer, trainer_state={})
+    save_checkpoint(tmp_path, 2, policy, tokenizer, trainer_state={})
+    version_dir = str(checkpoint_dir(tmp_path, 1))
+    assert verify_registered(version_dir, 1, digest) == (RegisteredState.VERIFIED, "")
+    assert verify_registered(str(policy_dir), 0, digest)[0] is RegisteredState.VERIFIED  # a bare policy
+    assert verify_registered(version_dir, 1, "0" * 64)[0] is RegisteredState.HASH_DIFFERS
+    assert verify_registered(str(tmp_path / "v000009"), 9, digest)[0] is RegisteredState.MISSING
+    assert verify_registered("s3://bucket/v000001", 1, digest)[0] is RegisteredState.NOT_LOCAL
+    (checkpoint_dir(tmp_path, 1) / "COMPLETE").unlink()
+    assert verify_registered(version_dir, 1, digest)[0] is RegisteredState.INCOMPLETE
+    prune_checkpoint(tmp_path, 2, ("policy",))
+    assert not version_policy_dir(tmp_path, 2).exists()
+    assert verify_registered(str(checkpoint_dir(tmp_path, 2)), 2, digest)[0] is RegisteredState.PRUNED

@@ -209,7 +209,7 @@ def test_a_what_if_run_is_recorded_like_a_trained_one_reconciled_and_replayed(tr
     versions and checkpoints: `sao lake check` reconciles it, `sao replay` replays it bit for bit, and a
     step that read other data than its parent's is a finding."""
     from sao import runs
-    from sao.lake.check import FindingKind, check_run
+    from sao.audit import FindingKind, check_run
     from sao.lake.ledger import record_train_step
     from sao.lake.records import TrainStepRecord, utc_now
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import shutil
 
 import numpy as np
@@ -12,8 +11,8 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
+from sao.audit import FindingKind, check_run, length_bucket
 from sao.cli import app
-from sao.lake.check import FindingKind, check_run, length_bucket
 from sao.lake.commit import append_blind
 from sao.lake.config import LakeConfig, WriterConfig
 from sao.lake.issued import IssuedRollout, IssueLog, close_out_unresolved
@@ -23,7 +22,9 @@ from sao.lake.store import Lake
 from sao.lake.synthetic import make_trajectories, make_trajectory
 from sao.lake.writer import TrajectoryWriter
 from sao.models.policy import load_policy
-from sao.train.checkpoint import weights_hash
+from sao.train.checkpoint import checkpoint_dir, weights_hash
+from sao.train.config import TrainConfig
+from sao.train.run_config import write_run_config
 from schemas import train_steps, trajectories
 from tests.lake.validate.test_rules import CASES
 
@@ -84,12 +85,11 @@ def clean(tmp_path, policy_dir, policy_hash) -> Run:
     """Run ``run-c``: versions 0-2 (real policy directory), run_config.json with max_staleness 1,
     8 rollouts issued, 7 stored and 1 quarantined, two steps consuming the oldest 4 in order."""
     lake = Lake.open(LakeConfig(root=str(tmp_path / "lake")))
-    checkpoint = tmp_path / "ckpt" / "v0"
+    checkpoint = checkpoint_dir(tmp_path / "ckpt", 0)
     shutil.copytree(policy_dir, checkpoint)
     register(lake, 3, str(checkpoint), policy_hash)
-    (checkpoint.parent / "run_config.json").write_text(
-        json.dumps({"format": 1, "train": {"max_staleness": 1}})
-    )
+    write_run_config(TrainConfig(run_id=RUN, lake=LakeConfig(root=str(tmp_path / "lake")), checkpoint_root=str(tmp_path / "ckpt"),
+                                 policy_path=str(policy_dir), max_staleness=1))
     records = make_trajectories(7, seed=3, run_id=RUN, num_tokens=20, policy_versions=(1,))
     bad = dataclasses.replace(CASES["logprob_positive"][0], run_id=RUN, trajectory_id="bad-0")
     ids = [r.trajectory_id for r in records]
@@ -249,13 +249,14 @@ def test_the_stale_backlog_is_counted_by_length(tmp_path):
     assert report.ok, report.lines()
     backlog = report.backlog
     assert (backlog.trainer_version, backlog.count, backlog.eligible) == (5, 4, 2)
-    assert backlog.by_length == {"1-64": 1, "65-128": 2, ">2048": 1}
+    assert backlog.by_length == {"33-64": 1, "65-128": 2, "2049-4096": 1}
     assert "stale backlog at version 5: 4 kept, not trained on" in "\n".join(report.lines())
 
 
-def test_length_buckets():
-    assert [length_bucket(n) for n in (0, 1, 64, 65, 128, 2048, 2049)] == [
-        "0", "1-64", "1-64", "65-128", "65-128", "1025-2048", ">2048",
+def test_length_buckets_are_the_trainers():
+    """The trainer's edges (16, 32, ..., 4096; its kept-fraction metrics use them), inclusive above."""
+    assert [length_bucket(n) for n in (0, 1, 16, 17, 64, 65, 128, 2048, 2049, 4096, 4097)] == [
+        "0", "1-16", "1-16", "17-32", "33-64", "65-128", "65-128", "1025-2048", "2049-4096", "2049-4096", ">4096",
     ]  # fmt: skip
 
 

@@ -1,4 +1,9 @@
-"""Reconciliation of one run: every issued rollout, stored row, consumed id and checkpoint accounted for.
+"""The run audit: every issued rollout, stored row, consumed id and checkpoint of one run accounted for.
+
+It sits above the lake and the trainer: it reads the lake's tables, asks the checkpoint module
+(:func:`sao.train.checkpoint.verify_registered`) about each registered version and the stored run
+configuration (:func:`sao.train.run_config.stored_max_staleness`) about the staleness bound; it knows
+neither layout.
 
 :func:`check_run` (``sao lake check --run R``) reads the run's rows of every table and reports, as
 :class:`Finding` objects, each way in which the run lost, doubled or misused data:
@@ -40,8 +45,9 @@ counts them by completion-length bucket, so a backlog that is biased towards lon
 visible.
 
 Where ``max_staleness`` comes from: the ``max_staleness`` argument, else the run configuration the
-trainer stored beside its checkpoints (``run_config.json`` at the checkpoint root, found through the
-``policy_versions`` rows). Without either, staleness is not checked and the report says so.
+trainer stored beside its checkpoints (found through the ``policy_versions`` rows). Without either,
+staleness is not checked and the report says so. Completion lengths are bucketed by the trainer's
+:data:`sao.train.step.LENGTH_BUCKETS`, the edges of its ``actor/kept_frac/length_*`` metrics.
 """
 
 from __future__ import annotations
@@ -50,20 +56,20 @@ import bisect
 import dataclasses
 import enum
 import itertools
-import json
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from sao.lake.reader import read_trajectories
 from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
+from sao.train.checkpoint import RegisteredState, verify_registered
+from sao.train.run_config import RunConfigError, stored_max_staleness
+from sao.train.step import LENGTH_BUCKETS
 from schemas import policy_versions, quarantine, rollout_tasks, train_steps, trajectories
 
 __all__ = [
-    "LENGTH_BUCKETS",
     "CheckReport",
     "Finding",
     "FindingKind",
@@ -73,9 +79,6 @@ __all__ = [
     "length_bucket",
     "stale_backlog",
 ]
-
-LENGTH_BUCKETS = (64, 128, 256, 512, 1024, 2048)
-"""Upper edges (inclusive) of the completion-length buckets of the stale-backlog report."""
 
 _APPEND_OPERATIONS = frozenset({"CREATE TABLE", "WRITE", "OPTIMIZE", "ADD COLUMN", "SET TBLPROPERTIES"})
 """Delta operations that never remove a trajectory: anything else in the log is reported."""
@@ -194,8 +197,8 @@ class CheckReport:
 
 
 def length_bucket(length: int) -> str:
-    """The :data:`LENGTH_BUCKETS` label of a completion of ``length`` tokens (``"0"``, ``"1-64"``,
-    ``"65-128"``, ..., ``">2048"``)."""
+    """The :data:`LENGTH_BUCKETS` label of a completion of ``length`` tokens (``"0"``, ``"1-16"``,
+    ``"17-32"``, ..., ``">4096"``)."""
     if length <= 0:
         return "0"
     low = 1
@@ -420,63 +423,35 @@ def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None, *,
     ]  # fmt: skip
 
 
-def _checkpoint_root(uri: str) -> Path | None:
-    if "://" in uri and not uri.startswith("file://"):
-        return None
-    return Path(uri.removeprefix("file://"))
-
-
 def _stored_max_staleness(versions: pa.Table, notes: list[str]) -> int | None:
-    """``max_staleness`` from ``run_config.json`` at the checkpoint root of the run's versions."""
+    """``max_staleness`` from the run configuration stored beside the run's registered checkpoints."""
     for uri in versions["checkpoint_uri"].to_pylist():
-        path = _checkpoint_root(uri)
-        config = None if path is None else path.parent / "run_config.json"
-        if config is not None and config.is_file():
-            try:
-                return int(json.loads(config.read_text())["train"]["max_staleness"])
-            except (OSError, ValueError, KeyError, TypeError) as error:
-                notes.append(f"cannot read max_staleness from {config}: {error}")
-                return None
-    notes.append("no run_config.json beside the run's checkpoints and no --max-staleness: "
+        try:
+            found = stored_max_staleness(uri)
+        except RunConfigError as error:
+            notes.append(f"cannot read max_staleness: {error}")
+            return None
+        if found is not None:
+            return found
+    notes.append("no run configuration beside the run's checkpoints and no --max-staleness: "
                  "staleness of consumed rows and the stale backlog are not checked")  # fmt: skip
     return None
 
 
-def _policy_directory(path: Path) -> Path | None:
-    """The Hugging Face directory of a registered checkpoint: ``<version dir>/policy``, or the
-    directory itself for a bare policy (version 0 registered from the SFT directory)."""
-    for candidate in (path / "policy", path):
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
-
-
 def _check_checkpoints(versions: pa.Table, notes: list[str]) -> tuple[list[Finding | None], int]:
-    from sao.models.policy import load_policy  # torch and transformers: only when verifying
-    from sao.train.checkpoint import pruned_parts, weights_hash
-
     missing, wrong, verified = [], [], 0
     for row in sorted(versions.to_pylist(), key=lambda r: r["version"]):
         version, uri = row["version"], row["checkpoint_uri"]
-        path = _checkpoint_root(uri)
-        if path is None:
-            missing.append(f"v{version} at {uri} (not a local path: cannot be verified here)")
-            continue
-        if (path / "PRUNED").exists() and "policy" in pruned_parts(path.parent, version):
-            notes.append(f"version {version}: policy weights pruned by retention ({path})")
-            continue
-        if (path / "policy").exists() and not (path / "COMPLETE").exists():
-            missing.append(f"v{version} at {uri} (incomplete: no COMPLETE marker)")
-            continue
-        policy_dir = _policy_directory(path)
-        if policy_dir is None:
-            missing.append(f"v{version} at {uri}")
-            continue
-        digest = weights_hash(load_policy(policy_dir))
-        verified += 1
-        if digest != row["weights_hash"]:
-            wrong.append(f"v{version} at {uri} (recorded {row['weights_hash'][:16]}..., "
-                         f"found {digest[:16]}...)")  # fmt: skip
+        state, detail = verify_registered(uri, version, row["weights_hash"])
+        if state is RegisteredState.VERIFIED:
+            verified += 1
+        elif state is RegisteredState.PRUNED:
+            notes.append(f"version {version}: {detail}")
+        elif state is RegisteredState.HASH_DIFFERS:
+            verified += 1
+            wrong.append(f"v{version} at {uri} ({detail})")
+        else:  # missing, incomplete, or not on this machine
+            missing.append(f"v{version} at {uri}" + ("" if state is RegisteredState.MISSING else f" ({detail})"))
     return [
         _finding(FindingKind.CHECKPOINT_MISSING, missing, "registered checkpoint is absent or incomplete"),
         _finding(FindingKind.CHECKPOINT_HASH, wrong, "checkpoint weights differ from the recorded hash"),
