@@ -199,10 +199,77 @@ def compute_update(learner: Learner, rows: Sequence[Mapping], version: int, rank
     return learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard])
 
 
+@dataclasses.dataclass
+class _Worker:
+    """What one training worker carries from step to step (rank 0 alone has a reader and a broker)."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    lake: Lake
+    learner: Learner
+    tokenizer: object
+    broker: _Broker
+    reader: TrajectoryReader | None
+    step: int  # the next step to run
+    version: int  # the policy's version before it
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.learner.policy
+
+    @property
+    def critic(self) -> Critic | None:
+        return self.learner.critic
+
+
+@dataclasses.dataclass(frozen=True)
+class _Selection:
+    """Rank 0's choice of a step's rows, sent to every worker."""
+
+    snapshot: int  # the trajectories version the rows are read at
+    ids: list[str]
+    stale: int  # rows passed over as beyond max_staleness while waiting
+    no_actions: int  # rows passed over as having no action token
+    due: bool  # whether this step is reported to Ray Train
+
+
 def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
                  on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
     """The body of one training worker (see the module docstring). ``max_steps`` stops early (tests);
     ``on_step`` runs on every worker after each committed step."""
+    worker = _start_worker(cfg)
+    reports: list[StepReport] = []
+    last_report = -math.inf
+    while worker.step < cfg.total_steps and (max_steps is None or len(reports) < max_steps):
+        started_at = utc_now()
+        torch.manual_seed(cfg.seed + worker.version)  # recorded in the step's seeds
+        t0 = time.perf_counter()
+        last = worker.step + 1 == cfg.total_steps or (max_steps is not None and len(reports) + 1 == max_steps)
+        selection = _broadcast(_select(worker, last, last_report) if worker.rank == 0 else None)  # to every worker
+        if selection is None:
+            break
+        if selection.due:
+            last_report = time.monotonic()
+        timings = {"wait_read_s": time.perf_counter() - t0}
+        metrics = _update(worker, selection, timings)
+        worker.version += 1
+        if worker.rank == 0:
+            metrics = _commit(worker, selection, metrics, started_at, timings)
+        report = StepReport(worker.step, worker.version, selection.snapshot, tuple(selection.ids), metrics,
+                            report_due=selection.due)
+        reports.append(report)
+        if worker.world > 1:
+            dist.barrier()
+        if on_step is not None:
+            on_step(report)  # on every worker: Ray Train's report is a collective call
+        worker.step += 1
+    return reports
+
+
+def _start_worker(cfg: TrainConfig) -> _Worker:
+    """Resume point, models and optimiser state; rank 0 also stores the run configuration, makes sure
+    the current version is registered and re-publishes it (replicas may be behind after a restart)."""
     rank, world = _rank_world()
     torch.set_num_threads(cfg.torch_threads)
     torch.use_deterministic_algorithms(cfg.deterministic)
@@ -211,80 +278,81 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
     step, version = (0, 0) if resumed is None else (resumed[0] + 1, resumed[1])
     torch.manual_seed(cfg.seed + version)
     policy, critic, trainer_state = _load_models(cfg, version)
-    tokenizer = load_tokenizer(cfg.policy_path)
     learner = Learner(cfg.update, policy, critic)
     if trainer_state is not None:
         learner.load_state_dict(trainer_state)
-    broker = _broker_calls(cfg) if rank == 0 else _Broker()
+    worker = _Worker(cfg, rank, world, lake, learner, load_tokenizer(cfg.policy_path),
+                     broker=_broker_calls(cfg) if rank == 0 else _Broker(),
+                     reader=TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS) if rank == 0 else None,
+                     step=step, version=version)
     if rank == 0:
         write_run_config(cfg)
-        _ensure_version_registered(lake, cfg, version, policy, critic, tokenizer, learner, step - 1)
-        if broker.publish is not None and version > 0:
-            broker.publish(version, policy)  # replicas may be behind after a restart
-    reader = TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS) if rank == 0 else None
-    reports: list[StepReport] = []
-    last_report = -math.inf
-    while step < cfg.total_steps and (max_steps is None or len(reports) < max_steps):
-        started_at = utc_now()
-        torch.manual_seed(cfg.seed + version)  # recorded in the step's seeds
-        t0 = time.perf_counter()
-        selection = None
-        if rank == 0:
-            try:
-                snapshot, table, stale, no_actions = _wait_for_batch(reader, cfg, version, broker)
-                last = step + 1 == cfg.total_steps or (max_steps is not None and len(reports) + 1 == max_steps)
-                due = last or time.monotonic() - last_report >= cfg.report_interval_s
-                selection = (snapshot, table.column("trajectory_id").to_pylist(), stale, no_actions, due)
-            except _Stopped:
-                log.info("run %s: stop requested; the trainer stops at step %d (version %d)", cfg.run_id, step, version)
-        selection = _broadcast(selection)  # every worker makes the same Ray Train calls
-        if selection is None:
-            break
-        snapshot, ids, stale, no_actions, due = selection
-        if due:
-            last_report = time.monotonic()
-        read_s = time.perf_counter() - t0
-        rows = read_trajectories(lake, version=snapshot, run_id=cfg.run_id, trajectory_ids=ids,
-                                 columns=TRAIN_COLUMNS).to_pylist()
-        t1 = time.perf_counter()
-        metrics = compute_update(learner, rows, version, rank, world)
-        update_s = time.perf_counter() - t1
-        crash_point("mid-step", step)  # the update is done, nothing of it is saved yet
-        metrics = _merge_worker_metrics(metrics, world)
-        metrics["batch/stale_skipped"] = float(stale)
-        metrics["batch/no_action_skipped"] = float(no_actions)
-        metrics["batch/world_size"] = float(world)
-        version += 1
-        if rank == 0:
-            t2 = time.perf_counter()
-            _, digest = save_checkpoint(cfg.checkpoint_root, version, policy, tokenizer, critic, learner.state_dict())
-            record_train_step(lake, TrainStepRecord(
-                run_id=cfg.run_id, step=step, policy_version_before=version - 1, policy_version_after=version,
-                trajectories_version=snapshot, trajectory_ids=tuple(ids), started_at=started_at,
-                finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
-                timings={"wait_read_s": read_s, "update_s": update_s, "commit_s": time.perf_counter() - t2},
-            ))
-            reader.consumed(ids)
-            crash_point("after-commit", step)  # between the step's row and its version's row
-            register_policy_version(lake, PolicyVersionRecord(
-                run_id=cfg.run_id, version=version, parent_version=version - 1,
-                checkpoint_uri=str(checkpoint_dir(cfg.checkpoint_root, version).resolve()),
-                weights_hash=digest, step=step))
-            if cfg.retention is not None:
-                apply_retention(lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
-            if cfg.compact_ledger_every and (step + 1) % cfg.compact_ledger_every == 0:
-                compact_ledger(lake)
-            crash_point("before-publish", step)
-            if broker.publish is not None:  # after the commit: not in the step's row, only in its report
-                metrics = {**metrics, "time/publish_s": broker.publish(version, policy)}
-        report = StepReport(step, version, snapshot, tuple(ids), metrics, report_due=due)
-        reports.append(report)
-        if world > 1:
-            dist.barrier()
-        if on_step is not None:
-            on_step(report)  # on every worker: Ray Train's report is a collective call
-        step += 1
-    return reports
+        _ensure_version_registered(lake, cfg, version, policy, critic, worker.tokenizer, learner, step - 1)
+        if worker.broker.publish is not None and version > 0:
+            worker.broker.publish(version, policy)
+    return worker
+
+
+def _select(worker: _Worker, last: bool, last_report: float) -> _Selection | None:
+    """Rank 0: wait for the step's rows (None when a stop was asked for meanwhile); the step is reported
+    to Ray Train when it is the ``last`` or ``report_interval_s`` passed since ``last_report``."""
+    cfg = worker.cfg
+    try:
+        snapshot, table, stale, no_actions = _wait_for_batch(worker.reader, cfg, worker.version, worker.broker)
+    except _Stopped:
+        log.info("run %s: stop requested; the trainer stops at step %d (version %d)",
+                 cfg.run_id, worker.step, worker.version)
+        return None
+    due = last or time.monotonic() - last_report >= cfg.report_interval_s
+    return _Selection(snapshot, table.column("trajectory_id").to_pylist(), stale, no_actions, due)
+
+
+def _update(worker: _Worker, selection: _Selection, timings: dict[str, float]) -> dict[str, float]:
+    """Every worker: read the selected rows at the pinned snapshot and update on its shard; the
+    step's metrics, merged across workers."""
+    cfg = worker.cfg
+    rows = read_trajectories(worker.lake, version=selection.snapshot, run_id=cfg.run_id,
+                             trajectory_ids=selection.ids, columns=TRAIN_COLUMNS).to_pylist()
+    t1 = time.perf_counter()
+    metrics = compute_update(worker.learner, rows, worker.version, worker.rank, worker.world)
+    timings["update_s"] = time.perf_counter() - t1
+    crash_point("mid-step", worker.step)  # the update is done, nothing of it is saved yet
+    metrics = _merge_worker_metrics(metrics, worker.world)
+    metrics["batch/stale_skipped"] = float(selection.stale)
+    metrics["batch/no_action_skipped"] = float(selection.no_actions)
+    metrics["batch/world_size"] = float(worker.world)
+    return metrics
+
+
+def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], started_at,
+            timings: dict[str, float]) -> dict[str, float]:
+    """Rank 0, after the update to ``worker.version``: the checkpoint, then the ``train_steps`` row
+    (the commit point), then the version's row, retention and compaction, then the weights to the
+    replicas. Returns the step's metrics with the publication time (which is not in the row)."""
+    cfg, step, version = worker.cfg, worker.step, worker.version
+    t2 = time.perf_counter()
+    _, digest = save_checkpoint(cfg.checkpoint_root, version, worker.policy, worker.tokenizer, worker.critic,
+                                worker.learner.state_dict())
+    record_train_step(worker.lake, TrainStepRecord(
+        run_id=cfg.run_id, step=step, policy_version_before=version - 1, policy_version_after=version,
+        trajectories_version=selection.snapshot, trajectory_ids=tuple(selection.ids), started_at=started_at,
+        finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
+        timings={**timings, "commit_s": time.perf_counter() - t2},
+    ))
+    worker.reader.consumed(selection.ids)
+    crash_point("after-commit", step)  # between the step's row and its version's row
+    register_policy_version(worker.lake, PolicyVersionRecord(
+        run_id=cfg.run_id, version=version, parent_version=version - 1,
+        checkpoint_uri=str(checkpoint_dir(cfg.checkpoint_root, version).resolve()),
+        weights_hash=digest, step=step))
+    if cfg.retention is not None:
+        apply_retention(worker.lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
+    if cfg.compact_ledger_every and (step + 1) % cfg.compact_ledger_every == 0:
+        compact_ledger(worker.lake)
+    crash_point("before-publish", step)
+    if worker.broker.publish is not None:  # after the commit: not in the step's row, only in its report
+        metrics = {**metrics, "time/publish_s": worker.broker.publish(version, worker.policy)}
+    return metrics
 
 
 _SUMMED = ("batch/trajectories", "batch/action_tokens", "batch/staleness_count/", "actor/all_masked_rows",
