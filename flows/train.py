@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import contextvars
-import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -31,6 +30,7 @@ from prefect.states import Cancelled
 
 from sao import interrupt, runs
 from sao.config import RunConfig
+from sao.progress import Progress
 from sao.train.loop import StepReport
 from sao.train.pretrain import PretrainReport
 
@@ -44,15 +44,12 @@ def artifact_key(run_id: str, what: str) -> str:
 @task(name="warm-start")
 def warm_start(settings: RunConfig) -> str:
     logger = get_run_logger()
-    started = time.monotonic()
+    progress = Progress("SFT", settings.sft.max_steps, "steps", start=0)
 
-    def progress(point) -> None:  # one readable line per validation measurement, with the time left
-        elapsed = time.monotonic() - started
-        left = elapsed / point.step * (settings.sft.max_steps - point.step)
-        logger.info("SFT step %d/%d: loss %.3f, held-out success %.3f (at most %.0f s left)", point.step,
-                    settings.sft.max_steps, point.loss, point.success, left)
+    def show(point) -> None:  # one line per validation measurement
+        logger.info("%s", progress.line(point.step, f"loss {point.loss:.3f}, held-out success {point.success:.3f}"))
 
-    path = runs.warm_start(settings, on_log=progress)
+    path = runs.warm_start(settings, on_log=show)
     logger.info("version-0 policy: %s", path)
     return str(path)
 
@@ -114,13 +111,15 @@ def train_async(settings: RunConfig, policy_path: str) -> dict:
     progress = create_progress_artifact(0.0, key=artifact_key(settings.run_id, "progress"),
                                         description=f"actor updates of run {settings.run_id}")
     context = contextvars.copy_context()  # the step watcher runs in its own thread
+    steps = Progress("training", settings.train.steps, "steps")  # timed from the first step: not Ray's start
 
     def publish(report: StepReport) -> None:
         done = 100.0 * (report.step + 1) / max(settings.train.steps, 1)
         update_progress_artifact(progress, min(done, 100.0))
-        logger.info("step %d -> version %d: reward %.3f, kept %.3f, staleness %.2f", report.step, report.version,
+        # "step S -> version V:" first: the run's own output is matched on it (tests/reliability)
+        logger.info("step %d -> version %d: reward %.3f, kept %.3f, staleness %.2f; %s", report.step, report.version,
                     report.metrics.get("batch/reward_mean", 0.0), report.metrics.get("actor/kept_frac", 0.0),
-                    report.metrics.get("batch/staleness_mean", 0.0))
+                    report.metrics.get("batch/staleness_mean", 0.0), steps.line(report.step + 1))
         if report.step % 10 == 0 or report.step + 1 == settings.train.steps:
             rows = [{"metric": k, "value": round(report.metrics[k], 4)} for k in METRICS_SHOWN if k in report.metrics]
             create_table_artifact(rows, key=artifact_key(settings.run_id, "metrics"),

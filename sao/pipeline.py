@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -36,6 +37,7 @@ from sao.lake.config import WriterConfig
 from sao.lake.issued import IssuedRollout, IssueLog, close_out_unresolved
 from sao.lake.store import Lake, sql_literal
 from sao.lake.writer import TrajectoryWriter
+from sao.progress import Progress
 from sao.rollout.agent import AgentConfig
 from sao.rollout.driver import DriverConfig, DriverStats, RolloutDriver
 from sao.rollout.serve import RolloutConfig
@@ -315,7 +317,9 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     issue_log = IssueLog(lake, cfg.writer, issuer_id=issuer_id)
     writer = TrajectoryWriter(lake, cfg.writer, writer_id=issuer_id, before_flush=issue_log.flush)
     driver = RolloutDriver(handle, writer, run_id, DriverConfig(max_in_flight=cfg.max_in_flight, seed=cfg.seed),
-                           on_record=on_record, issue_log=issue_log)
+                           on_record=_shown_every(10.0, Progress("value pretraining:", count, "version-0 rollouts",
+                                                                 start=stored), stored, on_record),
+                           issue_log=issue_log)
     try:
         with interrupt.graceful():
             stats = asyncio.run(_drive(driver, task_stream(tasks, cfg.seed, start=stored), limit=missing,
@@ -327,6 +331,23 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     if interrupt.requested():
         raise interrupt.RunInterrupted(f"run {run_id}: stopped while collecting version-0 rollouts")
     return stats
+
+
+def _shown_every(every_s: float, progress: Progress, done: int,
+                 on_record: Callable[[object], None] | None) -> Callable[[object], None]:
+    """``on_record`` that also logs ``progress`` at most every ``every_s`` seconds, and at the end."""
+    shown_at = -math.inf
+
+    def counted(record) -> None:
+        nonlocal done, shown_at
+        done += 1
+        if on_record is not None:
+            on_record(record)
+        if time.monotonic() - shown_at >= every_s or done >= progress.total:
+            shown_at = time.monotonic()
+            log.info("%s", progress.line(done))
+
+    return counted
 
 
 class _StepWatcher:

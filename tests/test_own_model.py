@@ -247,8 +247,8 @@ def test_a_run_with_a_model_directory_that_is_not_one_is_refused_at_start(tmp_pa
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("architecture", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-                                          pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3_moe"])
 def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_session):
     from sao import runs
     from sao.audit import check_run

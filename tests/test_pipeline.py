@@ -41,6 +41,7 @@ def test_pipeline_settings_are_checked(tmp_path):
         next(task_stream(TASKS, 0, repeat=0))
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_synchronous_grpo_run_trains_whole_groups_of_its_own_version(tmp_path, policy_dir, ray_session):
     from sao.lake.store import Lake

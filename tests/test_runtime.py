@@ -83,6 +83,7 @@ def test_local_instance_listens_on_loopback_only(ray_session):
     assert not exposed, f"Ray processes listen beyond the loopback interface: {exposed}"
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_local_instance_refuses_a_client_without_its_token(ray_session):
     import ray

@@ -197,6 +197,8 @@ def select_samples(lake: Lake, run_id: str, pcfg: PretrainConfig):
     ``heldout_fraction`` held out. Ray must be initialised."""
     import ray.data
 
+    _quiet_ray_data()
+    _wait_for_a_free_cpu()
     version = lake.version(trajectories.NAME) if pcfg.trajectories_version is None else pcfg.trajectories_version
     columns = ["run_id", "ingest_seq", "max_policy_version", *[c for c in TRAIN_COLUMNS if c != "ingest_seq"]]
     dataset = ray.data.read_delta(lake.table_uri(trajectories.NAME), version=version,
@@ -215,6 +217,28 @@ def select_samples(lake: Lake, run_id: str, pcfg: PretrainConfig):
     heldout = min(count - 1, max(1, round(count * pcfg.heldout_fraction)))
     train, held = chosen.split_at_indices([count - heldout])
     return train, held, version
+
+
+def _quiet_ray_data() -> None:
+    """No progress bars or per-operator progress logs from this short read (the run logs its own
+    progress); Ray Data's warnings still show."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+
+
+def _wait_for_a_free_cpu(timeout_s: float = 30.0) -> None:
+    """Ray Data reads on a free CPU. Value pretraining starts right after the collecting replicas
+    are deleted, and Ray releases their CPUs a moment later; reading before that makes Ray Data warn
+    that the cluster "does not have any available CPUs" and "the Dataset job will hang" until it has.
+    Wait for one instead (a cluster whose CPUs stay taken still gets Ray's warning after ``timeout_s``)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) <= 0.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 # ----- Ray Train: the workers ---------------------------------------------------------------------

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.lake_ingest import MARK_BEGIN, MARK_END, main, update_results_md
 
 
+@pytest.mark.slow
 def test_quick_run_writes_json_and_markdown(tmp_path):
     out, results = tmp_path / "lake.json", tmp_path / "RESULTS.md"
     results.write_text("# Results\n\n## Someone else's section\n\nkept\n")

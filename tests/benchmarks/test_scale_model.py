@@ -111,6 +111,7 @@ def _hw():
     return Hardware()
 
 
+@pytest.mark.slow
 def test_quick_run_writes_json_and_markdown(tmp_path):
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\n## Someone else's section\n\nkept\n")

@@ -157,6 +157,7 @@ def ui(tmp_path_factory):
             _stop_group(handle.server_pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_sao_ui_listens_on_loopback_only(ui):
     for pid in (ui.server_pid, ui.process.pid):
         listening = [c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == "LISTEN"]
@@ -201,6 +202,7 @@ def _prefect(ui: UI, *args: str, cwd: Path = REPO) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_prefect_yaml_deploys_the_same_flows_and_a_process_worker_runs_them(ui, policy_dir):
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
@@ -309,6 +311,7 @@ def test_retrying_a_crashed_flow_run_from_the_ui_resumes_the_run(ui, policy_dir)
     assert check.returncode == 0, check.stdout[-4000:]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_runner_and_the_server_by_pid(ui):
     """Last in this module: the fixture's ``sao ui`` is stopped here."""
     assert _alive(ui.server_pid) and port_in_use(ui.port)

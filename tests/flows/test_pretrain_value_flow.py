@@ -16,7 +16,7 @@ from sao.train.loop import prepare_run
 from sao.train.pretrain import REPORT_FILE
 from tests.train.test_loop import roll_out
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def tiny_run(tmp_path, policy_dir, tokenizer, run_id: str, trajectories: int) -> RunConfig:

@@ -23,7 +23,7 @@ from sao.rollout.driver import DriverConfig, RolloutDriver
 from sao.rollout.serve import RolloutConfig, start_rollout_app
 from sao.train.checkpoint import weights_hash
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 APP, RUN = "rollout-kill-test", "serve-kill"
 
