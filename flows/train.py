@@ -69,7 +69,7 @@ class Stopped(dict):
 @task(name="pretrain-value")  # writes the version-0 critic: not retried (a re-run of the flow resumes it)
 def pretrain_value(settings: RunConfig, policy_path: str) -> dict | None:
     try:
-        report = runs.pretrain_value(settings, policy_path)
+        report = runs.pretrain_value(settings, policy_path, on_progress=get_run_logger().info)
     except interrupt.RunInterrupted as stopped:
         get_run_logger().warning("%s", stopped)
         return Stopped(reason=str(stopped))

@@ -292,9 +292,11 @@ def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker
 
 
 def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, count: int, *,
-                     on_record: Callable[[object], None] | None = None) -> DriverStats:
+                     on_record: Callable[[object], None] | None = None,
+                     on_progress: Callable[[str], None] | None = None) -> DriverStats:
     """Roll out ``count`` tasks with the run's version-0 policy into the lake under ``run_id``, with no
-    training (the data of value pretraining). Idempotent: only what the run lacks is rolled out."""
+    training (the data of value pretraining). Idempotent: only what the run lacks is rolled out.
+    ``on_progress`` gets a progress line at most every 10 s and at the end (default: this module's log)."""
     from ray import serve
 
     from sao.rollout.serve import start_rollout_app
@@ -318,7 +320,8 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     writer = TrajectoryWriter(lake, cfg.writer, writer_id=issuer_id, before_flush=issue_log.flush)
     driver = RolloutDriver(handle, writer, run_id, DriverConfig(max_in_flight=cfg.max_in_flight, seed=cfg.seed),
                            on_record=_shown_every(10.0, Progress("value pretraining:", count, "version-0 rollouts",
-                                                                 start=stored), stored, on_record),
+                                                                 start=stored), stored, on_record,
+                                                  on_progress or log.info),
                            issue_log=issue_log)
     try:
         with interrupt.graceful():
@@ -333,9 +336,9 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     return stats
 
 
-def _shown_every(every_s: float, progress: Progress, done: int,
-                 on_record: Callable[[object], None] | None) -> Callable[[object], None]:
-    """``on_record`` that also logs ``progress`` at most every ``every_s`` seconds, and at the end."""
+def _shown_every(every_s: float, progress: Progress, done: int, on_record: Callable[[object], None] | None,
+                 show: Callable[[str], None]) -> Callable[[object], None]:
+    """``on_record`` that also shows ``progress`` at most every ``every_s`` seconds, and at the end."""
     shown_at = -math.inf
 
     def counted(record) -> None:
@@ -345,7 +348,7 @@ def _shown_every(every_s: float, progress: Progress, done: int,
             on_record(record)
         if time.monotonic() - shown_at >= every_s or done >= progress.total:
             shown_at = time.monotonic()
-            log.info("%s", progress.line(done))
+            show(progress.line(done))
 
     return counted
 

@@ -339,7 +339,8 @@ def value_data_run(config: RunConfig) -> str:
 
 
 def pretrain_value(config: RunConfig, policy_path: str | Path,
-                   on_record: Callable[[object], None] | None = None) -> PretrainReport | None:
+                   on_record: Callable[[object], None] | None = None,
+                   on_progress: Callable[[str], None] | None = None) -> PretrainReport | None:
     """Value pretraining before the first step (SAO.md section 3), when ``value_pretraining.samples`` > 0:
     roll out that many tasks with the version-0 policy into the lake as run
     :func:`value_data_run` (its own run: auditable, never trained on), then fit the run's version-0
@@ -364,7 +365,7 @@ def pretrain_value(config: RunConfig, policy_path: str | Path,
                                checkpoint_root=str(Path(train.checkpoint_root).parent / "v0-data-checkpoints"))
     prepare_run(data)  # the data run's version 0: the same weights, registered under its own id
     collect_rollouts(dataclasses.replace(pipeline, train=data), run_tasks(config, Split.TRAIN),
-                     data.run_id, config.value_pretraining.samples, on_record=on_record)
+                     data.run_id, config.value_pretraining.samples, on_record=on_record, on_progress=on_progress)
     return fit_critic(train, PretrainConfig(num_samples=config.value_pretraining.samples, data_run_id=data.run_id))
 
 

@@ -138,8 +138,22 @@ def init_ray(config: RayConfig | None = None) -> None:
     _warn_if_token_auth_off()
     kwargs |= {"num_cpus": config.num_cpus, "include_dashboard": config.include_dashboard,
                "_node_ip_address": config.node_ip_address}
-    with _single_node_addressing(config.node_ip_address):
+    with _single_node_addressing(config.node_ip_address), _quiet_expected_token_auth_note():
         ray.init(**kwargs)
+
+
+@contextlib.contextmanager
+def _quiet_expected_token_auth_note():
+    """Ray warns at every start of a local instance that "token authentication is enabled"; that is
+    what this module relies on (see its docstring), so the note is not printed. A token turned off is
+    still warned about (:func:`_warn_if_token_auth_off`)."""
+    note = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = note.level
+    note.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        note.setLevel(level)
 
 
 def shutdown_ray() -> None:

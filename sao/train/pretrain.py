@@ -221,12 +221,15 @@ def select_samples(lake: Lake, run_id: str, pcfg: PretrainConfig):
 
 def _quiet_ray_data() -> None:
     """No progress bars or per-operator progress logs from this short read (the run logs its own
-    progress); Ray Data's warnings still show."""
+    progress); Ray Data's warnings still show, but for its note that progress bars are off, which is
+    marked as said already (``log_once`` under the key Ray Data uses for it)."""
     import ray.data
+    from ray.util.debug import log_once
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
+    log_once("ray_data_progress_manager_disabled")
 
 
 def _wait_for_a_free_cpu(timeout_s: float = 30.0) -> None:
