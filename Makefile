@@ -44,7 +44,7 @@ test: lint
 # end-to-end runs; see docs/TESTING.md); .ci/run runs it after `make test`.
 test-slow: install-dev
 	@rm -f .pytest-rc
-	$(PY) -m pytest -m slow $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
+	$(PY) -m pytest -m 'slow and not vllm and not gpu' $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache .pytest-rc .ruff_cache
