@@ -85,15 +85,24 @@ def checkpoint_dir(root: str | Path, version: int) -> Path:
     return Path(root) / f"v{version:06d}"
 
 
+def _is_version_dir(name: str) -> bool:
+    """Whether ``name`` is a version directory's name (:func:`checkpoint_dir`)."""
+    return len(name) >= 7 and name[0] == "v" and name[1:].isdigit()
+
+
+def _local_path(checkpoint_uri: str) -> Path | None:
+    """The local path of a registered checkpoint URI (plain or ``file://``); None for a remote one."""
+    if "://" in checkpoint_uri and not checkpoint_uri.startswith("file://"):
+        return None
+    return Path(checkpoint_uri.removeprefix("file://"))
+
+
 def checkpoint_root_of(checkpoint_uri: str) -> Path | None:
     """The checkpoint root holding ``checkpoint_uri`` when it is a local version directory of this
     layout (``<root>/v000003``, as ``policy_versions`` records it); None otherwise (a remote URI, a
     bare policy directory)."""
-    if "://" in checkpoint_uri and not checkpoint_uri.startswith("file://"):
-        return None
-    path = Path(checkpoint_uri.removeprefix("file://"))
-    name = path.name
-    return path.parent if len(name) >= 7 and name[0] == "v" and name[1:].isdigit() else None
+    path = _local_path(checkpoint_uri)
+    return path.parent if path is not None and _is_version_dir(path.name) else None
 
 
 def policy_dir(root: str | Path, version: int) -> Path:
@@ -240,8 +249,7 @@ def complete_versions(root: str | Path) -> list[int]:
     root = Path(root)
     if not root.exists():
         return []
-    return sorted(int(p.name[1:]) for p in root.iterdir()
-                  if p.name.startswith("v") and p.name[1:].isdigit() and (p / _COMPLETE).exists())
+    return sorted(int(p.name[1:]) for p in root.iterdir() if _is_version_dir(p.name) and (p / _COMPLETE).exists())
 
 
 def latest_complete(root: str | Path) -> int | None:
@@ -267,9 +275,9 @@ def verify_registered(checkpoint_uri: str, version: int, recorded_hash: str) -> 
     ``checkpoint_uri`` is a version directory of this layout (``<root>/v000003``) or a bare policy
     directory (version 0 registered from the SFT warm start's directory). Loads the policy to hash it.
     """
-    if "://" in checkpoint_uri and not checkpoint_uri.startswith("file://"):
+    path = _local_path(checkpoint_uri)
+    if path is None:
         return RegisteredState.NOT_LOCAL, "not a local path: cannot be verified here"
-    path = Path(checkpoint_uri.removeprefix("file://"))
     if (path / _PRUNED).exists() and "policy" in pruned_parts(path.parent, version):
         return RegisteredState.PRUNED, f"policy weights pruned by retention ({path})"
     if (path / _POLICY).exists() and not (path / _COMPLETE).exists():
