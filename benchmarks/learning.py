@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         "machine": machine(), "command": "sao bench learning " + " ".join(argv),
         "settings": settings.public(), "aggregation": args.aggregation,
         "sft_s": sft_s, "train_s": result.train_s, "wall_s": time.monotonic() - started,
-        "trajectories_generated": result.driver.finished, "steps": result.steps,
+        "trajectories_generated": result.driver.records, "steps": result.steps,
         "evaluations": [dataclasses.asdict(e) for e in evaluations], "plots": [str(p) for p in plots],
     }
     lines = [
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
         f"Command: `{record['command']}`. {machine_line(record['machine'])}", "",
         f"Settings: {settings.algorithm.name.value}, batch {settings.train.batch_size}, max staleness {settings.train.max_staleness}, "
         f"policy lr {settings.algorithm.lr_policy:g}, loss aggregation {args.aggregation}, {settings.rollout.num_replicas} rollout "
-        f"replicas, {result.steps} steps; {result.driver.finished} trajectories generated, trainer wall "
+        f"replicas, {result.steps} steps; {result.driver.records} trajectories generated, trainer wall "
         f"{result.train_s:.0f} s.", "",
         "| policy version | held-out sampled accuracy (T=1) |", "|---:|---:|",
         *[f"| {e.version} | {e.accuracy:.3f} ± {e.stderr:.3f} |" for e in evaluations],

@@ -269,7 +269,7 @@ def run_method(method: str, args: argparse.Namespace, policy: Path, tasks, tasks
     record: dict[str, Any] = {
         "algorithm": method, "group_size": group, "wall_s": time.monotonic() - started, "pretrain_s": pretrain_s,
         "pipeline_wall_s": result.wall_s, "train_s": result.train_s, "steps": len(steps),
-        "trajectories_generated": result.driver.finished, "step_wall_s_mean": statistics.fmean(
+        "trajectories_generated": result.driver.records, "step_wall_s_mean": statistics.fmean(
             m["time/step_wall_s"] for m in steps) if steps else None,
         "metrics": steps,
     }

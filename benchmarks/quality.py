@@ -189,7 +189,7 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base, sft: Path, crit
     timeline = _timeline(settings, started)
     return {"arm": arm.name, "seed": seed, "run_id": settings.run_id, "settings": settings, "steps": result.steps,
             "pipeline_wall_s": result.wall_s, "train_s": result.train_s,
-            "trajectories_generated": result.driver.finished, **timeline}
+            "trajectories_generated": result.driver.records, **timeline}
 
 
 def _timeline(settings, started: float) -> dict[str, Any]:

@@ -130,7 +130,7 @@ def train_async(settings: RunConfig, policy_path: str) -> dict:
     except interrupt.RunInterrupted as stopped:
         get_run_logger().warning("%s", stopped)
         return Stopped(reason=str(stopped))
-    return {"steps": result.steps, "version": result.version, "trajectories": result.driver.finished,
+    return {"steps": result.steps, "version": result.version, "trajectories": result.driver.records,
             "wall_s": round(result.wall_s, 1)}
 
 

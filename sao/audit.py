@@ -12,7 +12,8 @@ Issued rollouts (``rollout_tasks``, written by the driver's :class:`~sao.lake.is
     ``lost``                 issued, but neither a ``trajectories`` row nor a ``quarantine`` row exists;
     ``stored_and_quarantined`` issued once, ended both stored and quarantined;
     ``duplicate_issue``      one ``trajectory_id`` issued twice;
-    ``not_issued``           stored, but never issued (only when the run has an issue log);
+    ``not_issued``           stored, but never issued (only when the run has an issue log); the later
+                             parts of a split agent episode are issued under their ``episode_id``;
     ``abandoned_resolved``   closed out as abandoned on a resume, yet stored or quarantined as well.
     A launch that was in flight when the run's driver process died, and that the resume closed out as
     ``abandoned`` (:func:`sao.lake.issued.close_out_unresolved`), is information, not a finding: the
@@ -149,6 +150,7 @@ class CheckReport:
     run_id: str
     issued: int | None
     stored: int
+    episode_splits: int  # stored parts after the first of split agent episodes (history rewrites)
     abandoned: int
     by_reason: dict[str, int]
     quarantined: int
@@ -178,7 +180,9 @@ class CheckReport:
             f"run {self.run_id}",
             f"issued rollouts: {issued}" + (f" ({self.abandoned} in flight at a crash, closed out on resume)"
                                              if self.abandoned else ""),
-            f"stored trajectories: {self.stored} ({reasons})",
+            f"stored trajectories: {self.stored} ({reasons})" + (
+                f"; {self.episode_splits} of them later parts of agent episodes split where the agent rewrote "
+                "its history" if self.episode_splits else ""),
             f"quarantined deliveries: {self.quarantined} ({rules})",
             f"steps: {self.steps}, consumed trajectories: {self.consumed}",
             f"policy versions: {self.policy_versions}, checkpoints verified: {self.checkpoints_verified}",
@@ -249,7 +253,7 @@ def check_run(
         raise ValueError(f"run_id {run_id!r} is not a valid run id")
     stored = _read_run(
         lake, trajectories.NAME, run_id,
-        ["trajectory_id", "termination_reason", "min_policy_version", "ingest_seq"],
+        ["trajectory_id", "termination_reason", "min_policy_version", "ingest_seq", "episode_id", "episode_part"],
     )  # fmt: skip
     events = _read_run(lake, rollout_tasks.NAME, run_id, ["trajectory_id", "event"])
     is_abandoned = pc.equal(events["event"], rollout_tasks.ABANDONED).fill_null(False)
@@ -271,7 +275,14 @@ def check_run(
     findings.append(_finding(FindingKind.DUPLICATE_TRAJECTORY, _repeated(stored_ids),
                              "stored more than once in the run"))  # fmt: skip
     findings.append(_deleted_rows(lake))
-    findings += _account_issued(issued["trajectory_id"].to_pylist(), set(stored_ids), bad, set(abandoned), notes)
+    later_parts = pc.greater(stored["episode_part"], 0).fill_null(False)
+    episodes = set(stored.filter(pc.invert(later_parts))["trajectory_id"].to_pylist())
+    parts_of = dict(zip(stored.filter(later_parts)["trajectory_id"].to_pylist(),
+                        stored.filter(later_parts)["episode_id"].to_pylist(), strict=True))
+    findings += _account_issued(issued["trajectory_id"].to_pylist(), episodes, bad, set(abandoned), notes)
+    orphans = sorted(tid for tid, episode in parts_of.items() if episode not in episodes)
+    findings.append(_finding(FindingKind.NOT_ISSUED, orphans,
+                             "a later part of a split episode whose first part is not stored"))
     limit = max_staleness if max_staleness is not None else _stored_max_staleness(versions, notes)
     parents = sorted({r for r in steps["data_run_id"].to_pylist() if r is not None and r != run_id})
     if parents:  # a what-if replay: it consumed its parent's rows
@@ -298,6 +309,7 @@ def check_run(
         run_id=run_id,
         issued=issued.num_rows if issued.num_rows else None,
         stored=len(stored_ids),
+        episode_splits=len(parts_of),
         abandoned=len(set(abandoned)),
         by_reason=dict(Counter(stored["termination_reason"].to_pylist())),
         quarantined=bad.num_rows,

@@ -224,6 +224,10 @@ class EnvSection(Section):
     code, so the policy's code can call them (self-contained functions; the sandbox's limits apply)."""
     system_prompt: str = default_of(DatasetEnvConfig, "system_prompt")
     """A system message before each prompt ('' = none; a task given as chat messages keeps its own)."""
+    agent: str = default_of(DatasetEnvConfig, "agent")
+    """An agent of your own, module:function: async agent(client, task) -> reward (or None: the reward
+    functions score it), talking to the policy through an openai.AsyncOpenAI client (sao/rollout/user_agent.py);
+    '' = the built-in tool loop (max_tool_calls, tools)."""
 
 
 class RolloutSection(Section):
@@ -337,6 +341,9 @@ class RunConfig(Section):
                              f"{self.rollout.group_size}: a batch would split a group")
         if self.train.synchronous and self.train.max_staleness != 0:
             raise ValueError(f"train.synchronous needs train.max_staleness 0, got {self.train.max_staleness}")
+        if self.env.agent and self.data.train is None:
+            raise ValueError("env.agent runs on the tasks of data.train; the built-in math_tool tasks have their "
+                             "own loop")
         if self.sft.data is not None and self.model.path is None:
             raise ValueError("sft.data is for a model of one's own (model.path); the built-in policy is warm-started "
                              "on its own demonstrations")
@@ -408,6 +415,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "env.max_tool_calls": ((DatasetEnvConfig, "max_tool_calls"),),
     "env.tools": ((DatasetEnvConfig, "tools"),),
     "env.system_prompt": ((DatasetEnvConfig, "system_prompt"),),
+    "env.agent": ((DatasetEnvConfig, "agent"),),
     "rollout.num_replicas": ((PipelineConfig, "num_replicas"),),
     "rollout.resources": ((PipelineConfig, "resources_per_replica"),),
     "rollout.max_in_flight": ((PipelineConfig, "max_in_flight"), (DriverConfig, "max_in_flight")),

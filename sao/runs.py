@@ -86,7 +86,7 @@ def env_options(config: RunConfig, reward_paths: tuple[str, ...] = ()) -> dict[s
     return {"dataset": {"rewards": list(config.reward.functions), "weights": config.reward.weights,
                         "paths": list(reward_paths), "max_tool_calls": config.env.max_tool_calls,
                         "tools": list(config.env.tools),
-                        "system_prompt": config.env.system_prompt}}
+                        "system_prompt": config.env.system_prompt, "agent": config.env.agent}}
 
 
 def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
@@ -125,7 +125,7 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
 
 
 def import_paths(config: RunConfig) -> tuple[str, ...]:
-    """The folders the run's reward and tool modules are imported from (the rollout replicas add them
+    """The folders the run's reward, tool and agent modules are imported from (the rollout replicas add them
     to their import path), each function found and checked; () for the built-in math_tool task. Reads
     no task data (:func:`prepare_inputs` checks that once, at start)."""
     from sao.envs.dataset import tool_prelude
@@ -137,7 +137,14 @@ def import_paths(config: RunConfig) -> tuple[str, ...]:
     tool_paths = tuple(folder for _, folder in (resolve_function(spec, what="tool function")
                                                 for spec in config.env.tools) if folder is not None)
     tool_prelude(tuple(config.env.tools), tool_paths)  # found, top-level, with source: or refused now
-    return tuple(dict.fromkeys(rewards.paths + tool_paths))
+    agent_paths: tuple[str, ...] = ()
+    if config.env.agent:
+        from sao.rollout.user_agent import load_agent
+
+        load_agent(config.env.agent)  # importable and async: or refused now
+        folder = resolve_function(config.env.agent, what="agent")[1]
+        agent_paths = () if folder is None else (folder,)
+    return tuple(dict.fromkeys(rewards.paths + tool_paths + agent_paths))
 
 
 def run_tasks(config: RunConfig, split: Split | str) -> list[Task]:

@@ -37,6 +37,12 @@ policies whose engine records routing:
 
 Both are null for dense policies, engines that do not record routing (vLLM) and rows written before
 version 2. The trainer replays recorded positions and routes the rest live (:mod:`sao.train.step`).
+
+Version 3 adds ``error`` (what failed in an ``error`` end). Version 4 (agents of one's own on the chat
+endpoint, :mod:`sao.rollout.chat_endpoint`) adds ``episode_id``, ``episode_part`` and ``agent_info``: an episode is one
+trajectory unless its agent rewrote or truncated its history, when it is split there into parts, each a
+trajectory whose tokens extend exactly; the parts share ``episode_id`` (the id the rollout was issued
+under, which part 0 keeps as its ``trajectory_id``; part k is ``<episode_id>.k``).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ __all__ = [
 ]
 
 NAME = "trajectories"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 """What a run id must match in full: it names a partition folder and appears in SQL predicates."""
@@ -234,11 +240,37 @@ _PRODUCER_FIELDS_V3 = [
     ),
 ]
 
-RECORD_SCHEMA = pa.schema(_PRODUCER_FIELDS + _PRODUCER_FIELDS_V2 + _PRODUCER_FIELDS_V3)
+_PRODUCER_FIELDS_V4 = [
+    doc_field(
+        "episode_id",
+        pa.string(),
+        True,
+        "The agent episode the trajectory is part of (the trajectory_id its rollout was issued under). An "
+        "episode whose agent rewrote its history is split there into parts that share it. Null for the "
+        "built-in environments' loop and rows written before version 4. Added in version 4.",
+    ),
+    doc_field(
+        "episode_part",
+        pa.int32(),
+        True,
+        "Position of the trajectory in its episode: 0, 1, ... (a part after 0 starts where the agent "
+        "rewrote its history); null with episode_id.",
+    ),
+    doc_field(
+        "agent_info",
+        pa.string(),
+        True,
+        "What an agent of one's own returned beside its reward (`(reward, info)`), as JSON text; null "
+        "otherwise.",
+    ),
+]
+
+RECORD_SCHEMA = pa.schema(_PRODUCER_FIELDS + _PRODUCER_FIELDS_V2 + _PRODUCER_FIELDS_V3 + _PRODUCER_FIELDS_V4)
 """The columns a producer (rollout worker) provides: ``TrajectoryRecord.to_row()`` has these keys."""
 
-SCHEMA = pa.schema(_PRODUCER_FIELDS + _WRITER_FIELDS + _PRODUCER_FIELDS_V2 + _PRODUCER_FIELDS_V3)
-"""The full table schema (the fields of versions 2 and 3 appended after version 1's writer fields)."""
+SCHEMA = pa.schema(_PRODUCER_FIELDS + _WRITER_FIELDS + _PRODUCER_FIELDS_V2 + _PRODUCER_FIELDS_V3
+                   + _PRODUCER_FIELDS_V4)
+"""The full table schema (the fields of versions 2 to 4 appended after version 1's writer fields)."""
 
 WRITER_FIELDS = tuple(f.name for f in _WRITER_FIELDS)
 """Columns the lake writer sets when it stores a row."""

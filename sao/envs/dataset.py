@@ -52,6 +52,8 @@ class DatasetEnvConfig:
             messages keeps its own).
         sandbox: limits of the Python tool.
         latency: injected per-call tool delay (off by default).
+        agent: an agent of one's own, ``module:function`` (:mod:`sao.rollout.user_agent`): it runs the
+            episode against the chat endpoint instead of the built-in tool loop ('' = the built-in loop).
     """
 
     rewards: tuple[str, ...] = ("sao.rewards:exact_match",)
@@ -62,6 +64,7 @@ class DatasetEnvConfig:
     system_prompt: str = ""
     sandbox: SandboxConfig = SandboxConfig()
     latency: LatencyConfig = LatencyConfig()
+    agent: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rewards", tuple(self.rewards))

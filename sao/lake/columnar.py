@@ -52,6 +52,9 @@ def records_to_arrow(records: Sequence[TrajectoryRecord]) -> pa.Table:
         [None if r.routed_experts is None else int(r.routed_experts.shape[2]) for r in records], pa.int32()
     )
     columns["error"] = pa.array([r.error for r in records], pa.string())
+    columns["episode_id"] = pa.array([r.episode_id for r in records], pa.string())
+    columns["episode_part"] = pa.array([r.episode_part for r in records], pa.int32())
+    columns["agent_info"] = pa.array([r.agent_info for r in records], pa.string())
     return pa.table([columns[name] for name in RECORD_SCHEMA.names], schema=RECORD_SCHEMA)
 
 

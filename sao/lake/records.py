@@ -176,6 +176,9 @@ class TrajectoryRecord:
             tokens of prompt + completion, per MoE layer (M) in the router's top-k order (K); see
             ``routed_experts`` in :mod:`schemas.trajectories` for which tokens and which forward.
         error: with ``termination_reason`` error, what failed (exception type and message); else None.
+        episode_id, episode_part: the agent episode this trajectory is part k of (chat endpoint
+            rollouts, :mod:`sao.rollout.chat_endpoint`); None for the built-in loop.
+        agent_info: JSON text of the info an agent of one's own returned with its reward, or None.
     """
 
     trajectory_id: str
@@ -201,6 +204,9 @@ class TrajectoryRecord:
     token_rewards: npt.NDArray[np.float32] | None = None
     routed_experts: npt.NDArray[np.uint8] | None = None
     error: str | None = None
+    episode_id: str | None = None
+    episode_part: int | None = None
+    agent_info: str | None = None
 
     def __post_init__(self) -> None:
         for name in (*STRING_FIELDS, "logprob_kind", "termination_reason"):
@@ -226,6 +232,12 @@ class TrajectoryRecord:
             raise RecordTypeError("timings", f"needs Timings, got {type(self.timings).__name__}")
         _check_number("reward", self.reward)
         _check_int("num_turns", self.num_turns)
+        if (self.episode_id is None) != (self.episode_part is None):
+            raise RecordTypeError("episode_part", "is set exactly when episode_id is")
+        if self.episode_id is not None:
+            if not isinstance(self.episode_id, str):
+                raise RecordTypeError("episode_id", f"needs a str, got {type(self.episode_id).__name__}")
+            _check_int("episode_part", self.episode_part)
 
     # Derived, denormalised columns --------------------------------------------------------------
 
@@ -280,6 +292,9 @@ class TrajectoryRecord:
             "routed_experts": None if self.routed_experts is None else routing_entries(self.routed_experts),
             "router_top_k": None if self.routed_experts is None else int(self.routed_experts.shape[2]),
             "error": self.error,
+            "episode_id": self.episode_id,
+            "episode_part": self.episode_part,
+            "agent_info": self.agent_info,
         }
 
     @classmethod
@@ -320,6 +335,9 @@ class TrajectoryRecord:
             token_rewards=row.get("token_rewards"),
             routed_experts=decode_routing(row.get("routed_experts"), row.get("router_top_k")),
             error=row.get("error"),
+            episode_id=row.get("episode_id"),
+            episode_part=row.get("episode_part"),
+            agent_info=row.get("agent_info"),
         )
 
 

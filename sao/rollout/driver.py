@@ -9,8 +9,10 @@ gives its place back to the gate: the trainer reports how many it passed over (`
 the weight broker's count in a run); without that report, the driver releases those that finish
 already too stale, or without an action token.
 
-Every launched task ends in exactly one record handed to the sink (the agent loop turns failures into
-``error`` / ``cancelled`` records); a replica that dies mid-rollout surfaces as an exception from the
+Every launched task ends in one record handed to the sink, or in several when an agent of one's own
+split its episode by rewriting its history (the parts share ``episode_id``; the first keeps the launched
+id: :mod:`sao.rollout.chat_endpoint`); the agent loop turns failures into ``error`` / ``cancelled``
+records; a replica that dies mid-rollout surfaces as an exception from the
 handle, which the driver records as an ``error`` trajectory and, if ``retry_failed``, relaunches the
 task under a new trajectory id.
 
@@ -100,7 +102,9 @@ class DriverStats:
     """What a driver run did (for progress output and the speed benchmark)."""
 
     launched: int = 0
-    finished: int = 0
+    finished: int = 0  # launches that ended (each in one record, or in the parts of a split episode)
+    records: int = 0
+    episode_splits: int = 0  # records beyond one per launch: the parts after the first of split episodes
     retried: int = 0
     by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     wall_s: float = 0.0
@@ -269,11 +273,13 @@ class RolloutDriver:
             flight = state.running.pop(future)
             self.stats.slot_busy_s += time.monotonic() - flight.began
             if future.cancelled():
-                record, failed = failed_record(flight.task, self.run_id, flight.trajectory_id, "the run was stopped "
-                                               "(Ctrl-C) while it was in flight", reason="cancelled"), False
+                parts, failed = [failed_record(flight.task, self.run_id, flight.trajectory_id, "the run was stopped "
+                                               "(Ctrl-C) while it was in flight", reason="cancelled")], False
             else:
-                record, failed = future.result()
-            records.append(record)
+                parts, failed = future.result()
+            records += parts
+            self.stats.finished += 1
+            self.stats.episode_splits += len(parts) - 1
             if failed and self.config.retry_failed and flight.attempt < self.config.max_retries and may_retry:
                 state.retry.append(_Launch(flight.task, flight.attempt + 1, flight.trajectory_id))
                 self.stats.retried += 1
@@ -284,7 +290,7 @@ class RolloutDriver:
         hand them to the sink on its thread; a sink call that has failed meanwhile stops the run."""
         if self.gate is not None and self.trainer_skipped is None:
             await self._release_untrainable(records)
-        self.stats.finished += len(records)
+        self.stats.records += len(records)
         for record in records:
             self.stats.by_reason[str(record.termination_reason)] += 1
             if self.on_record is not None:
@@ -326,18 +332,18 @@ class RolloutDriver:
             self.stats.released += untrainable
 
     async def _call(self, task: Task, trajectory_id: str, seed: int,
-                    min_version: int | None = None) -> tuple[TrajectoryRecord, bool]:
-        """One rollout; a failing replica becomes an ``error`` record (and a retry, if configured)."""
+                    min_version: int | None = None) -> tuple[list[TrajectoryRecord], bool]:
+        """One rollout's records; a failing replica becomes an ``error`` record (and a retry, if configured)."""
         try:
             if min_version is None:
-                record = await self.rollout.rollout.remote(task, self.run_id, trajectory_id, seed)
+                records = await self.rollout.rollout.remote(task, self.run_id, trajectory_id, seed)
             else:
-                record = await self.rollout.rollout.remote(task, self.run_id, trajectory_id, seed,
-                                                           min_version=min_version)
-            return record, False
+                records = await self.rollout.rollout.remote(task, self.run_id, trajectory_id, seed,
+                                                            min_version=min_version)
+            return list(records), False
         except Exception as exc:
             log.warning("rollout %s of task %s failed on its replica: %s", trajectory_id, task.task_id, exc)
-            return failed_record(task, self.run_id, trajectory_id, f"{type(exc).__name__}: {exc}"), True
+            return [failed_record(task, self.run_id, trajectory_id, f"{type(exc).__name__}: {exc}")], True
 
 
 def failed_record(task: Task, run_id: str, trajectory_id: str, message: str,

@@ -15,8 +15,12 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
   step). The first action token is sampled by that version or, if new weights land in between, a
   later one: the trajectory's ``min_policy_version`` (what trajectory replay re-scores with) is never
   smaller than the step its reward was observed at;
-* answers ``rollout(task, run_id, trajectory_id, seed) -> TrajectoryRecord``, ``generate(prompt_ids,
-  sampling) -> Generation`` (raw, for benchmarks), ``health()`` and ``version()``.
+* runs an episode whose environment names an agent of one's own (``env.agent``) through its chat
+  endpoint (:mod:`sao.rollout.chat_endpoint`, 127.0.0.1 only, started on the first such episode) and
+  :mod:`sao.rollout.user_agent`; the built-in environments through the agent loop;
+* answers ``rollout(task, run_id, trajectory_id, seed) -> list[TrajectoryRecord]`` (one trajectory, or
+  the parts of an episode its agent split by rewriting its history), ``generate(prompt_ids, sampling) ->
+  Generation`` (raw, for benchmarks), ``health()`` and ``version()``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from ray.serve import Application
 
 from sao.envs import make_env, takes_trainer_step
 from sao.envs.base import Environment, Task
+from sao.lake.records import TrajectoryRecord
 from sao.rollout.agent import AgentConfig, AgentLoop
+from sao.rollout.chat_endpoint import ChatEndpoint
 from sao.rollout.cpus import keep_process_off
 from sao.rollout.engine import Generation, SamplingParams
 from sao.rollout.engine_process import TorchEngineProcess
@@ -127,6 +133,8 @@ class RolloutReplica:
         else:
             self.engine = TorchEngine(load_policy(config.policy_path), version=config.initial_version, config=engine)
         self.agent = AgentLoop(self.engine, tokenizer, self._new_env, config.agent, worker_id=self.replica_id)
+        self.endpoint = ChatEndpoint(self.engine, tokenizer)
+        self._user_agents = None  # a UserAgentRunner, made on the first episode of an agent of one's own
         self.subscriber = WeightSubscriber(get_or_create_broker(config.app_name), self.replica_id,
                                            lambda: self.engine.version, self.engine.load_weights,
                                            wait_s=config.weight_wait_s)
@@ -139,8 +147,8 @@ class RolloutReplica:
         return make_env(task.env, **options)
 
     async def rollout(self, task: Task, run_id: str, trajectory_id: str, seed: int | None = None,
-                      min_version: int | None = None):
-        """One trajectory. With ``min_version``, it starts only once this replica's engine runs that
+                      min_version: int | None = None) -> list[TrajectoryRecord]:
+        """One episode: its trajectory (or its parts, see the module docstring). With ``min_version``, it starts only once this replica's engine runs that
         version or a newer one (synchronous runs: the batch is sampled by the trainer's policy); a
         replica that does not get there within ``version_wait_s`` fails the request."""
         if min_version is not None:
@@ -150,7 +158,16 @@ class RolloutReplica:
                     raise TimeoutError(f"replica {self.replica_id} runs version {self.engine.version}, "
                                        f"not {min_version}, after {self.config.version_wait_s:.0f} s")
                 await asyncio.sleep(0.002)
-        return await self.agent.run(task, run_id, trajectory_id, seed)
+        spec = self.config.env_options.get(task.env, {}).get("agent")
+        if not spec:
+            return [await self.agent.run(task, run_id, trajectory_id, seed)]
+        from sao.rollout.user_agent import UserAgentRunner
+
+        if self._user_agents is None:
+            self._user_agents = UserAgentRunner(self.endpoint, self.config.agent, self.replica_id)
+        env = self._new_env(task)
+        agent = self._user_agents.agent(spec, tuple(env.config.paths))
+        return await self._user_agents.run(agent, env, task, run_id, trajectory_id, seed)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """One raw generation call (no agent loop): benchmarks and evaluation."""
@@ -161,6 +178,7 @@ class RolloutReplica:
 
     def health(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "version": self.engine.version, "in_flight": self.engine.in_flight,
+                "episode_splits": self.endpoint.splits,
                 "weight_updates": self.engine.weight_updates_applied,
                 "engine_stats": dataclasses.asdict(self.engine.stats())}
 

@@ -52,8 +52,8 @@ def test_every_table_records_the_schema_version_per_row(name):
 
 
 def test_trajectories_schema_is_the_record_schema_plus_writer_columns():
-    # Schema versions 2 and 3: appended after version 1's writer fields, nullable (added in place).
-    later = ["routed_experts", "router_top_k", "error"]
+    # Schema versions 2 to 4: appended after version 1's writer fields, nullable (added in place).
+    later = ["routed_experts", "router_top_k", "error", "episode_id", "episode_part", "agent_info"]
     assert tr.SCHEMA.names == tr.RECORD_SCHEMA.names[: -len(later)] + list(tr.WRITER_FIELDS) + later
     assert tr.RECORD_SCHEMA.names[-len(later):] == later
     assert all(tr.SCHEMA.field(name).nullable for name in later)

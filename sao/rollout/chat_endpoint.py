@@ -1,0 +1,482 @@
+"""The chat endpoint: an OpenAI-compatible ``chat/completions`` API per episode, token-faithful.
+
+An agent of one's own (:mod:`sao.rollout.user_agent`) talks to the policy through an ``openai`` client
+pointed at this endpoint; every call it makes is recorded, and the episode becomes trajectories with
+segments, masks and versions exactly as the built-in loop writes them.
+
+    POST /v1/chat/completions     Authorization: Bearer <the episode's token>
+    GET  /v1/models               the one model name, for clients that ask
+
+The server listens on 127.0.0.1 only, on a port the OS picks, inside the rollout replica's process
+and event loop. Each episode has its own random token; a call with an unknown token, or the token of an
+episode that has ended, is refused (401), and so is a call after the episode's budget is spent.
+
+**Token faithfulness.** The policy's sampled ids are never re-tokenised. An episode's record is the
+prompt ids of its first call, then, call after call, the ids the engine sampled (actions: mask 1, the
+engine's log-probabilities and the policy version of every token) and the ids of what the agent added
+in between (tool results, user turns: observations, mask 0). A call extends the record when its
+``messages`` start with the previous call's messages followed by the reply the endpoint gave, and the
+chat template's rendering of the new conversation starts with the text of the ids recorded so far; the
+template's text after that point is tokenised and appended as an observation. Anything else (the agent
+rewrote, dropped or truncated its history, or the template renders an earlier turn differently now) is
+a **split**: the part so far is closed as one trajectory, and a new part starts from the full rendering
+of the new request. The parts share ``episode_id`` (:mod:`schemas.trajectories`, version 4) and each
+split is counted; a mask is never silently misaligned. Concurrent calls of one episode are served one
+after the other (a second call that does not extend the first one's reply is a split).
+
+**Requests.** ``messages`` (roles system, user, assistant, tool), ``tools`` and ``tool_choice``
+(passed to the chat template), ``max_tokens`` / ``max_completion_tokens`` (capped by what is left of
+the trajectory's budget), ``temperature`` and ``top_p`` (the run samples at its own settings, which
+every trajectory records: another value is refused), ``stop`` (strings that are single tokens of the
+policy's tokenizer), ``logprobs`` (the sampled token's; ``top_logprobs`` is refused), ``seed``, ``n``
+= 1, no streaming. A malformed request is answered 400 with the reason and changes nothing: the
+episode goes on.
+
+**Replies.** A standard ``chat.completion``: the assistant's text, and with the built-in chat format
+(:mod:`sao.models.chat`), a tool call ``<tool_call>code</tool_call>`` as a ``python`` function call
+whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); ``usage``; ``logprobs`` when
+asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from aiohttp import web
+from transformers import PreTrainedTokenizerBase
+
+from sao.models.chat import TOOL_CALL_END, TOOL_CALL_START, ChatTokens, Message
+from sao.rollout.agent import AgentConfig, _Trace
+from sao.rollout.engine import Engine, FinishReason, SamplingParams
+from schemas.vocabulary import TerminationReason
+
+__all__ = ["ChatEndpoint", "EndpointError", "Episode", "EpisodePart", "MODEL_NAME"]
+
+log = logging.getLogger(__name__)
+
+MODEL_NAME = "policy"
+"""The model name the endpoint reports (any name a client sends is accepted: there is one policy)."""
+
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_FINISHED_KEPT = 4096  # ended episodes remembered, to tell "ended" from "unknown" in a refusal
+
+
+class EndpointError(Exception):
+    """A refused call: the HTTP status, an OpenAI-style error type and the message the client sees."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": self.message, "type": self.kind, "code": self.status}},
+                                 status=self.status)
+
+
+def _bad(message: str) -> EndpointError:
+    return EndpointError(400, "invalid_request_error", message)
+
+
+@dataclasses.dataclass
+class EpisodePart:
+    """One trajectory of an episode: its prompt, what was recorded after it, the conversation
+    (normalised messages, last reply included) and rendered text that the next call must extend, and
+    when it began (``time.monotonic``: the agent's time outside generation is its ``tool_s``)."""
+
+    prompt: list[int]
+    trace: _Trace = dataclasses.field(default_factory=_Trace)
+    messages: list[Message] = dataclasses.field(default_factory=list)
+    text: str = ""
+    began: float = dataclasses.field(default_factory=time.monotonic)
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content as text: a string, None, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.content[{i}]: only text parts are supported, got {part!r}"[:300])
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(f"{where}.content: expected a string or a list of text parts, got {type(content).__name__}")
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    """An OpenAI tool call as the chat template wants it (``arguments`` as an object, not JSON text)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise _bad(f"{where}: a tool call needs function.name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as error:
+            raise _bad(f"{where}.function.arguments is not JSON: {error}") from None
+    if not isinstance(arguments, Mapping):
+        raise _bad(f"{where}.function.arguments: expected an object")
+    return {"id": str(call.get("id", "")), "type": "function",
+            "function": {"name": function["name"], "arguments": dict(arguments)}}
+
+
+def normalise_messages(messages: Any) -> list[Message]:
+    """The request's messages as the chat template takes them (text content, tool-call arguments as
+    objects), fields the template does not use kept. Raises :class:`EndpointError` (400) naming the
+    message and field that is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages: expected a non-empty list of chat messages")
+    out: list[Message] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise _bad(f"{where}: expected an object, got {type(message).__name__}")
+        role = message.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in _ROLES:
+            raise _bad(f"{where}.role: expected one of {sorted(_ROLES)}, got {role!r}")
+        normal: Message = {"role": role, "content": _text_content(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls"):
+            calls = message["tool_calls"]
+            if not isinstance(calls, list):
+                raise _bad(f"{where}.tool_calls: expected a list")
+            normal["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
+        if role == "tool" and message.get("tool_call_id") is not None:
+            normal["tool_call_id"] = str(message["tool_call_id"])
+        if message.get("name") is not None:
+            normal["name"] = str(message["name"])
+        out.append(normal)
+    return out
+
+
+def _same_turn(sent: Message, kept: Message) -> bool:
+    """Whether a message the agent sent back is the one the conversation holds (tool-call ids aside:
+    clients may rewrite them)."""
+    def core(message: Message) -> tuple:
+        calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+                      for c in message.get("tool_calls", ()))
+        return message["role"], message["content"], calls
+
+    return core(sent) == core(kept)
+
+
+class Episode:
+    """The record of one agent episode on the endpoint (see the module docstring).
+
+    Args:
+        episode_id: the id the rollout was issued under (part 0's trajectory id).
+        token: the bearer token its calls must carry.
+        deadline: ``time.monotonic()`` time at which the episode times out.
+        config: the trajectory budgets (``max_tokens`` per part, ``max_turns`` per episode) and sampling.
+        seed: the rollout's sampling seed (each call gets its own, derived from it), or None.
+    """
+
+    def __init__(self, endpoint: ChatEndpoint, episode_id: str, token: str, deadline: float,
+                 config: AgentConfig, seed: int | None) -> None:
+        self.endpoint = endpoint
+        self.episode_id = episode_id
+        self.token = token
+        self.deadline = deadline
+        self.config = config
+        self.seed = seed
+        self.parts: list[EpisodePart] = []
+        self.turns = 0
+        self.splits = 0
+        self.ended: TerminationReason | None = None
+        self.error: str | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def last_messages(self) -> list[Message]:
+        """The conversation of the last call, its reply included (for the reward functions)."""
+        return list(self.parts[-1].messages) if self.parts else []
+
+    def end(self, reason: TerminationReason, error: str | None = None) -> None:
+        """End the episode (the first reason given stands)."""
+        if self.ended is None:
+            self.ended, self.error = reason, error
+
+    # One call ------------------------------------------------------------------------------------
+
+    async def complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve one ``chat/completions`` request body; raises :class:`EndpointError` to refuse it."""
+        request = self.endpoint.parse_request(body, self.config)
+        async with self._lock:
+            if self.ended is not None:
+                raise EndpointError(401, "episode_ended", f"episode {self.episode_id} has ended "
+                                    f"({self.ended}); its token is no longer valid")
+            if self.turns >= self.config.max_turns:
+                self.end(TerminationReason.TURNS)
+                raise EndpointError(400, "budget_exhausted", f"the episode's budget of {self.config.max_turns} "
+                                    "calls (rollout.max_turns) is spent; the episode has ended")
+            part, added = self._extend(request["messages"], request["tools"])
+            remaining = self.config.max_tokens - len(part.trace.completion) - len(added)
+            if remaining <= 0:
+                self.end(TerminationReason.LENGTH)
+                raise EndpointError(400, "budget_exhausted", f"the trajectory's budget of {self.config.max_tokens} "
+                                    "tokens (rollout.max_tokens) is spent; the episode has ended")
+            if added:
+                part.trace.add_observation(added)
+            return await self._generate(part, request, remaining)
+
+    def _extend(self, messages: list[Message], tools: list | None) -> tuple[EpisodePart, list[int]]:
+        """The part this call continues and the ids the agent added since the last reply; a new part
+        (a split) when the call does not extend the record (the module docstring)."""
+        render = self.endpoint.render
+        text = render(messages, tools)
+        if self.parts:
+            part = self.parts[-1]
+            kept = part.messages
+            extends = (len(messages) > len(kept) and all(_same_turn(m, k) for m, k in zip(messages, kept, strict=False))
+                       and text.startswith(part.text))
+            if extends:
+                added = self.endpoint.encode(text[len(part.text):])
+                part.messages = list(messages)
+                part.text = text
+                return part, added
+            self.splits += 1
+            log.info("episode %s: the agent rewrote its history at call %d; split into part %d",
+                     self.episode_id, self.turns + 1, len(self.parts))
+        part = EpisodePart(prompt=self.endpoint.encode(text), messages=list(messages), text=text)
+        self.parts.append(part)
+        return part, []
+
+    async def _generate(self, part: EpisodePart, request: dict[str, Any], remaining: int) -> dict[str, Any]:
+        endpoint, cfg = self.endpoint, self.config
+        max_tokens = min(request["max_tokens"] or remaining, remaining)
+        seed = request["seed"] if request["seed"] is not None else (
+            None if self.seed is None else self.seed * 1009 + self.turns)
+        sampling = SamplingParams(
+            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_tokens=max_tokens, seed=seed,
+            stop_token_ids=tuple(dict.fromkeys(endpoint.tokens.stop_token_ids + request["stop_ids"])),
+            logprob_kind=cfg.logprob_kind)
+        ids = part.prompt + part.trace.completion
+        request_id = f"{self.episode_id}-{self.turns}"
+        began = time.monotonic()
+        future = asyncio.ensure_future(endpoint.engine.generate(ids, sampling, request_id))
+        done, _ = await asyncio.wait({future}, timeout=max(self.deadline - time.monotonic(), 0.0))
+        if not done:
+            endpoint.engine.cancel(request_id)
+        generation = await future
+        part.trace.generation_s += time.monotonic() - began
+        part.trace.add_action(generation.token_ids, generation.logprobs, generation.spans)
+        part.trace.add_routing(generation.routed_experts)
+        part.trace.turns += 1
+        self.turns += 1
+        if not done:
+            self.end(TerminationReason.TIMEOUT)
+            raise EndpointError(408, "timeout", f"the episode's wall-clock budget of {cfg.timeout_s:g} s "
+                                "(rollout.timeout_s) ran out during this call; the episode has ended")
+        if generation.finish_reason is FinishReason.CANCELLED:
+            self.end(TerminationReason.CANCELLED)
+            raise EndpointError(503, "cancelled", "the engine cancelled the generation (the replica is "
+                                "stopping); the episode has ended")
+        if generation.finish_reason is FinishReason.ERROR:
+            self.end(TerminationReason.ERROR, f"engine: {generation.error}")
+            raise EndpointError(500, "engine_error", f"the engine failed: {generation.error}")
+        if generation.finish_reason is FinishReason.LENGTH and max_tokens == remaining:
+            self.end(TerminationReason.LENGTH)  # the trajectory's budget; the reply is still given
+        reply, finish = endpoint.reply(generation.token_ids, generation.finish_reason, request["stop_ids"])
+        part.messages = [*part.messages, reply]
+        part.text += endpoint.decode(generation.token_ids)
+        return endpoint.response(reply, finish, generation, len(ids), request["logprobs"])
+
+
+class ChatEndpoint:
+    """The HTTP server of one rollout replica and its episodes (see the module docstring).
+
+    Args:
+        engine: the replica's engine.
+        tokenizer: the policy's tokenizer (its chat template renders requests).
+    """
+
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tokens = ChatTokens.from_tokenizer(tokenizer)
+        self.url: str | None = None
+        self.episodes: dict[str, Episode] = {}
+        self.splits = 0  # history rewrites counted over every episode this endpoint served
+        self._finished: OrderedDict[str, str] = OrderedDict()
+        self._runner: web.AppRunner | None = None
+        self._starting: asyncio.Lock | None = None
+
+    # Lifecycle -----------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Start listening (once, in the running event loop); returns the base URL (``.../v1``)."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.url is None:
+                app = web.Application(client_max_size=64 * 1024 * 1024)
+                app.router.add_post("/v1/chat/completions", self._handle)
+                app.router.add_get("/v1/models", self._models)
+                runner = web.AppRunner(app, access_log=None, handle_signals=False)
+                await runner.setup()
+                site = web.TCPSite(runner, "127.0.0.1", 0)
+                await site.start()
+                port = site._server.sockets[0].getsockname()[1]  # the port the OS picked
+                self._runner, self.url = runner, f"http://127.0.0.1:{port}/v1"
+                log.info("chat endpoint listening on %s", self.url)
+        return self.url
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner, self.url = None, None
+
+    def open(self, episode_id: str, config: AgentConfig, seed: int | None = None) -> Episode:
+        """A new episode with a fresh token, timed from now."""
+        token = secrets.token_urlsafe(24)
+        episode = Episode(self, episode_id, token, time.monotonic() + config.timeout_s, config, seed)
+        self.episodes[token] = episode
+        return episode
+
+    def finish(self, episode: Episode) -> None:
+        """Close ``episode``: its token is refused from now on."""
+        self.episodes.pop(episode.token, None)
+        self.splits += episode.splits
+        self._finished[episode.token] = episode.episode_id
+        while len(self._finished) > _FINISHED_KEPT:
+            self._finished.popitem(last=False)
+
+    # HTTP ----------------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._episode_of(request)
+        except EndpointError as error:
+            return error.response()
+        return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
+                                                              "owned_by": "sao"}]})
+
+    def _episode_of(self, request: web.Request) -> Episode:
+        header = request.headers.get("Authorization", "")
+        token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        episode = self.episodes.get(token)
+        if episode is not None:
+            return episode
+        if token in self._finished:
+            raise EndpointError(401, "episode_ended", f"episode {self._finished[token]} has ended; its token "
+                                "is no longer valid")
+        raise EndpointError(401, "invalid_api_key", "unknown episode token: each episode's client carries its "
+                            "own (sao.rollout.user_agent)")
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        try:
+            episode = self._episode_of(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise _bad(f"the request body is not JSON: {error}") from None
+            if not isinstance(body, dict):
+                raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
+            return web.json_response(await episode.complete(body))
+        except EndpointError as error:
+            return error.response()
+
+    # Requests and replies -------------------------------------------------------------------------
+
+    def parse_request(self, body: Mapping[str, Any], config: AgentConfig) -> dict[str, Any]:
+        """Check a request body against the episode's ``config`` (see the module docstring); raises
+        :class:`EndpointError` (400)."""
+        if body.get("stream"):
+            raise _bad("stream: streaming is not supported; leave it unset")
+        if body.get("n", 1) != 1:
+            raise _bad(f"n: one choice per call, got {body.get('n')!r}")
+        if body.get("top_logprobs"):
+            raise _bad("top_logprobs: only the sampled token's log-probability is recorded; leave it unset")
+        for name in ("temperature", "top_p"):
+            value = body.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise _bad(f"{name}: expected a number, got {value!r}")
+            if value is not None and abs(float(value) - float(getattr(config, name))) > 1e-9:
+                raise _bad(f"{name}: the run samples at rollout.{name} {getattr(config, name):g} (recorded with "
+                           f"every trajectory); got {value!r}: leave it unset")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise _bad(f"max_tokens: expected a positive integer, got {max_tokens!r}")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise _bad(f"seed: expected an integer, got {seed!r}")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise _bad("tools: expected a list of tool definitions")
+        return {"messages": normalise_messages(body.get("messages")), "tools": tools or None,
+                "max_tokens": max_tokens, "seed": seed, "stop_ids": self._stop_ids(body.get("stop")),
+                "logprobs": bool(body.get("logprobs"))}
+
+    def _stop_ids(self, stop: Any) -> tuple[int, ...]:
+        if stop is None:
+            return ()
+        strings = [stop] if isinstance(stop, str) else stop
+        if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+            raise _bad(f"stop: expected a string or a list of strings, got {stop!r}")
+        ids = []
+        for text in strings:
+            encoded = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise _bad(f"stop: {text!r} is {len(encoded)} tokens of the policy's tokenizer; only stop strings "
+                           "that are one token can end a generation without re-tokenising it")
+            ids.append(int(encoded[0]))
+        return tuple(ids)
+
+    def render(self, messages: Sequence[Message], tools: list | None) -> str:
+        """The chat template's text of ``messages`` and the assistant's generation prompt."""
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as error:  # the template refused the conversation (a role, a missing field)
+            raise _bad(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def reply(self, ids: Sequence[int], finish: FinishReason, stop_ids: tuple[int, ...]) -> tuple[Message, str]:
+        """The assistant message of sampled ``ids`` and its OpenAI finish reason."""
+        text = self.decode(ids)
+        last = ids[-1] if ids else None
+        if self.tokens.supports_tools and last == self.tokens.tool_call_end_id:
+            head, _, code = text.rpartition(TOOL_CALL_START)
+            code = code.removesuffix(TOOL_CALL_END)
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": "python", "arguments": {"code": code}}}
+            return {"role": "assistant", "content": head, "tool_calls": [call]}, "tool_calls"
+        ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
+        if finish is FinishReason.STOP and last in ends and last not in stop_ids:
+            text = text[: len(text) - len(self.decode([last]))]  # the end of the turn is not content
+        return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
+
+    def response(self, reply: Message, finish: str, generation, prompt_tokens: int, logprobs: bool) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": reply["content"] or None}
+        if reply.get("tool_calls"):
+            message["tool_calls"] = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+                for c in reply["tool_calls"]]
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        if logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": self.decode([i]), "logprob": float(lp), "bytes": list(self.decode([i]).encode()),
+                 "top_logprobs": []} for i, lp in zip(generation.token_ids, generation.logprobs, strict=True)]}
+        n = len(generation.token_ids)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": MODEL_NAME, "choices": [choice],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}}

@@ -1,0 +1,227 @@
+"""The chat endpoint and agents of one's own, with the torch engine and the real openai client (no Ray):
+token-faithful records, the split on a history rewrite, budgets, and every refusal."""
+
+import asyncio
+import json
+import sys
+import textwrap
+
+import numpy as np
+import openai
+import pytest
+
+from sao.envs.base import Split, Task
+from sao.envs.dataset import DatasetEnv, DatasetEnvConfig
+from sao.lake.validate import validate_record
+from sao.rollout.agent import AgentConfig
+from sao.rollout.chat_endpoint import ChatEndpoint
+from sao.rollout.torch_engine import TorchEngine
+from sao.rollout.user_agent import AgentImportError, UserAgentRunner, load_agent
+from tests.rollout.test_agent import check_record, stopping_policy
+
+TASK = Task(task_id="t0", env="dataset", prompt="What is 2 + 3?", answer="5", split=Split.TRAIN)
+
+
+class RecordingEngine(TorchEngine):
+    """The torch engine, keeping every generation's prompt and sampled ids."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        generation = await super().generate(prompt_ids, sampling, request_id)
+        self.calls.append((list(prompt_ids), list(generation.token_ids), list(generation.logprobs)))
+        return generation
+
+
+@pytest.fixture
+def engine(policy_dir, tokenizer):
+    engine = RecordingEngine(stopping_policy(policy_dir, tokenizer))
+    yield engine
+    engine.close()
+
+
+def episode(engine, tokenizer, agent, config=None, seed=3, env_config=None):
+    """Run one episode of ``agent`` on TASK; returns (records, endpoint)."""
+    config = config or AgentConfig(max_tokens=200, max_turns=4)
+    async def go():
+        endpoint = ChatEndpoint(engine, tokenizer)
+        runner = UserAgentRunner(endpoint, config, "w0")
+        try:
+            env = DatasetEnv(env_config or DatasetEnvConfig())
+            return await runner.run(agent, env, TASK, "r1", "ep1", seed), endpoint
+        finally:
+            await runner.close()
+            await endpoint.close()
+    return asyncio.run(go())
+
+
+def tool_reply(message):
+    """The tool result an agent adds after ``message`` (a tool message when it called one)."""
+    if message.tool_calls:
+        code = json.loads(message.tool_calls[0].function.arguments)["code"]
+        return {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": f"ran {len(code)} chars"}
+    return {"role": "user", "content": "Use the tool, then answer."}
+
+
+async def three_call_agent(client, task):
+    """A tool call, its result, another call, a user turn, a final answer: written only against openai."""
+    messages = list(task["messages"])
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=40)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        messages.append(tool_reply(message))
+    return 1.0 if "5" in (message.content or "") else 0.25
+
+
+def test_a_multi_turn_agent_is_recorded_token_for_token(engine, tokenizer):
+    records, endpoint = episode(engine, tokenizer, three_call_agent)
+    assert len(records) == 1 and endpoint.splits == 0
+    record = records[0]
+    assert record.trajectory_id == record.episode_id == "ep1" and record.episode_part == 0
+    assert record.termination_reason == "stop" and record.reward in (1.0, 0.25) and record.num_turns == 3
+    # The record is the first prompt, then each generation and what the agent added before the next.
+    (p0, g0, l0), (p1, g1, l1), (p2, g2, l2) = engine.calls
+    assert list(record.prompt_ids) == p0
+    assert p1[: len(p0) + len(g0)] == p0 + g0 and p2[: len(p1) + len(g1)] == p1 + g1
+    added0, added1 = p1[len(p0) + len(g0):], p2[len(p1) + len(g1):]
+    assert list(record.completion_ids) == g0 + added0 + g1 + added1 + g2
+    assert list(record.action_mask) == [1] * len(g0) + [0] * len(added0) + [1] * len(g1) + [0] * len(added1) + [1] * len(g2)
+    np.testing.assert_allclose(record.logprobs[record.action_mask], np.array(l0 + l1 + l2, np.float32))
+    kinds = [s.kind for s in record.segments]
+    assert kinds == ["action", "observation", "action", "observation", "action"]
+    check_record(record, tokenizer)
+    assert validate_record(record, newest_version=0) == []
+    # What the agent added is the template's text of its messages, not a re-tokenisation of samples.
+    assert tokenizer.decode(added0).startswith("<|im_end|>\n<|im_start|>")
+    assert tokenizer.decode(added0).endswith("<|im_start|>assistant\n")
+
+
+async def rewriting_agent(client, task):
+    """Asks, then asks again with its first message rewritten: the record cannot extend."""
+    first = await client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=20)
+    edited = [{"role": "user", "content": "Rewritten: " + task["messages"][0]["content"]},
+              first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    second = await client.chat.completions.create(model="policy", messages=edited, max_tokens=20)
+    edited += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+    await client.chat.completions.create(model="policy", messages=edited, max_tokens=20)  # extends part 1
+    return 0.5
+
+
+def test_an_agent_that_rewrites_its_history_splits_the_episode(engine, tokenizer):
+    records, endpoint = episode(engine, tokenizer, rewriting_agent)
+    assert endpoint.splits == 1
+    assert [r.trajectory_id for r in records] == ["ep1", "ep1.1"]
+    assert [r.episode_id for r in records] == ["ep1", "ep1"] and [r.episode_part for r in records] == [0, 1]
+    assert [r.num_turns for r in records] == [1, 2] and {r.reward for r in records} == {0.5}
+    (p0, g0, _), (p1, g1, _), (p2, g2, _) = engine.calls
+    assert list(records[0].prompt_ids) == p0 and list(records[0].completion_ids) == g0
+    assert list(records[1].prompt_ids) == p1  # the rewritten conversation, rendered in full
+    assert list(records[1].completion_ids) == g1 + p2[len(p1) + len(g1):] + g2
+    for record in records:
+        check_record(record, tokenizer)
+        assert validate_record(record, newest_version=0) == []
+
+
+def test_budgets_end_the_episode_with_their_reason(engine, tokenizer):
+    records, _ = episode(engine, tokenizer, three_call_agent, AgentConfig(max_tokens=200, max_turns=2))
+    assert records[0].termination_reason == "turns" and records[0].reward == 0.0 and records[0].num_turns == 2
+    records, _ = episode(engine, tokenizer, three_call_agent, AgentConfig(max_tokens=12, max_turns=4))
+    assert records[0].termination_reason == "length" and records[0].reward == 0.0
+    assert len(records[0].completion_ids) <= 12
+
+    async def never_returns(client, task):
+        await client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=5)
+        await asyncio.sleep(60)
+
+    records, _ = episode(engine, tokenizer, never_returns, AgentConfig(timeout_s=1.0))
+    assert records[0].termination_reason == "timeout" and records[0].num_turns == 1
+
+
+def test_an_agent_that_raises_ends_with_error_and_its_text(engine, tokenizer):
+    async def raises(client, task):
+        await client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=5)
+        raise KeyError("no such tool: search")
+
+    (record,), _ = episode(engine, tokenizer, raises)
+    assert record.termination_reason == "error" and record.error == "KeyError: 'no such tool: search'"
+    assert record.num_turns == 1 and validate_record(record, newest_version=0) == []
+
+    async def returns_text(client, task):
+        return "five"
+
+    (record,), _ = episode(engine, tokenizer, returns_text)
+    assert record.termination_reason == "error" and "expected a finite number" in record.error
+
+
+def test_no_reward_from_the_agent_means_the_reward_functions_score_it(engine, tokenizer):
+    async def answers(client, task):
+        await client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=5)
+        return None, {"tool_calls": 0}
+
+    (record,), _ = episode(engine, tokenizer, answers)
+    assert record.termination_reason == "stop" and record.reward == 0.0  # exact_match of random text
+    assert json.loads(record.agent_info) == {"tool_calls": 0}
+
+
+def test_refused_calls_leave_the_episode_going(engine, tokenizer):
+    seen = {}
+
+    async def pokes(client, task):
+        messages = task["messages"]
+        bad = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="not-a-token", max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="unknown episode token"):
+            await bad.chat.completions.create(model="policy", messages=messages)
+        with pytest.raises(openai.BadRequestError, match="rollout.temperature"):
+            await client.chat.completions.create(model="policy", messages=messages, temperature=0.2)
+        with pytest.raises(openai.BadRequestError, match="messages"):
+            await client.chat.completions.create(model="policy", messages=[])
+        with pytest.raises(openai.BadRequestError, match="role"):
+            await client.chat.completions.create(model="policy", messages=[{"role": "robot", "content": "x"}])
+        with pytest.raises(openai.BadRequestError, match="one token"):
+            await client.chat.completions.create(model="policy", messages=messages, stop=["never ever"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5, logprobs=True)
+        seen["logprobs"] = [c.logprob for c in reply.choices[0].logprobs.content]
+        seen["client"] = client
+        return 1.0
+
+    (record,), endpoint = episode(engine, tokenizer, pokes)
+    assert record.termination_reason == "stop" and record.num_turns == 1 and record.reward == 1.0
+    np.testing.assert_allclose(seen["logprobs"], record.logprobs, rtol=0, atol=1e-6)
+
+    async def late_call():  # the episode's own client, after its episode ended
+        endpoint_ = ChatEndpoint(engine, tokenizer)
+        runner = UserAgentRunner(endpoint_, AgentConfig(), "w0")
+        kept = {}
+
+        async def keeps(client, task):
+            kept["client"] = client
+            return 1.0
+
+        await runner.run(keeps, DatasetEnv(DatasetEnvConfig()), TASK, "r1", "ep2")
+        with pytest.raises(openai.AuthenticationError, match="has ended"):
+            await kept["client"].chat.completions.create(model="policy", messages=TASK_MESSAGES)
+        await runner.close()
+        await endpoint_.close()
+
+    asyncio.run(late_call())
+
+
+TASK_MESSAGES = [{"role": "user", "content": TASK.prompt}]
+
+
+def test_an_agent_that_cannot_be_used_is_refused_by_name(tmp_path, monkeypatch):
+    with pytest.raises(AgentImportError, match="cannot import module 'no_such_agents'"):
+        load_agent("no_such_agents:agent")
+    (tmp_path / "sync_agents.py").write_text(textwrap.dedent("""
+        def agent(client, task):
+            return 1.0
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(AgentImportError, match="must be an async function"):
+        load_agent("sync_agents:agent", (str(tmp_path),))
+    with pytest.raises(AgentImportError, match="has no function 'missing'"):
+        load_agent("sync_agents:missing", (str(tmp_path),))
+    sys.modules.pop("sync_agents", None)

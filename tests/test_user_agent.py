@@ -1,0 +1,145 @@
+"""An agent of one's own, written only against the ``openai`` client, trained 3 SAO steps through Serve's
+chat endpoint, the lake and Ray Train; every stored row checked against what the endpoint generated and
+what the agent added, and against the trainer's log-probabilities."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from sao.config import resolve
+from sao.models.chat import prompt_ids
+from sao.models.policy import build_policy, save_policy
+
+PROMPTS = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b)} for a in range(2, 9) for b in range(3, 7)]
+
+AGENT = '''
+import json
+
+PYTHON = {"type": "function", "function": {"name": "python", "description": "Run Python code.",
+          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+
+
+async def agent(client, task):
+    """A tool call, the tool's result, a final answer."""
+    messages = list(task["messages"])
+    reply = await client.chat.completions.create(model="policy", messages=messages, tools=[PYTHON], max_tokens=24)
+    message = reply.choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    if message.tool_calls:
+        code = json.loads(message.tool_calls[0].function.arguments)["code"]
+        result = str(eval(code.removeprefix("print(").removesuffix(")"), {})) if code.startswith("print(") else "?"
+        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result})
+    else:
+        messages.append({"role": "user", "content": "Call the python tool first."})
+    final = await client.chat.completions.create(model="policy", messages=messages, tools=[PYTHON], max_tokens=24)
+    answer = final.choices[0].message.content or ""
+    return (1.0 if task["answer"] in answer else 0.0), {"tool_called": bool(message.tool_calls)}
+'''
+
+
+def tool_calling_policy(tokenizer, path):
+    """The tiny policy taught (teacher forcing, a few seconds) to open with a tool call and answer after
+    the tool's output, so the agent's episodes have a tool call, a tool result and a final answer."""
+    torch.manual_seed(0)
+    policy = build_policy(seed=0)
+    optimiser = torch.optim.AdamW(policy.parameters(), lr=3e-3)
+    sequences = []
+    for task in PROMPTS[:8]:
+        head = prompt_ids(tokenizer, [{"role": "user", "content": task["prompt"]}])
+        call = tokenizer.encode(f"<tool_call>print({task['prompt'][8:-1]})</tool_call>", add_special_tokens=False)
+        tool = tokenizer.encode(f"<|im_end|>\n<|im_start|>tool\n<tool_response>{task['answer']}</tool_response>"
+                                "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        answer = tokenizer.encode(f"<answer>{task['answer']}</answer>", add_special_tokens=False)
+        ids = head + call + tool + answer
+        learn = [0] * len(head) + [1] * len(call) + [0] * len(tool) + [1] * len(answer)
+        sequences.append((torch.tensor([ids]), torch.tensor(learn[1:], dtype=torch.bool)))
+    policy.train()
+    for _ in range(60):
+        for ids, learn in sequences:
+            logits = policy(ids).logits[0, :-1]
+            loss = torch.nn.functional.cross_entropy(logits[learn], ids[0, 1:][learn])
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+    save_policy(policy.eval(), path, tokenizer, policy_version=0)
+    return path
+
+
+@pytest.mark.ray
+def test_three_steps_with_an_agent_of_ones_own(tmp_path, tokenizer, ray_session, monkeypatch):
+    from sao import runs
+    from sao.audit import check_run
+    from sao.lake.store import Lake
+    from sao.models.policy import load_policy
+    from sao.train.checkpoint import policy_dir
+
+    (tmp_path / "my_agent.py").write_text(textwrap.dedent(AGENT))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in PROMPTS))
+    monkeypatch.chdir(tmp_path)  # agents are imported from the working directory, as a user's are
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "run_id": "own-agent", "workdir": str(tmp_path / "runs"),
+        "model": {"path": str(tool_calling_policy(tokenizer, tmp_path / "model"))},
+        "data": {"train": str(tmp_path / "data.jsonl")}, "env": {"agent": "my_agent:agent"},
+        "train": {"steps": 3, "batch_size": 4, "max_staleness": 0},
+        "rollout": {"num_replicas": 1, "max_tokens": 96, "max_turns": 2, "max_in_flight": 4},
+        "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))
+    config, _ = resolve(tmp_path / "run.yaml")
+    runs.prepare_inputs(config)
+    version_zero = runs.warm_start(config)
+    result = runs.train_async(config, version_zero)
+    assert result.steps == 3 and result.version == 3
+
+    lake = Lake.open(config.lake.root)
+    report = check_run(lake, config.run_id)
+    assert report.ok, report
+    rows = lake.read("trajectories", predicate=f"run_id = '{config.run_id}'").to_pylist()
+    assert rows and all(row["error"] is None and row["termination_reason"] == "stop" for row in rows)
+    assert all(row["episode_id"] == row["trajectory_id"] and row["episode_part"] == 0 for row in rows)
+    tool_results = 0
+    for row in rows:
+        # Tokens: what the endpoint generated (actions) and what the agent added (observations), in turn.
+        segments = row["segments"]
+        assert [s["kind"] for s in segments] in (["action"], ["action", "observation", "action"])
+        assert segments[0]["start"] == 0 and segments[-1]["end"] == len(row["completion_ids"])
+        mask = [s["kind"] == "action" for s in segments for _ in range(s["start"], s["end"])]
+        assert row["action_mask"] == mask and row["num_turns"] == sum(mask[i] and (i == 0 or not mask[i - 1])
+                                                                      for i in range(len(mask)))
+        text = tokenizer.decode(row["completion_ids"], skip_special_tokens=False)
+        assert row["prompt_ids"] == prompt_ids(tokenizer, [{"role": "user", "content": _prompt(row, config)}])
+        if len(segments) == 3:
+            added = tokenizer.decode(row["completion_ids"][segments[1]["start"]:segments[1]["end"]],
+                                     skip_special_tokens=False)
+            called = json.loads(row["agent_info"])["tool_called"]
+            expected_turn = "<|im_start|>tool\n<tool_response>" if called else "<|im_start|>user\nCall the python tool"
+            assert expected_turn in added and added.endswith("<|im_start|>assistant\n")
+            assert text.startswith(tokenizer.decode(row["completion_ids"][:segments[0]["end"]], skip_special_tokens=False))
+            tool_results += called
+    assert tool_results >= len(rows) // 2  # the taught policy opens with a tool call
+
+    # At staleness 0 the trainer's log-probabilities are the engine's, version by version.
+    worst, checked = 0.0, 0
+    with torch.no_grad():
+        for version in range(3):
+            policy = load_policy(version_zero if version == 0 else policy_dir(config.checkpoint_root, version))
+            for row in (r for r in rows if r["min_policy_version"] == r["max_policy_version"] == version):
+                ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+                logits = policy(ids).logits[0, len(row["prompt_ids"]) - 1:-1].float()
+                recomputed = torch.log_softmax(logits, -1).gather(1, torch.tensor(row["completion_ids"])[:, None])[:, 0]
+                action = torch.tensor(row["action_mask"], dtype=torch.bool)
+                worst = max(worst, float((recomputed[action] - torch.tensor(row["logprobs"])[action]).abs().max()))
+                checked += 1
+    assert checked >= 4 and worst < 1e-5, (checked, worst)
+
+
+def _prompt(row, config):
+    return next(t["prompt"] for t in PROMPTS if runs_task_id(t, config) == row["task_id"])
+
+
+def runs_task_id(task, config):
+    from sao import runs
+
+    ids = {t.prompt: t.task_id for t in runs.run_tasks(config, "train") + runs.run_tasks(config, "heldout")}
+    return ids[task["prompt"]]
