@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "routing": "routing",
     "scale": "scale_model",
     "rollout": "rollout",
+    "endpoint": "endpoint",
     "sft": "sft_warmstart",
     "peer": "peer",
     "speed": "speed",

@@ -214,6 +214,16 @@ class RewardSection(Section):
         return self
 
 
+class VerifiersSection(Section):
+    """A verifiers environment (extra sao[verifiers]; sao/envs/verifiers_env.py): its dataset is the task
+    source, its rollout loop the agent, its rubric the reward."""
+
+    id: str = Field(min_length=1)
+    """The environment's module (on the import path or in the working directory), which defines load_environment."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of load_environment."""
+
+
 class EnvSection(Section):
     """The rules of an episode on the user's tasks (data.train); math_tool keeps its own."""
 
@@ -228,6 +238,8 @@ class EnvSection(Section):
     """An agent of your own, module:function: async agent(client, task) -> reward (or None: the reward
     functions score it), talking to the policy through an openai.AsyncOpenAI client (sao/rollout/user_agent.py);
     '' = the built-in tool loop (max_tool_calls, tools)."""
+    verifiers: VerifiersSection | None = None
+    """A verifiers environment instead of data.train, reward and agent: {id: module, args: {...}}."""
 
 
 class RolloutSection(Section):
@@ -344,6 +356,8 @@ class RunConfig(Section):
         if self.env.agent and self.data.train is None:
             raise ValueError("env.agent runs on the tasks of data.train; the built-in math_tool tasks have their "
                              "own loop")
+        if self.env.verifiers is not None and (self.data.train is not None or self.env.agent):
+            raise ValueError("env.verifiers brings its own tasks and rollout loop: leave data.train and env.agent unset")
         if self.sft.data is not None and self.model.path is None:
             raise ValueError("sft.data is for a model of one's own (model.path); the built-in policy is warm-started "
                              "on its own demonstrations")
@@ -352,6 +366,11 @@ class RunConfig(Section):
         return self
 
     # Where the run's files go.
+    @property
+    def own_tasks(self) -> bool:
+        """Whether the run's tasks are the user's (data.train or a verifiers environment), not math_tool's."""
+        return self.data.train is not None or self.env.verifiers is not None
+
     @property
     def run_dir(self) -> Path:
         return Path(self.workdir) / self.run_id
@@ -443,7 +462,8 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
 }
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 
-RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction")
+RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction",
+           "env.verifiers", "env.verifiers.id", "env.verifiers.args")
 """Settings of the run itself, which no component config has."""
 
 
@@ -479,7 +499,7 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[str]:
             yield prefix + key
 
 
-_DICT_SETTINGS = frozenset({"rollout.resources", "train.resources"})
+_DICT_SETTINGS = frozenset({"rollout.resources", "train.resources", "env.verifiers.args"})
 
 
 def setting_keys(data: Mapping[str, Any]) -> set[str]:

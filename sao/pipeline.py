@@ -242,7 +242,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     with interrupt.graceful():
         thread.start()
         try:
-            _train_until_done_or_stopped(cfg.use_ray_train, train, broker)
+            _train_until_done_or_stopped(cfg.use_ray_train, train, broker, lambda: "error" in driver_result)
             train_s = time.monotonic() - train_started
         finally:
             stop_rollouts.set()
@@ -253,7 +253,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
             writer.close()
             serve.delete(cfg.app_name)
     if "error" in driver_result:
-        raise RuntimeError("the rollout driver failed") from driver_result["error"]
+        raise RuntimeError(f"the rollout driver failed: {driver_result['error']}") from driver_result["error"]
     last = last_committed_step(lake, train.run_id)
     steps = 0 if last is None else last[0] + 1
     return PipelineResult(steps=steps, version=0 if last is None else last[1], driver=driver_result["stats"],
@@ -261,9 +261,11 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
                           interrupted=interrupt.requested() and steps < train.total_steps, relaunched=len(relaunch))
 
 
-def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker) -> None:
-    """Run the trainer on a thread of its own while this (main) thread watches for a Ctrl-C, which it
-    passes to the trainer through the weight broker (the trainer commits its step and returns)."""
+def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker,
+                                 driver_failed: Callable[[], bool] = lambda: False) -> None:
+    """Run the trainer on a thread of its own while this (main) thread watches for a Ctrl-C or a failed
+    rollout driver, either of which it passes to the trainer through the weight broker (the trainer
+    commits its step and returns)."""
     outcome: dict[str, BaseException] = {}
 
     def target() -> None:
@@ -284,7 +286,7 @@ def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker
     asked = False
     while trainer.is_alive():
         trainer.join(0.2)
-        if interrupt.requested() and not asked:
+        if (interrupt.requested() or driver_failed()) and not asked:
             broker.request_stop.remote()
             asked = True
     if "error" in outcome:

@@ -59,7 +59,7 @@ def tasks_path(config: RunConfig) -> Path:
     """The run's task file (JSON Lines of :class:`~sao.envs.base.Task`, both splits): what the rollouts
     draw from and trajectory replay re-scores. The user's tasks (``data.train``) are copied there when
     the run starts, so a changed source file cannot change a run under way."""
-    return config.run_dir / ("math_tool.jsonl" if config.data.train is None else "tasks.jsonl")
+    return config.run_dir / ("tasks.jsonl" if config.own_tasks else "math_tool.jsonl")
 
 
 def user_tasks(config: RunConfig) -> list[Task]:
@@ -67,6 +67,10 @@ def user_tasks(config: RunConfig) -> list[Task]:
     ``data.train`` (held-out split), every row checked (:mod:`sao.data`)."""
     from sao.data import load_tasks, split_heldout
 
+    if config.env.verifiers is not None:
+        from sao.envs import verifiers_env
+
+        return verifiers_env.tasks(_verifiers_spec(config), eval_fraction=config.data.eval_fraction, seed=config.seed)
     train = load_tasks(config.data.train, Split.TRAIN)
     if config.data.eval is None:
         return split_heldout(train, config.data.eval_fraction, config.seed)
@@ -81,12 +85,25 @@ def user_tasks(config: RunConfig) -> list[Task]:
 
 def env_options(config: RunConfig, reward_paths: tuple[str, ...] = ()) -> dict[str, dict]:
     """Options of the run's environment (``make_env(name, **options)``); {} for math_tool."""
-    if config.data.train is None:
+    if not config.own_tasks:
         return {}
+    agent = config.env.agent
+    if config.env.verifiers is not None:
+        from sao.envs.verifiers_env import AGENT as agent
     return {"dataset": {"rewards": list(config.reward.functions), "weights": config.reward.weights,
                         "paths": list(reward_paths), "max_tool_calls": config.env.max_tool_calls,
                         "tools": list(config.env.tools),
-                        "system_prompt": config.env.system_prompt, "agent": config.env.agent}}
+                        "system_prompt": config.env.system_prompt, "agent": agent}}
+
+
+def _verifiers_spec(config: RunConfig) -> dict:
+    """``env.verifiers`` with the folder its module is imported from (replicas import the same file)."""
+    from sao.envs.verifiers_env import module_folder
+
+    spec = config.env.verifiers.model_dump(mode="json")
+    folder = module_folder(spec["id"])
+    spec["paths"] = [] if folder is None else [folder]
+    return spec
 
 
 def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
@@ -112,7 +129,7 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
         from sao.data import load_demonstrations
 
         load_demonstrations(config.sft.data)  # every row checked now, not after the model is loaded
-    if config.data.train is None:
+    if not config.own_tasks:
         return ()
     paths = import_paths(config)
     tasks = user_tasks(config)
@@ -131,7 +148,7 @@ def import_paths(config: RunConfig) -> tuple[str, ...]:
     from sao.envs.dataset import tool_prelude
     from sao.rewards import RewardSet, resolve_function
 
-    if config.data.train is None:
+    if not config.own_tasks:
         return ()
     rewards = RewardSet(config.reward.functions, config.reward.weights)
     tool_paths = tuple(folder for _, folder in (resolve_function(spec, what="tool function")
@@ -151,7 +168,7 @@ def run_tasks(config: RunConfig, split: Split | str) -> list[Task]:
     """The tasks of one split of the run: the user's (:func:`prepare_inputs` wrote them) or math_tool's."""
     from sao.envs.base import read_tasks
 
-    if config.data.train is None:
+    if not config.own_tasks:
         return math_tasks(split, tasks_path(config))
     return read_tasks(tasks_path(config), split=split)
 

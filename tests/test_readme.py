@@ -31,6 +31,7 @@ import sao.runs_cli
 from sao.cli import app
 from sao.lake.store import Lake
 from sao.rewards import resolve_reward
+from sao.rollout.user_agent import load_agent
 from sao.train.loop import prepare_run, run_training
 from tests.flows.test_deployments import PREFECT_COMMANDS
 from tests.train.test_loop import make_config, roll_out
@@ -114,6 +115,8 @@ def _sao(argv: list[str], recorded: list) -> None:
                 assert section.resources == {name: float(amount)}
         for spec in config.reward.functions:  # the block's own reward module is found from where it ran
             resolve_reward(spec)
+        if config.env.agent:  # and its agent: importable, async
+            load_agent(config.env.agent)
         for item in (value for option, value in zip(argv, argv[1:], strict=False) if option == "--set"):
             key, _, value = item.partition("=")
             section, _, name = key.rpartition(".")

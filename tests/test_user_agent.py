@@ -133,6 +133,19 @@ def test_three_steps_with_an_agent_of_ones_own(tmp_path, tokenizer, ray_session,
                 checked += 1
     assert checked >= 4 and worst < 1e-5, (checked, worst)
 
+    # And by the trainer's own function (trajectory replay), every row: the agent's decisions are said
+    # not to be re-run, every action segment agrees within 1e-5.
+    from sao.train.trajectory_replay import replay_trajectory
+
+    for row in rows:
+        replay = replay_trajectory(lake, row["trajectory_id"], run_id=config.run_id)
+        actions = [s for s in replay.segments if s.kind == "action"]
+        assert actions and all(s.ok for s in replay.segments), replay
+        assert max(s.max_abs_diff for s in actions) <= 1e-5
+        checks = {c.name: c.ok for c in replay.checks}
+        assert checks["reward"] is None and checks["prompt"] is None and checks["termination"] is None
+        assert checks["segments"] and checks["actions"] and checks["num_turns"] and checks["tokenizer"], replay.checks
+
 
 def _prompt(row, config):
     return next(t["prompt"] for t in PROMPTS if runs_task_id(t, config) == row["task_id"])

@@ -45,9 +45,13 @@ from sao.lake.issued import IssuedRollout
 from sao.lake.records import TrajectoryRecord
 from sao.rollout.staleness import StalenessGate
 
-__all__ = ["DriverConfig", "DriverStats", "IssueSink", "RolloutDriver", "TrajectorySink"]
+__all__ = ["DriverConfig", "DriverStats", "IssueSink", "RolloutDriver", "RolloutsFailing", "TrajectorySink"]
 
 log = logging.getLogger(__name__)
+
+
+class RolloutsFailing(RuntimeError):
+    """Every rollout of the run so far ended with ``error``: nothing will ever be trained on."""
 
 
 class TrajectorySink(Protocol):
@@ -76,6 +80,9 @@ class DriverConfig:
         retry_failed: relaunch a task whose replica failed (under a new trajectory id).
         max_retries: relaunches of one task at most (its failed attempts stay as ``error`` records).
         version_poll_s: how often the trainer's version is re-read while the gate is closed.
+        fail_after_errors: stop the run (:class:`RolloutsFailing`, naming the first error) when this many
+            records have finished and every one of them ended with ``error`` (a broken agent, reward
+            function or environment: nothing would ever be trained on); 0 never stops.
         synchronous: each rollout asks its replica to start only once it runs the trainer's version at
             launch (``min_version``), so with ``max_staleness = 0`` every batch is sampled by the policy
             the trainer holds (synchronous RL: rollouts wait for the update, the update for the batch).
@@ -89,6 +96,7 @@ class DriverConfig:
     max_retries: int = 2
     version_poll_s: float = 0.05
     synchronous: bool = False
+    fail_after_errors: int = 32
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -110,6 +118,7 @@ class DriverStats:
     wall_s: float = 0.0
     slot_busy_s: float = 0.0  # sum over trajectories of their generation wall time
     released: int = 0  # never to be trained on (too stale, or no actions): the gate's places freed
+    first_error: str | None = None  # the text of the first ``error`` record
 
     def slot_utilisation(self, max_in_flight: int) -> float:
         return self.slot_busy_s / (self.wall_s * max_in_flight) if self.wall_s > 0 else 0.0
@@ -293,12 +302,19 @@ class RolloutDriver:
         self.stats.records += len(records)
         for record in records:
             self.stats.by_reason[str(record.termination_reason)] += 1
+            if record.termination_reason == "error" and self.stats.first_error is None:
+                self.stats.first_error = record.error
             if self.on_record is not None:
                 self.on_record(record)
         state.pending_sink.append(self._on_sink_thread(self.sink.add_many, records))
         for finished in [f for f in state.pending_sink if f.done()]:
             finished.result()  # a sink failure stops the run loudly
             state.pending_sink.remove(finished)
+        limit = self.config.fail_after_errors
+        if limit and self.stats.records >= limit and self.stats.by_reason["error"] == self.stats.records:
+            await asyncio.gather(*state.pending_sink)  # the failed records are stored, then the run stops
+            raise RolloutsFailing(f"the first {self.stats.records} rollouts all ended with error; the first: "
+                                  f"{self.stats.first_error}")
 
     async def _finish(self, state: _RunState) -> None:
         """Drain the sink's thread, then flush the issue log before the records' last flush."""

@@ -23,6 +23,10 @@ says what happened:
   reached the agent's ``max_turns``; ``length``: the completion reached ``sampling.max_tokens``, or the
   next observation would not have fitted. ``timeout``, ``cancelled`` and ``error`` are facts about the
   clock or the machine, not the tokens: reported as not checkable (ok None), with reward 0 checked.
+- for an episode of an agent of one's own (``env.agent``, :mod:`sao.rollout.user_agent`), the prompt,
+  the observations' tokens, the reward and the termination were decided by the agent's code, which is
+  not re-run: those checks are reported as not checkable (ok None); the log-probabilities, masks and
+  the tiling are checked as for any trajectory;
 - the prompt re-rendered from the task equals the stored prompt, the tokenizer and chat template hash
   as recorded, segments tile the completion, and ``num_turns`` matches the action turns.
 
@@ -200,8 +204,10 @@ class _Policies:
         return self.loaded[version]
 
 
-def _segment_checks(row: Mapping, policies: _Policies, expected_observations: Mapping[int, list[int]],
+def _segment_checks(row: Mapping, policies: _Policies, expected_observations: Mapping[int, list[int]] | None,
                     atol: float) -> list[SegmentCheck]:
+    """Every segment checked; ``expected_observations`` None: what an agent of one's own added, not re-run
+    (only the mask and the zero log-probabilities of its observations are checked)."""
     stored = torch.tensor([0.0 if v is None else float(v) for v in row["logprobs"]], dtype=torch.float64)
     mask = list(row["action_mask"])
     completion = list(row["completion_ids"])
@@ -224,8 +230,9 @@ def _segment_checks(row: Mapping, policies: _Policies, expected_observations: Ma
             problems.append("action_mask is True on an observation token")
         if any(float(v) != 0.0 for v in stored[start:end].tolist()):
             problems.append("an observation token has a non-zero log-probability")
-        expected = expected_observations.get(index)
-        if expected is None:
+        if expected_observations is None:
+            pass
+        elif (expected := expected_observations.get(index)) is None:
             problems.append("the environment inserts no observation here")
         elif completion[start:end] != expected:
             problems.append(f"tokens differ from the environment's insert ({end - start} stored, {len(expected)} expected)")
@@ -316,9 +323,18 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
     task = _resolve_task(row["task_id"], cfg.rollout, tasks_path)
     turns = _turns(row["segments"])
     stop_ids = ChatTokens.from_tokenizer(tokenizer).stop_token_ids
-    prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
-    rescored = float(ended.reward) if ended is not None and row["termination_reason"] in ("stop", "turns") else 0.0
     recorded = float(row["reward"])
+    agent = cfg.rollout.env_options.get(task.env, {}).get("agent")
+    if agent:  # an agent of one's own: its code decided the prompt, observations, reward and end
+        not_rerun = f"decided by the agent {agent}, which is not re-run"
+        prompt_check, expected, problems, rescored = Check("prompt", None, not_rerun), None, [], recorded
+        reward_check, termination_check = Check("reward", None, not_rerun), Check("termination", None, not_rerun)
+    else:
+        prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
+        rescored = float(ended.reward) if ended is not None and row["termination_reason"] in ("stop", "turns") else 0.0
+        reward_check = Check("reward", recorded == rescored,
+                             "" if recorded == rescored else f"recorded {recorded}, re-scored {rescored}")
+        termination_check = _termination_check(row, turns, ended, pending, cfg.rollout.max_turns, stop_ids)
     same_tokenizer = (tokenizer_version(tokenizer) == row["tokenizer_version"]
                       and chat_template_version(tokenizer) == row["chat_template_version"])
     num_turns_ok = row["num_turns"] == len(turns) or (
@@ -330,8 +346,8 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
         _tiling_check(row),
         Check("actions", not problems, "; ".join(problems)),
         Check("num_turns", num_turns_ok, "" if num_turns_ok else f"{row['num_turns']} recorded, {len(turns)} action turns"),
-        Check("reward", recorded == rescored, "" if recorded == rescored else f"recorded {recorded}, re-scored {rescored}"),
-        _termination_check(row, turns, ended, pending, cfg.rollout.max_turns, stop_ids),
+        reward_check,
+        termination_check,
     )
     with torch_settings(cfg.torch_threads, cfg.deterministic):
         segments = tuple(_segment_checks(row, policies, expected, atol))

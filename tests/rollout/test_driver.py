@@ -3,9 +3,11 @@ failed replicas become error records and retries, the staleness gate holds gener
 
 import asyncio
 
+import pytest
+
 from sao.envs.math_tool import MathToolConfig, generate_tasks
 from sao.lake.records import RecordedSampling, Segment, Timings, TrajectoryRecord, utc_now
-from sao.rollout.driver import DriverConfig, RolloutDriver
+from sao.rollout.driver import DriverConfig, RolloutDriver, RolloutsFailing
 
 TASKS = generate_tasks(MathToolConfig(num_train=30, num_heldout=0))
 
@@ -45,7 +47,7 @@ class FakeApp:
             self.active -= 1
             if call in self.fail_on:
                 raise RuntimeError("replica died")
-            return record(task, run_id, trajectory_id)
+            return [record(task, run_id, trajectory_id)]
 
         self.rollout = Method(rollout)
 
@@ -137,7 +139,7 @@ class VersionedApp:
                 await asyncio.sleep(0.001)
             self.started_at.append((trajectory_id, version["v"], min_version))
             await asyncio.sleep(0.001)
-            return record(task, run_id, trajectory_id)
+            return [record(task, run_id, trajectory_id)]
 
         self.rollout = Method(rollout)
 
@@ -256,7 +258,7 @@ def test_cancel_ends_every_rollout_in_flight_as_a_cancelled_record():
                 except asyncio.CancelledError:
                     self.cancelled += 1
                     raise
-                return record(task, run_id, trajectory_id)
+                return [record(task, run_id, trajectory_id)]
 
             self.rollout = Method(rollout)
 
@@ -349,3 +351,29 @@ def test_seeds_follow_the_launch_order_retries_included():
     asyncio.run(driver.run(TASKS[:5]))
     assert [seeds[r.trajectory_id] for r in issued.rows] == [7 * 1_000_003 + i for i in range(7)]
     assert [r.attempt for r in issued.rows].count(1) == 2
+
+
+def test_a_run_whose_rollouts_all_fail_stops_naming_the_first_error():
+    app, sink = FakeApp(fail_on=range(1, 10_000)), ListSink()
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=4, max_staleness=None, fail_after_errors=8))
+    with pytest.raises(RolloutsFailing, match=r"rollouts all ended with error; the first: RuntimeError: replica died"):
+        asyncio.run(driver.run(TASKS * 10))
+    assert 8 <= len(sink.records) < 30 and all(r.termination_reason == "error" for r in sink.records)
+
+
+def test_split_episodes_count_every_part_but_launch_once():
+    class SplittingApp(FakeApp):
+        def __init__(self):
+            super().__init__()
+
+            async def rollout(task, run_id, trajectory_id, seed):
+                first = record(task, run_id, trajectory_id)
+                return [first, record(task, run_id, f"{trajectory_id}.1")]
+
+            self.rollout = Method(rollout)
+
+    sink = ListSink()
+    driver = RolloutDriver(SplittingApp(), sink, "r", DriverConfig(max_in_flight=4, max_staleness=None))
+    stats = asyncio.run(driver.run(TASKS[:5]))
+    assert stats.launched == stats.finished == 5 and stats.records == len(sink.records) == 10
+    assert stats.episode_splits == 5
