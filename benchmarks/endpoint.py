@@ -2,17 +2,22 @@
 
     sao bench endpoint [--quick] [--concurrency 16,64] [--window-s 8] [--repeats 3]
 
-One engine (the torch engine, tiny policy, fp32, one torch thread, in a fresh process of its own, as
-``sao bench rollout``'s ``engine`` arm), C concurrent episodes in a closed loop, two arms measured
-alternately on that same engine (A B A B ...):
+With ``--engine-cpu`` (default: the machine's last CPU, as ``sao bench rollout``) the engine decodes on
+that CPU and the replica's side of both arms runs on the others.
+
+One engine as a rollout replica runs it (the torch engine in a child process,
+:mod:`sao.rollout.engine_process`, tiny policy, fp32, one torch thread), the replica's side in a fresh
+process of its own, C concurrent episodes in a closed loop, two arms measured alternately on that same
+engine (A B A B ...):
 
 * ``direct``: each episode is two generations the way the built-in agent loop makes them: the prompt's
   ids, the first generation, a user turn's ids appended, the second generation
   (``engine.generate`` on token ids, no HTTP).
-* ``endpoint``: the same episodes written as an agent of one's own: an ``openai.AsyncOpenAI`` client,
-  two ``chat.completions.create`` calls with messages, through the replica's chat endpoint
-  (:mod:`sao.rollout.chat_endpoint`: HTTP on 127.0.0.1, rendering, the token record, the reply) and
-  :class:`~sao.rollout.user_agent.UserAgentRunner`, which makes the trajectory record.
+* ``endpoint``: the same episodes written as an agent of one's own: the ``openai.AsyncOpenAI`` client
+  :class:`~sao.rollout.user_agent.UserAgentRunner` gives it (its requests reach the replica's chat
+  endpoint in process), two ``chat.completions.create`` calls with messages, the endpoint's work
+  (:mod:`sao.rollout.chat_endpoint`: parsing, rendering, the token record, the reply) and the trajectory
+  record.
 
 Both arms use the same prompts (32-96 tokens of text), budgets (64-192 new tokens per call), stop ids
 and seeds. Throughput is generated tokens per second over a window after a warm-up; each arm's figure
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._report import machine, machine_line, update_section, write_json
+from benchmarks.rollout import _engine_cpus
 
 TARGET_RATIO = 0.9
 DEFAULT_JSON, DEFAULT_RESULTS = Path("docs/results/endpoint.json"), Path("docs/RESULTS.md")
@@ -50,12 +56,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="concurrent episodes, comma-separated (default 16,64)")
     parser.add_argument("--window-s", type=float, default=None, help="measured seconds per window (default 8)")
     parser.add_argument("--repeats", type=int, default=None, help="windows per arm and level (default 3)")
+    parser.add_argument("--engine-cpu", default=None,
+                        help="the CPU the engine decodes on, the replica's side on the others (default: the last "
+                             "CPU, as `sao bench rollout`); 'none' leaves placement to the OS")
     parser.add_argument("--out-json", type=Path, default=None)
     parser.add_argument("--results-md", type=Path, default=None)
     args = parser.parse_args(argv)
     args.concurrency = args.concurrency or ([4] if args.quick else [16, 64])
     args.window_s = args.window_s or (1.0 if args.quick else 8.0)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.engine_cpus = _engine_cpus(parser, args.engine_cpu)
     return args
 
 
@@ -85,8 +95,12 @@ async def _closed_loop(run_episode, concurrency: int, window_s: float, warmup_s:
     return counted / window_s
 
 
-def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int) -> dict[str, Any]:
-    """Both arms, alternately, on one engine in this process (run in a fresh process)."""
+def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int,
+            cpus: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Both arms, alternately, on one engine (run in a fresh process); ``cpus``: the engine decodes
+    there and this process (the replica's side of both arms) runs on the others."""
+    import functools
+
     import torch
 
     from sao.envs.base import Split, Task
@@ -96,14 +110,18 @@ def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int) -
     from sao.models.tokenizer import load_tokenizer
     from sao.rollout.agent import AgentConfig
     from sao.rollout.chat_endpoint import ChatEndpoint
+    from sao.rollout.cpus import keep_process_off
     from sao.rollout.engine import SamplingParams
-    from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
+    from sao.rollout.engine_process import TorchEngineProcess
+    from sao.rollout.torch_engine import TorchEngineConfig
     from sao.rollout.user_agent import UserAgentRunner
 
     torch.set_num_threads(1)
+    if cpus is not None:
+        keep_process_off(cpus)
     tokenizer = load_tokenizer(policy_dir)
     stops = ChatTokens.from_tokenizer(tokenizer).stop_token_ids
-    engine = TorchEngine(load_policy(policy_dir), config=TorchEngineConfig(threads=1))
+    engine = TorchEngineProcess(functools.partial(load_policy, policy_dir), config=TorchEngineConfig(threads=1, cpus=cpus))
     follow_up = "Go on."
     agent_config = AgentConfig(max_tokens=512, max_turns=4, timeout_s=600.0)
 
@@ -173,12 +191,16 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         f"Command: `{result['command']}`. {machine_line(result['machine'])} Raw data: `{DEFAULT_JSON}`.",
         "",
-        "Generated tokens/s of one torch engine (tiny policy, fp32, one thread, a process of its own) under C "
+        "Generated tokens/s of one torch engine as a replica runs it (a child process; tiny policy, fp32, one "
+        "thread) under C "
         "concurrent two-call episodes, the two arms measured alternately on the same engine: `direct` (token "
         "ids to `engine.generate`, as the built-in agent loop) and `endpoint` (an agent of one's own: "
-        "`openai.AsyncOpenAI` through the replica's chat endpoint, rendering, the token record and the "
-        f"trajectory record). Median of {result['repeats']} windows of {result['window_s']:g} s (min-max). "
-        f"Target: `endpoint` >= {TARGET_RATIO:.0%} of `direct` at 16 and 64.",
+        "the `openai.AsyncOpenAI` client it is given, whose requests reach the replica's chat endpoint in process; "
+        f"rendering, the token record and the trajectory record). Median of {result['repeats']} windows of {result['window_s']:g} s (min-max). "
+        f"Target: `endpoint` >= {TARGET_RATIO:.0%} of `direct` at 16 and 64. "
+        + (f"The engine decodes on CPU {', '.join(map(str, result['engine_cpus']))}, the replica's side of both arms "
+           "(clients, endpoint, records) on the others (`--engine-cpu`)." if result.get("engine_cpus") else
+           "No CPU pinning (`--engine-cpu none`)."),
         "",
         "| concurrency | direct | endpoint | endpoint / direct (median, min-max) |",
         "|---:|---:|---:|---:|",
@@ -206,7 +228,8 @@ def main(argv: list[str]) -> int:
     policy_dir = save_policy(build_policy(seed=0), workdir / "policy", build_tokenizer())
     print("both arms on one engine, in a fresh process ...", file=sys.stderr)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = pool.submit(measure, str(policy_dir), args.concurrency, args.window_s, args.repeats).result()
+        runs = pool.submit(measure, str(policy_dir), args.concurrency, args.window_s, args.repeats,
+                           args.engine_cpus).result()
     levels = {}
     for c in args.concurrency:
         direct, endpoint = runs["direct"][c], runs["endpoint"][c]
@@ -220,7 +243,8 @@ def main(argv: list[str]) -> int:
              ["Concurrency 16 and 64 not measured (the target is judged there)."])
     command = "sao bench endpoint" + (" " + " ".join(argv) if argv else "")
     result = {"machine": machine(), "command": command, "concurrency": args.concurrency, "window_s": args.window_s,
-              "repeats": args.repeats, "levels": levels, "target_ratio": TARGET_RATIO, "notes": notes}
+              "repeats": args.repeats, "levels": levels,
+              "engine_cpus": list(args.engine_cpus) if args.engine_cpus is not None else None, "target_ratio": TARGET_RATIO, "notes": notes}
     markdown = _markdown(result)
     print(markdown)
     if args.out_json is not None or not args.quick:

@@ -77,9 +77,8 @@ class EndpointError(Exception):
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
 
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.kind, "code": self.status}},
-                                 status=self.status)
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
 
 
 def _bad(message: str) -> EndpointError:
@@ -323,8 +322,7 @@ class ChatEndpoint:
         async with self._starting:
             if self.url is None:
                 app = web.Application(client_max_size=64 * 1024 * 1024)
-                app.router.add_post("/v1/chat/completions", self._handle)
-                app.router.add_get("/v1/models", self._models)
+                app.router.add_route("*", "/{path:.*}", self._handle)
                 runner = web.AppRunner(app, access_log=None, handle_signals=False)
                 await runner.setup()
                 site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -356,17 +354,33 @@ class ChatEndpoint:
 
     # HTTP ----------------------------------------------------------------------------------------
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def serve(self, method: str, path: str, authorization: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        """One HTTP request, whichever way it came (the socket, or the episode client's in-process
+        transport): (status, JSON reply)."""
         try:
-            self._episode_of(request)
+            episode = self._episode_of(authorization)
+            if method == "GET" and path.endswith("/models"):
+                return 200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "sao"}]}
+            if method != "POST" or not path.endswith("/chat/completions"):
+                raise EndpointError(404, "not_found", f"{method} {path}: this endpoint serves POST "
+                                    "/v1/chat/completions and GET /v1/models")
+            try:
+                request = json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise _bad(f"the request body is not JSON: {error}") from None
+            if not isinstance(request, dict):
+                raise _bad(f"the request body must be a JSON object, got {type(request).__name__}")
+            return 200, await episode.complete(request)
         except EndpointError as error:
-            return error.response()
-        return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
-                                                              "owned_by": "sao"}]})
+            return error.status, error.payload()
 
-    def _episode_of(self, request: web.Request) -> Episode:
-        header = request.headers.get("Authorization", "")
-        token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+    async def _handle(self, request: web.Request) -> web.Response:
+        status, payload = await self.serve(request.method, request.path, request.headers.get("Authorization", ""),
+                                           await request.read())
+        return web.json_response(payload, status=status)
+
+    def _episode_of(self, authorization: str) -> Episode:
+        token = authorization.removeprefix("Bearer ").strip() if authorization.startswith("Bearer ") else ""
         episode = self.episodes.get(token)
         if episode is not None:
             return episode
@@ -376,18 +390,22 @@ class ChatEndpoint:
         raise EndpointError(401, "invalid_api_key", "unknown episode token: each episode's client carries its "
                             "own (sao.rollout.user_agent)")
 
-    async def _handle(self, request: web.Request) -> web.Response:
-        try:
-            episode = self._episode_of(request)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise _bad(f"the request body is not JSON: {error}") from None
-            if not isinstance(body, dict):
-                raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
-            return web.json_response(await episode.complete(body))
-        except EndpointError as error:
-            return error.response()
+    def transport(self):
+        """An httpx transport that hands an episode client's requests to :meth:`serve` in this process,
+        without a socket (the same requests, replies and refusals as over 127.0.0.1; about 3 ms less per
+        call, measured by ``sao bench endpoint``)."""
+        import httpx
+
+        endpoint = self
+
+        class _InProcess(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                status, payload = await endpoint.serve(request.method, request.url.path,
+                                                       request.headers.get("authorization", ""), await request.aread())
+                return httpx.Response(status, content=json.dumps(payload).encode(),
+                                      headers={"content-type": "application/json"})
+
+        return _InProcess()
 
     # Requests and replies -------------------------------------------------------------------------
 

@@ -126,13 +126,15 @@ class UserAgentRunner:
         return self._agents[key]
 
     def client(self, token: str):
-        """An ``openai.AsyncOpenAI`` client of one episode (no retries, no proxy, the episode's token)."""
+        """An ``openai.AsyncOpenAI`` client of one episode (no retries, the episode's token), whose requests
+        reach the endpoint in this process; its ``base_url`` and ``api_key`` also work over 127.0.0.1 for
+        an HTTP client of the agent's own."""
         import httpx
         import openai
 
-        if self._http is None:
-            self._http = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(self.config.timeout_s),
-                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        if self._http is None:  # in process: the endpoint's transport, no socket (chat_endpoint.ChatEndpoint.transport)
+            self._http = httpx.AsyncClient(transport=self.endpoint.transport(), trust_env=False,
+                                           timeout=httpx.Timeout(self.config.timeout_s))
         return openai.AsyncOpenAI(base_url=self.endpoint.url, api_key=token, max_retries=0,
                                   timeout=self.config.timeout_s, http_client=self._http)
 

@@ -182,7 +182,10 @@ def test_refused_calls_leave_the_episode_going(engine, tokenizer):
             await client.chat.completions.create(model="policy", messages=[{"role": "robot", "content": "x"}])
         with pytest.raises(openai.BadRequestError, match="one token"):
             await client.chat.completions.create(model="policy", messages=messages, stop=["never ever"])
-        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5, logprobs=True)
+        over_socket = openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
+        assert [m.id for m in (await over_socket.models.list()).data] == ["policy"]
+        reply = await over_socket.chat.completions.create(model="policy", messages=messages, max_tokens=5,
+                                                          logprobs=True)
         seen["logprobs"] = [c.logprob for c in reply.choices[0].logprobs.content]
         seen["client"] = client
         return 1.0
