@@ -17,7 +17,9 @@ engine's log-probabilities and the policy version of every token) and the ids of
 in between (tool results, user turns: observations, mask 0). A call extends the record when its
 ``messages`` start with the previous call's messages followed by the reply the endpoint gave, and the
 chat template's rendering of the new conversation starts with the text of the ids recorded so far; the
-template's text after that point is tokenised and appended as an observation. Anything else (the agent
+template's text after that point is tokenised and appended as an observation (the template's own parts
+with their special tokens, each added message's content as plain text: a tool result that prints
+``<|im_end|>`` cannot forge a turn boundary, as in the built-in loop). Anything else (the agent
 rewrote, dropped or truncated its history, or the template renders an earlier turn differently now) is
 a **split**: the part so far is closed as one trajectory, and a new part starts from the full rendering
 of the new request. The parts share ``episode_id`` (:mod:`schemas.trajectories`, version 4) and each
@@ -217,18 +219,24 @@ class Episode:
             if self.ended is not None:
                 raise EndpointError(401, "episode_ended", f"episode {self.episode_id} has ended "
                                     f"({self.ended}); its token is no longer valid")
-            if self.turns >= self.config.max_turns:
-                self.end(TerminationReason.TURNS)
-                raise EndpointError(400, "budget_exhausted", f"the episode's budget of {self.config.max_turns} "
-                                    "calls (rollout.max_turns) is spent; the episode has ended")
+            # The agent loop's order: what the agent added is kept if it fits, then the budgets are checked.
             part, added = self._extend(request["messages"], request["tools"])
-            remaining = self.config.max_tokens - len(part.trace.completion) - len(added)
+            if len(part.trace.completion) + len(added) > self.config.max_tokens:
+                self.end(TerminationReason.LENGTH)
+                raise EndpointError(400, "budget_exhausted", f"what the agent added does not fit in the "
+                                    f"trajectory's budget of {self.config.max_tokens} tokens (rollout.max_tokens); "
+                                    "the episode has ended")
+            if added:
+                part.trace.add_observation(added)
+            remaining = self.config.max_tokens - len(part.trace.completion)
             if remaining <= 0:
                 self.end(TerminationReason.LENGTH)
                 raise EndpointError(400, "budget_exhausted", f"the trajectory's budget of {self.config.max_tokens} "
                                     "tokens (rollout.max_tokens) is spent; the episode has ended")
-            if added:
-                part.trace.add_observation(added)
+            if self.turns >= self.config.max_turns:
+                self.end(TerminationReason.TURNS)
+                raise EndpointError(400, "budget_exhausted", f"the episode's budget of {self.config.max_turns} "
+                                    "calls (rollout.max_turns) is spent; the episode has ended")
             return await self._generate(part, request, remaining)
 
     def _extend(self, messages: list[Message], tools: list | None) -> tuple[EpisodePart, list[int]]:
@@ -242,7 +250,7 @@ class Episode:
             extends = (len(messages) > len(kept) and all(_same_turn(m, k) for m, k in zip(messages, kept, strict=False))
                        and text.startswith(part.text))
             if extends:
-                added = self.endpoint.encode(text[len(part.text):])
+                added = self.endpoint.encode_added(messages, len(kept), tools, part.text, text[len(part.text):])
                 part.messages = list(messages)
                 part.text = text
                 return part, added
@@ -464,6 +472,38 @@ class ChatEndpoint:
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
+    def encode_added(self, messages: Sequence[Message], kept: int, tools: list | None, before: str,
+                     text: str) -> list[int]:
+        """The ids of ``text``, what the template renders for the agent's messages after the first ``kept``
+        (``before`` is the rendering up to them): the template's own parts with their special tokens,
+        each added message's content as plain text (a tool result that prints ``<|im_end|>`` cannot
+        forge a turn boundary), as the built-in loop encodes observations. Where the contents are is
+        found by rendering the messages again with a marker for each; a template that does not render a
+        content verbatim gets the whole text encoded as it is."""
+        contents = [str(m.get("content") or "") for m in messages[kept:]]
+        marked = [*messages[:kept], *({**m, "content": f"\x00{k}\x00"} for k, m in enumerate(messages[kept:]))]
+        around = self.render(marked, tools)
+        if not around.startswith(before):
+            return self.encode(text)
+        parts = around[len(before):].split("\x00")  # template, index, template, index, ..., template
+        rebuilt, pieces = "", []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                rebuilt += part
+                pieces.append((part, False))
+            elif part.isdigit() and int(part) < len(contents):
+                rebuilt += contents[int(part)]
+                pieces.append((contents[int(part)], True))
+            else:
+                return self.encode(text)
+        if rebuilt != text:
+            return self.encode(text)
+        ids: list[int] = []
+        for piece, plain in pieces:
+            if piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=plain)
+        return [int(i) for i in ids]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
@@ -471,8 +511,8 @@ class ChatEndpoint:
         """The assistant message of sampled ``ids`` and its OpenAI finish reason."""
         text = self.decode(ids)
         last = ids[-1] if ids else None
-        if self.tokens.supports_tools and last == self.tokens.tool_call_end_id:
-            head, _, code = text.rpartition(TOOL_CALL_START)
+        head, opened, code = text.rpartition(TOOL_CALL_START)
+        if self.tokens.supports_tools and last == self.tokens.tool_call_end_id and opened:  # a whole call
             code = code.removesuffix(TOOL_CALL_END)
             call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                     "function": {"name": "python", "arguments": {"code": code}}}

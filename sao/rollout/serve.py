@@ -15,9 +15,10 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
   step). The first action token is sampled by that version or, if new weights land in between, a
   later one: the trajectory's ``min_policy_version`` (what trajectory replay re-scores with) is never
   smaller than the step its reward was observed at;
-* runs an episode whose environment names an agent of one's own (``env.agent``) through its chat
-  endpoint (:mod:`sao.rollout.chat_endpoint`, 127.0.0.1 only, started on the first such episode) and
-  :mod:`sao.rollout.user_agent`; the built-in environments through the agent loop;
+* runs every episode as an agent on its chat endpoint (:mod:`sao.rollout.chat_endpoint`, in process and on
+  127.0.0.1 only, started on the first episode; :mod:`sao.rollout.user_agent` makes the records): an
+  agent of one's own where the environment names one (``env.agent``), else the environment's own
+  (:mod:`sao.rollout.env_agent`, whose records are the agent loop's, token for token);
 * answers ``rollout(task, run_id, trajectory_id, seed) -> list[TrajectoryRecord]`` (one trajectory, or
   the parts of an episode its agent split by rewriting its history), ``generate(prompt_ids, sampling) ->
   Generation`` (raw, for benchmarks), ``health()`` and ``version()``.
@@ -26,6 +27,7 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -39,12 +41,14 @@ from ray.serve import Application
 from sao.envs import make_env, takes_trainer_step
 from sao.envs.base import Environment, Task
 from sao.lake.records import TrajectoryRecord
-from sao.rollout.agent import AgentConfig, AgentLoop
+from sao.rollout.agent import AgentConfig
 from sao.rollout.chat_endpoint import ChatEndpoint
 from sao.rollout.cpus import keep_process_off
 from sao.rollout.engine import Generation, SamplingParams
 from sao.rollout.engine_process import TorchEngineProcess
+from sao.rollout.env_agent import environment_agent
 from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
+from sao.rollout.user_agent import UserAgentRunner
 from sao.rollout.weights import WeightSubscriber, get_or_create_broker
 
 __all__ = ["RolloutConfig", "RolloutReplica", "build_rollout_app", "rollout_handle", "start_rollout_app"]
@@ -132,9 +136,9 @@ class RolloutReplica:
                                              version=config.initial_version, config=engine)
         else:
             self.engine = TorchEngine(load_policy(config.policy_path), version=config.initial_version, config=engine)
-        self.agent = AgentLoop(self.engine, tokenizer, self._new_env, config.agent, worker_id=self.replica_id)
         self.endpoint = ChatEndpoint(self.engine, tokenizer)
-        self._user_agents = None  # a UserAgentRunner, made on the first episode of an agent of one's own
+        self.agents = UserAgentRunner(self.endpoint, config.agent, self.replica_id)
+        self._tools = concurrent.futures.ThreadPoolExecutor(config.agent.tool_threads, thread_name_prefix="tool")
         self.subscriber = WeightSubscriber(get_or_create_broker(config.app_name), self.replica_id,
                                            lambda: self.engine.version, self.engine.load_weights,
                                            wait_s=config.weight_wait_s)
@@ -158,16 +162,10 @@ class RolloutReplica:
                     raise TimeoutError(f"replica {self.replica_id} runs version {self.engine.version}, "
                                        f"not {min_version}, after {self.config.version_wait_s:.0f} s")
                 await asyncio.sleep(0.002)
-        spec = self.config.env_options.get(task.env, {}).get("agent")
-        if not spec:
-            return [await self.agent.run(task, run_id, trajectory_id, seed)]
-        from sao.rollout.user_agent import UserAgentRunner
-
-        if self._user_agents is None:
-            self._user_agents = UserAgentRunner(self.endpoint, self.config.agent, self.replica_id)
         env = self._new_env(task)
-        agent = self._user_agents.agent(spec, tuple(env.config.paths))
-        return await self._user_agents.run(agent, env, task, run_id, trajectory_id, seed)
+        spec = self.config.env_options.get(task.env, {}).get("agent")
+        agent = self.agents.agent(spec, tuple(env.config.paths)) if spec else environment_agent(env, task, self._tools)
+        return await self.agents.run(agent, env, task, run_id, trajectory_id, seed)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """One raw generation call (no agent loop): benchmarks and evaluation."""
@@ -188,9 +186,11 @@ class RolloutReplica:
             raise RuntimeError("the engine is not running")
 
     def __del__(self) -> None:
-        for closer in (getattr(self, "subscriber", None), getattr(self, "engine", None), getattr(self, "agent", None)):
+        for closer in (getattr(self, "subscriber", None), getattr(self, "engine", None)):
             if closer is not None:
                 closer.close()
+        if getattr(self, "_tools", None) is not None:
+            self._tools.shutdown(wait=False, cancel_futures=True)
 
 
 def deployment_options(config: RolloutConfig) -> dict:

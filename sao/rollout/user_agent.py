@@ -42,8 +42,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from sao.envs.base import Task
-from sao.envs.dataset import DatasetEnv, task_messages
+from sao.envs.base import Environment, Task
+from sao.envs.dataset import task_messages
 from sao.lake.records import RecordedSampling, Timings, TrajectoryRecord, utc_now
 from sao.models.tokenizer import chat_template_version, tokenizer_version
 from sao.rewards import RewardError, call_arguments, resolve_function
@@ -51,11 +51,21 @@ from sao.rollout.agent import AgentConfig
 from sao.rollout.chat_endpoint import ChatEndpoint, Episode, EpisodePart
 from schemas.vocabulary import TerminationReason
 
-__all__ = ["AgentImportError", "UserAgentRunner", "load_agent", "part_trajectory_id", "task_row"]
+__all__ = ["AgentFunction", "AgentImportError", "EpisodeEnded", "UserAgentRunner", "load_agent", "part_trajectory_id",
+           "task_row"]
 
 log = logging.getLogger(__name__)
 
 AgentFunction = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+
+
+class EpisodeEnded(Exception):  # noqa: N818 - an end, not an error
+    """Raised by an agent to end its episode with ``reason`` (``turns``: a budget of its own ran out;
+    the reward is then 0 and the trainer bootstraps)."""
+
+    def __init__(self, reason: TerminationReason | str) -> None:
+        super().__init__(str(reason))
+        self.reason = TerminationReason(reason)
 
 
 class AgentImportError(ValueError):
@@ -143,13 +153,13 @@ class UserAgentRunner:
             await self._http.aclose()
             self._http = None
 
-    async def run(self, agent: AgentFunction, env: DatasetEnv, task: Task, run_id: str, episode_id: str,
+    async def run(self, agent: AgentFunction, env: Environment, task: Task, run_id: str, episode_id: str,
                   seed: int | None = None) -> list[TrajectoryRecord]:
         """One episode of ``agent`` on ``task``: its trajectories (one per part, in order)."""
         await self.endpoint.start()
         created = utc_now()
         episode = self.endpoint.open(episode_id, self.config, seed)
-        row = task_row(task, env.config.system_prompt)
+        row = task_row(task, getattr(getattr(env, "config", None), "system_prompt", ""))
         reward, info = 0.0, None
         try:
             result = await asyncio.wait_for(agent(self.client(episode.token), row),
@@ -160,6 +170,8 @@ class UserAgentRunner:
                 episode.end(TerminationReason.TIMEOUT)
             else:
                 episode.end(TerminationReason.ERROR, "agent raised TimeoutError")
+        except EpisodeEnded as ended:
+            episode.end(ended.reason)
         except asyncio.CancelledError:
             episode.end(TerminationReason.CANCELLED)
             self.endpoint.finish(episode)
@@ -177,7 +189,7 @@ class UserAgentRunner:
             reward = 0.0
         return self._records(episode, task, run_id, created, float(reward or 0.0), info)
 
-    async def _score(self, env: DatasetEnv, task: Task, row: dict[str, Any], episode: Episode,
+    async def _score(self, env: Environment, task: Task, row: dict[str, Any], episode: Episode,
                      info: str | None) -> float:
         """The reward functions' score of the last call's conversation (0.0 and ``error`` if one fails)."""
         messages = episode.last_messages
