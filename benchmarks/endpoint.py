@@ -19,7 +19,12 @@ engine (A B A B ...):
   (:mod:`sao.rollout.chat_endpoint`: parsing, rendering, the token record, the reply) and the trajectory
   record.
 
-Both arms use the same prompts (32-96 tokens of text), budgets (64-192 new tokens per call), stop ids
+* ``loop`` and ``env_agent``: the built-in environments' path before and after it moved onto the
+  endpoint: :class:`~sao.rollout.agent.AgentLoop` and :func:`~sao.rollout.env_agent.environment_agent`
+  on the endpoint, with one environment that answers the first action with a tool's output and ends
+  the episode at the second.
+
+The arms use the same prompts (32-96 tokens of text), budgets (64-192 new tokens per call), stop ids
 and seeds. Throughput is generated tokens per second over a window after a warm-up; each arm's figure
 is the median of ``--repeats`` windows (min and max given). Target: ``endpoint`` at least 90% of
 ``direct`` (a cost of at most 10%) at 16 and 64 concurrent episodes.
@@ -69,6 +74,27 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+class _TwoTurns:
+    """An environment whose first action gets a tool's answer and whose second ends the episode."""
+
+    name = "dataset"
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def reset(self, task):
+        self.steps = 0
+        return [{"role": "user", "content": task.prompt}]
+
+    def step(self, action_text: str):
+        from sao.envs.base import StepResult, Termination
+
+        self.steps += 1
+        if self.steps == 1:
+            return StepResult("ok", False)
+        return StepResult(None, True, 0.0, Termination.STOP)
+
+
 def _episode(rng: random.Random) -> tuple[str, int, int]:
     """(the user's text, first budget, second budget) of one episode."""
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(16, 48)))
@@ -97,8 +123,8 @@ async def _closed_loop(run_episode, concurrency: int, window_s: float, warmup_s:
 
 def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int,
             cpus: tuple[int, ...] | None = None) -> dict[str, Any]:
-    """Both arms, alternately, on one engine (run in a fresh process); ``cpus``: the engine decodes
-    there and this process (the replica's side of both arms) runs on the others."""
+    """Every arm, in turn, on one engine (run in a fresh process); ``cpus``: the engine decodes there and
+    this process (the replica's side of every arm) runs on the others."""
     import functools
 
     import torch
@@ -108,11 +134,12 @@ def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int,
     from sao.models.chat import ChatTokens, prompt_ids
     from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
-    from sao.rollout.agent import AgentConfig
+    from sao.rollout.agent import AgentConfig, AgentLoop
     from sao.rollout.chat_endpoint import ChatEndpoint
     from sao.rollout.cpus import keep_process_off
     from sao.rollout.engine import SamplingParams
     from sao.rollout.engine_process import TorchEngineProcess
+    from sao.rollout.env_agent import environment_agent
     from sao.rollout.torch_engine import TorchEngineConfig
     from sao.rollout.user_agent import UserAgentRunner
 
@@ -163,20 +190,39 @@ def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int,
             records = await runner.run(agent, env, task, "bench", task_id, seed=None)
             return sum(int(r.action_mask.sum()) for r in records)
 
-        results: dict[str, dict[int, list[float]]] = {"direct": {c: [] for c in levels},
-                                                      "endpoint": {c: [] for c in levels}}
+        tools = concurrent.futures.ThreadPoolExecutor(8)
+        loop_runner = AgentLoop(engine, tokenizer, lambda task: _TwoTurns(), agent_config)
+
+        async def agent_loop(rng: random.Random, index: int) -> int:
+            text, _, _ = _episode(rng)
+            task = Task(task_id=f"{index}", env="dataset", prompt=text, answer="", split=Split.TRAIN)
+            record = await loop_runner.run(task, "bench", None, rng.randrange(2**31))
+            return int(record.action_mask.sum())
+
+        async def env_agent(rng: random.Random, index: int) -> int:
+            text, _, _ = _episode(rng)
+            task = Task(task_id=f"{index}", env="dataset", prompt=text, answer="", split=Split.TRAIN)
+            two_turns = _TwoTurns()
+            records = await runner.run(environment_agent(two_turns, task, tools), two_turns, task, "bench",
+                                       f"{index}-{rng.random()}", rng.randrange(2**31))
+            return sum(int(r.action_mask.sum()) for r in records)
+
+        arms = {"direct": direct, "endpoint": via_endpoint, "loop": agent_loop, "env_agent": env_agent}
+        results: dict[str, dict[int, list[float]]] = {name: {c: [] for c in levels} for name in arms}
         try:
-            await _closed_loop(direct, 4, 0.5, warmup_s=0.5)  # compile and warm up both paths
-            await _closed_loop(via_endpoint, 4, 0.5, warmup_s=0.5)
+            for arm in arms.values():  # compile and warm up every path
+                await _closed_loop(arm, 4, 0.5, warmup_s=0.5)
             for c in levels:
                 for repeat in range(repeats):
-                    order = (("direct", direct), ("endpoint", via_endpoint))
+                    order = list(arms.items())
                     for name, arm in order if repeat % 2 == 0 else order[::-1]:
                         print(f"  concurrency {c}, {name}, window {repeat + 1}/{repeats} ...", file=sys.stderr)
                         results[name][c].append(await _closed_loop(arm, c, window_s))
         finally:
             await runner.close()
             await endpoint.close()
+            loop_runner.close()
+            tools.shutdown()
         return results
 
     try:
@@ -202,17 +248,28 @@ def _markdown(result: dict[str, Any]) -> str:
            "(clients, endpoint, records) on the others (`--engine-cpu`)." if result.get("engine_cpus") else
            "No CPU pinning (`--engine-cpu none`)."),
         "",
-        "| concurrency | direct | endpoint | endpoint / direct (median, min-max) |",
-        "|---:|---:|---:|---:|",
+        "The second pair is the built-in environments' path before and after it moved onto the endpoint: "
+        "`loop` (the agent loop, `sao/rollout/agent.py`) and `env_agent` (`sao/rollout/env_agent.py` on the "
+        "endpoint), one environment that answers the first action with a tool's output and ends at the second.",
+        "",
+        "| concurrency | direct | endpoint | endpoint / direct | loop | env_agent | env_agent / loop |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def cell(spread: dict[str, float], digits: str = ",.0f") -> str:
+        return f"{spread['median']:{digits}} ({spread['min']:{digits}}-{spread['max']:{digits}})"
+
     for c in result["concurrency"]:
         point = result["levels"][str(c)]
-        d, e = point["direct"], point["endpoint"]
-        lines.append(f"| {c} | {d['median']:,.0f} ({d['min']:,.0f}-{d['max']:,.0f}) | {e['median']:,.0f} "
-                     f"({e['min']:,.0f}-{e['max']:,.0f}) | {point['ratio']['median']:.2f} "
-                     f"({point['ratio']['min']:.2f}-{point['ratio']['max']:.2f}) |")
+        lines.append(f"| {c} | {cell(point['direct'])} | {cell(point['endpoint'])} | {cell(point['ratio'], '.2f')} | "
+                     f"{cell(point['loop'])} | {cell(point['env_agent'])} | {cell(point['env_agent_ratio'], '.2f')} |")
     lines += ["", *result["notes"]]
     return "\n".join(lines)
+
+
+def _ratios(arm: list[float], reference: list[float]) -> list[float]:
+    """Window by window (each pair measured one after the other)."""
+    return [a / r for a, r in zip(arm, reference, strict=True)]
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -232,9 +289,9 @@ def main(argv: list[str]) -> int:
                            args.engine_cpus).result()
     levels = {}
     for c in args.concurrency:
-        direct, endpoint = runs["direct"][c], runs["endpoint"][c]
-        ratios = [e / d for d, e in zip(direct, endpoint, strict=True)]  # each pair measured back to back
-        levels[str(c)] = {"direct": _spread(direct), "endpoint": _spread(endpoint), "ratio": _spread(ratios)}
+        levels[str(c)] = {name: _spread(runs[name][c]) for name in runs} | {
+            "ratio": _spread(_ratios(runs["endpoint"][c], runs["direct"][c])),
+            "env_agent_ratio": _spread(_ratios(runs["env_agent"][c], runs["loop"][c]))}
     misses = [c for c in (16, 64) if str(c) in levels and levels[str(c)]["ratio"]["median"] < TARGET_RATIO]
     measured = [c for c in (16, 64) if str(c) in levels]
     notes = ([f"**Target missed** at concurrency {', '.join(map(str, misses))}: endpoint/direct = "

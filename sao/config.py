@@ -463,7 +463,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 
 RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction",
-           "env.verifiers", "env.verifiers.id", "env.verifiers.args")
+           "env.verifiers")
 """Settings of the run itself, which no component config has."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,8 +116,9 @@ def _sao(argv: list[str], recorded: list) -> None:
                 assert section.resources == {name: float(amount)}
         for spec in config.reward.functions:  # the block's own reward module is found from where it ran
             resolve_reward(spec)
-        if config.env.agent:  # and its agent: importable, async
+        if config.env.agent:  # and its agent: importable, async (then forgotten: other tests import their own)
             load_agent(config.env.agent)
+            sys.modules.pop(config.env.agent.partition(":")[0], None)
         for item in (value for option, value in zip(argv, argv[1:], strict=False) if option == "--set"):
             key, _, value = item.partition("=")
             section, _, name = key.rpartition(".")

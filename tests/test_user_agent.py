@@ -76,13 +76,13 @@ def test_three_steps_with_an_agent_of_ones_own(tmp_path, tokenizer, ray_session,
     from sao.models.policy import load_policy
     from sao.train.checkpoint import policy_dir
 
-    (tmp_path / "my_agent.py").write_text(textwrap.dedent(AGENT))
+    (tmp_path / "tool_then_answer_agent.py").write_text(textwrap.dedent(AGENT))  # a name no other test imports
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in PROMPTS))
     monkeypatch.chdir(tmp_path)  # agents are imported from the working directory, as a user's are
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({
         "run_id": "own-agent", "workdir": str(tmp_path / "runs"),
         "model": {"path": str(tool_calling_policy(tokenizer, tmp_path / "model"))},
-        "data": {"train": str(tmp_path / "data.jsonl")}, "env": {"agent": "my_agent:agent"},
+        "data": {"train": str(tmp_path / "data.jsonl")}, "env": {"agent": "tool_then_answer_agent:agent"},
         "train": {"steps": 3, "batch_size": 4, "max_staleness": 0},
         "rollout": {"num_replicas": 1, "max_tokens": 96, "max_turns": 2, "max_in_flight": 4},
         "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))

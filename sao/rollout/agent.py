@@ -1,5 +1,9 @@
 """The agent loop: one task in, one complete trajectory record out.
 
+Rollout replicas run every episode on their chat endpoint (:mod:`sao.rollout.env_agent` for these
+environments); this in-process loop, straight on an engine, is what that path is tested against (the
+same records, token for token) and what benchmarks and tests use without a replica.
+
     prompt -> action segment (sampled until a tool call ends or the turn ends)
            -> environment step (sandboxed tool) -> observation segment (action_mask 0, logprob 0.0)
            -> action segment -> ... -> answer / budget / timeout

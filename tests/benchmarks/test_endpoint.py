@@ -17,7 +17,9 @@ def test_quick_run_measures_both_arms(tmp_path):
     assert main(["--quick", "--out-json", str(out), "--results-md", str(md)]) == 0
     data = json.loads(out.read_text())
     point = data["levels"]["4"]
-    assert point["direct"]["median"] > 0 and point["endpoint"]["median"] > 0
+    assert all(point[arm]["median"] > 0 for arm in ("direct", "endpoint", "loop", "env_agent"))
+    assert point["env_agent_ratio"]["runs"] == [e / d for d, e in zip(point["loop"]["runs"],
+                                                                      point["env_agent"]["runs"], strict=True)]
     assert point["ratio"]["runs"] == [e / d for d, e in zip(point["direct"]["runs"], point["endpoint"]["runs"],
                                                             strict=True)]
     assert "chat endpoint's cost" in md.read_text() and "not measured" in md.read_text()

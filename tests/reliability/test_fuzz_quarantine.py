@@ -34,7 +34,7 @@ LIMITS = SizeLimits(
 )
 # Columns a row may lack (derived, or optional: read as null when absent).
 DERIVED = ("min_policy_version", "max_policy_version", "num_action_tokens", "token_rewards", "routed_experts",
-           "router_top_k", "error")
+           "router_top_k", "error", "episode_id", "episode_part", "agent_info")
 
 Row = dict[str, Any]
 

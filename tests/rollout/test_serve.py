@@ -114,16 +114,16 @@ def test_replica_builds_step_dependent_environments_at_its_engine_version(policy
     style_task = style_tasks(StylePreferenceConfig())[0]
     cute = "Hehe, the moon is so cute and fluffy, yay!"
     try:
-        env = replica.agent.env_factory(style_task)  # what the agent loop calls at each episode's start
+        env = replica._new_env(style_task)  # what the replica builds at each episode's start
         env.reset(style_task)
         assert env.trainer_step == 0 and env.step(cute).reward == 0.0  # academic is preferred before step 3
         replica.subscriber.apply(3, load_policy(policy_dir).state_dict())
         replica.engine.wait_for_version(3)
-        env = replica.agent.env_factory(style_task)
+        env = replica._new_env(style_task)
         env.reset(style_task)
         assert env.trainer_step == 3 and env.step(cute).reward == 1.0
-        math = replica.agent.env_factory(generate_tasks(MathToolConfig(num_train=1, num_heldout=0))[0])
+        math = replica._new_env(generate_tasks(MathToolConfig(num_train=1, num_heldout=0))[0])
         assert isinstance(math, MathToolEnv)
     finally:
         replica.engine.close()
-        replica.agent.close()
+        replica._tools.shutdown()
