@@ -26,17 +26,18 @@ Built in: :func:`exact_match` and :func:`math_verify` (``sao.rewards:exact_match
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import math
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RewardError", "RewardImportError", "RewardSet", "exact_match", "final_answer", "math_verify",
+__all__ = ["RewardError", "RewardImportError", "RewardSet", "exact_match", "final_answer", "import_path", "math_verify",
            "resolve_function", "resolve_reward"]
 
 _SPEC = re.compile(r"^([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*):([A-Za-z_]\w*)$")
@@ -73,6 +74,19 @@ def resolve_reward(spec: str, paths: Sequence[str] = ()) -> tuple[Callable[..., 
     return resolve_function(spec, paths, what="reward function", require_kwargs=True)
 
 
+@contextlib.contextmanager
+def import_path(folders: Sequence[str]) -> Iterator[None]:
+    """``folders`` put first on ``sys.path`` (those not already on it) while the block imports."""
+    added = [folder for folder in folders if folder not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for folder in added:
+            if folder in sys.path:
+                sys.path.remove(folder)
+
+
 def resolve_function(spec: str, paths: Sequence[str] = (), *, what: str = "function",
                      require_kwargs: bool = False) -> tuple[Callable[..., Any], str | None]:
     """:func:`resolve_reward` for any ``module:function`` (``what`` names it in messages)."""
@@ -82,10 +96,9 @@ def resolve_function(spec: str, paths: Sequence[str] = (), *, what: str = "funct
                                 "or sao.rewards:math_verify")
     module_name, function_name = match.groups()
     searched = [*paths, str(Path.cwd())]
-    added = [p for p in searched if p not in sys.path]
-    sys.path[:0] = added
     try:
-        module = importlib.import_module(module_name)
+        with import_path(searched):
+            module = importlib.import_module(module_name)
     except ImportError as error:
         where = ", ".join(searched)
         raise RewardImportError(f"{what} {spec!r}: cannot import module {module_name!r} "
@@ -94,10 +107,6 @@ def resolve_function(spec: str, paths: Sequence[str] = (), *, what: str = "funct
     except Exception as error:  # the user's module failed while importing
         raise RewardImportError(f"{what} {spec!r}: importing {module_name!r} raised "
                                 f"{type(error).__name__}: {error}") from None
-    finally:
-        for path in added:
-            if path in sys.path:
-                sys.path.remove(path)
     function = getattr(module, function_name, None)
     if not callable(function):
         raise RewardImportError(f"{what} {spec!r}: module {module_name!r} "

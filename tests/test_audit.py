@@ -270,3 +270,27 @@ def test_issue_log_batches_and_flushes(tmp_path):
     assert log.buffered == 0 and log.written == 3
     rows = lake.read("rollout_tasks").sort_by("trajectory_id").to_pylist()
     assert [r["retry_of"] for r in rows] == [None, None, "t0"] and rows[0]["issued_at"] == stamp
+
+
+def test_the_parts_of_a_split_episode_are_accounted_for_under_its_issued_id(tmp_path):
+    """An agent that rewrote its history: one issued rollout, stored as parts 0 and 1 (``<id>.1``); the
+    report counts the split, finds nothing; a later part whose first part is missing is a finding."""
+    lake = Lake.open(LakeConfig(root=str(tmp_path / "lake")))
+    register(lake, 2, "mem://v", "h")
+    first, second, orphan = make_trajectories(3, seed=5, run_id=RUN, num_tokens=12, policy_versions=(1,))
+    parts = [dataclasses.replace(first, trajectory_id="ep", episode_id="ep", episode_part=0),
+             dataclasses.replace(second, trajectory_id="ep.1", episode_id="ep", episode_part=1)]
+    issue(lake, ["ep"])
+    with TrajectoryWriter(lake, MANUAL) as writer:
+        writer.add_many(parts)
+    report = check_run(lake, RUN, max_staleness=1, verify_checkpoints=False)
+    assert report.ok, report.lines()
+    assert (report.issued, report.stored, report.episode_splits) == (1, 2, 1)
+    assert "1 of them later parts of agent episodes split" in report.lines()[2]
+
+    lost = dataclasses.replace(orphan, trajectory_id="gone.1", episode_id="gone", episode_part=1)
+    with TrajectoryWriter(lake, MANUAL) as writer:
+        writer.add_many([lost])
+    report = check_run(lake, RUN, max_staleness=1, verify_checkpoints=False)
+    assert [f.kind for f in report.findings] == [FindingKind.NOT_ISSUED]
+    assert "gone.1" in str(report.findings[0]) and "first part is not stored" in str(report.findings[0])

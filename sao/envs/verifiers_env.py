@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from sao.envs.base import Split, Task
+from sao.rewards import import_path
 
 __all__ = ["AGENT", "VerifiersError", "agent", "load", "module_folder", "tasks"]
 
@@ -87,18 +87,12 @@ def load(spec: Mapping[str, Any]) -> Any:
             raise VerifiersError(f"env.verifiers needs the verifiers package: pip install 'sao[verifiers]' ({error})") \
                 from None
         searched = [*paths, str(Path.cwd())]
-        added = [p for p in searched if p not in sys.path]
-        sys.path[:0] = added
         try:
-            with _no_signal_handlers():
+            with import_path(searched), _no_signal_handlers():
                 env = vf.load_environment(spec["id"], **dict(spec.get("args") or {}))
         except Exception as error:
             raise VerifiersError(f"env.verifiers: load_environment({spec['id']!r}) failed: {type(error).__name__}: "
                                  f"{error} (searched {', '.join(searched)} and the installed packages)") from None
-        finally:
-            for path in added:
-                if path in sys.path:
-                    sys.path.remove(path)
         _ENVS[key] = env
         return env
 
