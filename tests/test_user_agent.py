@@ -102,20 +102,23 @@ def test_three_steps_with_an_agent_of_ones_own(tmp_path, tokenizer, ray_session,
     for row in rows:
         # Tokens: what the endpoint generated (actions) and what the agent added (observations), in turn.
         segments = row["segments"]
-        assert [s["kind"] for s in segments] in (["action"], ["action", "observation", "action"])
+        kinds = [kind for i, kind in enumerate(s["kind"] for s in segments)
+                 if i == 0 or kind != segments[i - 1]["kind"]]  # a weight update mid-reply splits an action
+        assert kinds in (["action"], ["action", "observation", "action"])
+        observations = [s for s in segments if s["kind"] == "observation"]
         assert segments[0]["start"] == 0 and segments[-1]["end"] == len(row["completion_ids"])
         mask = [s["kind"] == "action" for s in segments for _ in range(s["start"], s["end"])]
         assert row["action_mask"] == mask and row["num_turns"] == sum(mask[i] and (i == 0 or not mask[i - 1])
                                                                       for i in range(len(mask)))
-        text = tokenizer.decode(row["completion_ids"], skip_special_tokens=False)
         assert row["prompt_ids"] == prompt_ids(tokenizer, [{"role": "user", "content": _prompt(row, config)}])
-        if len(segments) == 3:
-            added = tokenizer.decode(row["completion_ids"][segments[1]["start"]:segments[1]["end"]],
+        if observations:
+            added = tokenizer.decode(row["completion_ids"][observations[0]["start"]:observations[0]["end"]],
                                      skip_special_tokens=False)
             called = json.loads(row["agent_info"])["tool_called"]
             expected_turn = "<|im_start|>tool\n<tool_response>" if called else "<|im_start|>user\nCall the python tool"
             assert expected_turn in added and added.endswith("<|im_start|>assistant\n")
-            assert text.startswith(tokenizer.decode(row["completion_ids"][:segments[0]["end"]], skip_special_tokens=False))
+            first_reply = tokenizer.decode(row["completion_ids"][:observations[0]["start"]], skip_special_tokens=False)
+            assert not called or "<tool_call>" in first_reply and first_reply.endswith("</tool_call>")
             tool_results += called
     assert tool_results >= len(rows) // 2  # the taught policy opens with a tool call
 
