@@ -167,7 +167,6 @@ def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int,
         endpoint = ChatEndpoint(engine, tokenizer)
         runner = UserAgentRunner(endpoint, agent_config, "bench")
         env = DatasetEnv(DatasetEnvConfig())
-        generated: dict[str, int] = {}
 
         async def agent(client, task) -> float:
             text, first, second = task["info"]["episode"]
@@ -175,8 +174,7 @@ def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int,
             one = await client.chat.completions.create(model="policy", messages=messages, max_tokens=first)
             messages += [{"role": "assistant", "content": one.choices[0].message.content or ""},
                          {"role": "user", "content": follow_up}]
-            two = await client.chat.completions.create(model="policy", messages=messages, max_tokens=second)
-            generated[task["task_id"]] = one.usage.completion_tokens + two.usage.completion_tokens
+            await client.chat.completions.create(model="policy", messages=messages, max_tokens=second)
             return 0.0
 
         async def via_endpoint(rng: random.Random, index: int) -> int:

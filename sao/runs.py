@@ -156,10 +156,9 @@ def import_paths(config: RunConfig) -> tuple[str, ...]:
     tool_prelude(tuple(config.env.tools), tool_paths)  # found, top-level, with source: or refused now
     agent_paths: tuple[str, ...] = ()
     if config.env.agent:
-        from sao.rollout.user_agent import load_agent
+        from sao.rollout.user_agent import resolve_agent
 
-        load_agent(config.env.agent)  # importable and async: or refused now
-        folder = resolve_function(config.env.agent, what="agent")[1]
+        folder = resolve_agent(config.env.agent)[1]  # importable and async: or refused now
         agent_paths = () if folder is None else (folder,)
     return tuple(dict.fromkeys(rewards.paths + tool_paths + agent_paths))
 

@@ -52,7 +52,7 @@ from sao.rollout.chat_endpoint import ChatEndpoint, Episode, EpisodePart
 from schemas.vocabulary import TerminationReason
 
 __all__ = ["AgentFunction", "AgentImportError", "EpisodeEnded", "UserAgentRunner", "load_agent", "part_trajectory_id",
-           "task_row"]
+           "resolve_agent", "task_row"]
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +72,22 @@ class AgentImportError(ValueError):
     """``env.agent`` names nothing importable, or not an ``async`` function."""
 
 
-def load_agent(spec: str, paths: tuple[str, ...] = ()) -> AgentFunction:
+def resolve_agent(spec: str, paths: tuple[str, ...] = ()) -> tuple[AgentFunction, str | None]:
     """The agent function of ``module:function`` (imported from ``paths``, the working directory or an
-    installed package). Raises :class:`AgentImportError` naming what is wrong."""
+    installed package) and the folder it came from. Raises :class:`AgentImportError` naming what is wrong."""
     try:
-        function, _ = resolve_function(spec, paths, what="agent")
+        function, folder = resolve_function(spec, paths, what="agent")
     except ValueError as error:
         raise AgentImportError(str(error)) from None
     if not inspect.iscoroutinefunction(function):
         raise AgentImportError(f"agent {spec!r} must be an async function agent(client, task) (it runs in the "
                                "rollout replica's event loop)")
-    return function
+    return function, folder
+
+
+def load_agent(spec: str, paths: tuple[str, ...] = ()) -> AgentFunction:
+    """:func:`resolve_agent`'s function."""
+    return resolve_agent(spec, paths)[0]
 
 
 def task_row(task: Task, system_prompt: str = "") -> dict[str, Any]:
