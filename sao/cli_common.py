@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import typer
 
-__all__ = ["fail", "open_lake"]
+__all__ = ["fail", "open_lake", "require_flows"]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``message`` to stderr and return an Exit to raise (usage errors exit with 2)."""
     typer.echo(f"sao: error: {message}", err=True)
     return typer.Exit(code)
+
+
+def require_flows(command: str) -> None:
+    """A usage error when Prefect (the extra ``flows``, which ``command`` runs through) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("prefect") is None:
+        raise fail(f"`{command}` runs through the Prefect flows, which need the extra `flows`: "
+                   "pip install 'sao[flows]' (make demo and make test install it)")
 
 
 def open_lake(root: str, storage_options: list[str] | None):  # -> Lake (imported lazily: a fast --help)

@@ -32,7 +32,7 @@ import re
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -50,6 +50,8 @@ from sao.lake.config import LakeConfig
 from sao.pipeline import PipelineConfig
 from sao.rollout.agent import AgentConfig
 from sao.rollout.driver import DriverConfig
+from sao.rollout.torch_engine import TorchEngineConfig
+from sao.rollout.vllm_engine import VLLMEngineConfig
 from sao.runtime import RayConfig
 from sao.train.config import TrainConfig, UpdateConfig
 from sao.train.evaluate import EvalConfig
@@ -242,8 +244,39 @@ class EnvSection(Section):
     """A verifiers environment instead of data.train, reward and agent: {id: module, args: {...}}."""
 
 
+class VLLMSection(Section):
+    """The vLLM engine's settings (rollout.engine: vllm; sao/rollout/vllm_engine.py, docs/VLLM.md)."""
+
+    dtype: str = default_of(VLLMEngineConfig, "dtype")
+    """Model dtype in vLLM (float32 matches the trainer's recomputation on a CPU; bfloat16 on a GPU)."""
+    max_model_len: int | None = Field(default_of(VLLMEngineConfig, "max_model_len"), ge=1)
+    """Longest prompt plus completion (None: the model's max_position_embeddings)."""
+    max_num_seqs: int = Field(default_of(VLLMEngineConfig, "max_num_seqs"), ge=1)
+    """Most requests one replica decodes together."""
+    gpu_memory_utilization: float | None = Field(default_of(VLLMEngineConfig, "gpu_memory_utilization"), gt=0, le=1)
+    """Share of the GPU's memory vLLM may take (None: vLLM's 0.9); lower it where the trainer shares the GPU."""
+    kv_cache_memory_bytes: int | None = Field(default_of(VLLMEngineConfig, "kv_cache_memory_bytes"), ge=1)
+    """KV cache size in bytes, instead of gpu_memory_utilization (on a CPU: in place of VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = default_of(VLLMEngineConfig, "enforce_eager")
+    """Run eagerly, without CUDA graphs or torch.compile: faster start, slower decode on a GPU."""
+    enable_prefix_caching: bool = default_of(VLLMEngineConfig, "enable_prefix_caching")
+    """vLLM's prefix cache (cleared at every weight update)."""
+    startup_timeout_s: float = Field(default_of(VLLMEngineConfig, "startup_timeout_s"), gt=0)
+    """Longest wait for a replica's vLLM to start."""
+    engine_args: dict[str, Any] = Field(default_factory=lambda: dict(default_of(VLLMEngineConfig, "engine_args")))
+    """Further vllm.AsyncEngineArgs fields, passed as given (e.g. {tensor_parallel_size: 2})."""
+
+
 class RolloutSection(Section):
-    """Rollout replicas (Ray Serve), the agent loop's budgets and its sampling."""
+    """Rollout replicas (Ray Serve), their engine, the agent loop's budgets and its sampling."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """The replicas' engine: torch (built in, runs anywhere) or vllm (in the environment `make vllm-env`
+    creates, or rollout.python's)."""
+    python: str | None = None
+    """The Python executable the replicas run in (an environment with vLLM and this project installed).
+    None: this Python if it has vLLM, else .venv-vllm/bin/python of the checkout (make vllm-env)."""
+    vllm: VLLMSection = VLLMSection()
 
     num_replicas: int = Field(default_of(PipelineConfig, "num_replicas"), ge=1)
     """Serve rollout replicas."""
@@ -412,6 +445,13 @@ class RunConfig(Section):
         return AgentConfig(max_tokens=r.max_tokens, max_turns=r.max_turns, timeout_s=r.timeout_s,
                            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
 
+    def engine(self) -> TorchEngineConfig | VLLMEngineConfig:
+        """The replicas' engine settings (``rollout.engine``; ``rollout.vllm`` for vLLM, which records the
+        agent's kind of log-probabilities and is seeded by the run)."""
+        if self.rollout.engine == "torch":
+            return TorchEngineConfig()
+        return VLLMEngineConfig(logprob_kind=self.agent().logprob_kind, seed=self.seed, **self.rollout.vllm.model_dump())
+
     def retention_config(self) -> RetentionConfig:
         return self.retention.build()
 
@@ -424,7 +464,7 @@ class RunConfig(Section):
 
 
 BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
-    "seed": ((TrainConfig, "seed"), (PipelineConfig, "seed"), (EvalConfig, "seed")),
+    "seed": ((TrainConfig, "seed"), (PipelineConfig, "seed"), (EvalConfig, "seed"), (VLLMEngineConfig, "seed")),
     "sft.seed": ((SFTConfig, "seed"),),
     "sft.max_steps": ((SFTConfig, "max_steps"),),
     "sft.learning_rate": ((SFTConfig, "learning_rate"),),
@@ -445,6 +485,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "rollout.temperature": ((AgentConfig, "temperature"),),
     "rollout.top_k": ((AgentConfig, "top_k"),),
     "rollout.top_p": ((AgentConfig, "top_p"),),
+    **{f"rollout.vllm.{key}": ((VLLMEngineConfig, key),) for key in VLLMSection.model_fields},
     **{f"algorithm.{key}": ((UpdateConfig, AlgorithmSection.renamed.get(key, key)),)
        for key in AlgorithmSection.model_fields},
     "train.steps": ((TrainConfig, "total_steps"),),
@@ -463,7 +504,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 
 RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction",
-           "env.verifiers")
+           "env.verifiers", "rollout.engine", "rollout.python")
 """Settings of the run itself, which no component config has."""
 
 

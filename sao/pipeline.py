@@ -42,6 +42,7 @@ from sao.rollout.agent import AgentConfig
 from sao.rollout.driver import DriverConfig, DriverStats, RolloutDriver
 from sao.rollout.serve import RolloutConfig
 from sao.rollout.torch_engine import TorchEngineConfig
+from sao.rollout.vllm_engine import VLLMEngineConfig
 from sao.runtime import RayConfig, init_ray
 from sao.train.checkpoint import policy_dir
 from sao.train.config import TrainConfig
@@ -61,7 +62,9 @@ class PipelineConfig:
         ray: where Ray runs (local by default).
         num_replicas, cpus_per_replica, resources_per_replica: the Serve rollout app (custom resources
             place the replicas: :class:`sao.rollout.serve.RolloutConfig`).
-        engine: the torch engine of each replica.
+        engine: the engine of each replica and its settings (the torch engine's, or vLLM's).
+        rollout_python: the Python executable the replicas run in (the vLLM environment:
+            :func:`sao.rollout.vllm_engine.vllm_python`); None: this process's.
         agent: budgets and sampling of the agent loop.
         env_options: options per environment name (e.g. tool latency for benchmarks).
         max_in_flight: trajectories generated at once across replicas.
@@ -82,7 +85,8 @@ class PipelineConfig:
     num_replicas: int = 2
     cpus_per_replica: float = 0.5
     resources_per_replica: dict[str, float] = dataclasses.field(default_factory=dict)
-    engine: TorchEngineConfig = TorchEngineConfig()
+    engine: TorchEngineConfig | VLLMEngineConfig = TorchEngineConfig()
+    rollout_python: str | None = None
     agent: AgentConfig = AgentConfig()
     env_options: dict = dataclasses.field(default_factory=dict)
     max_in_flight: int = 64
@@ -203,6 +207,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         policy_path=_current_policy_path(train, version), app_name=cfg.app_name, initial_version=version,
         num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
         agent=cfg.agent, env_options=cfg.env_options, resources_per_replica=cfg.resources_per_replica,
+        python=cfg.rollout_python,
     )
     broker = get_or_create_broker(cfg.app_name)
     # The broker outlives runs (a detached actor per app name): a run starts it over at its version.
@@ -316,7 +321,7 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     rollout = RolloutConfig(policy_path=_current_policy_path(cfg.train, 0), app_name=app_name, initial_version=0,
                             num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
                             agent=cfg.agent, env_options=cfg.env_options,
-                            resources_per_replica=cfg.resources_per_replica)
+                            resources_per_replica=cfg.resources_per_replica, python=cfg.rollout_python)
     handle = start_rollout_app(rollout)
     issue_log = IssueLog(lake, cfg.writer, issuer_id=issuer_id)
     writer = TrajectoryWriter(lake, cfg.writer, writer_id=issuer_id, before_flush=issue_log.flush)

@@ -116,10 +116,12 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
             run holding other tasks than the data now gives.
         sao.rewards.RewardImportError: a reward function that cannot be imported (the paths tried).
         sao.models.policy.ModelDirectoryError: a ``model.path`` that is not a usable model directory.
+        sao.rollout.vllm_engine.VLLMEnvironmentError: ``rollout.engine: vllm`` with no usable vLLM environment.
     """
     from sao.data import DataError
     from sao.envs.base import ensure_tasks
 
+    replica_python(config)  # rollout.engine vllm: the environment exists and matches, or refused now
     if config.model.path is not None:
         from sao.models.policy import check_model_directory
 
@@ -139,6 +141,17 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
         raise DataError(f"{error} (the run's tasks were copied there when it started: resume with the same "
                         "data, or start a new run)") from None
     return paths
+
+
+def replica_python(config: RunConfig) -> str | None:
+    """The Python the rollout replicas run in: None (this one) for the torch engine; for vLLM, the checked
+    environment of ``rollout.python`` or the checkout's (:func:`sao.rollout.vllm_engine.vllm_python`, which
+    raises ``VLLMEnvironmentError`` naming the command that creates one)."""
+    if config.rollout.engine != "vllm":
+        return None
+    from sao.rollout.vllm_engine import vllm_python
+
+    return vllm_python(config.rollout.python)
 
 
 def import_paths(config: RunConfig) -> tuple[str, ...]:
@@ -350,7 +363,8 @@ def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tu
         retention=config.retention_config(),
     )
     return PipelineConfig(train=train, ray=config.ray_config(), num_replicas=config.rollout.num_replicas,
-                          resources_per_replica=dict(config.rollout.resources),
+                          resources_per_replica=dict(config.rollout.resources), engine=config.engine(),
+                          rollout_python=replica_python(config),
                           agent=config.agent(), max_in_flight=config.rollout.max_in_flight, seed=config.seed,
                           group_size=config.rollout.group_size, synchronous=config.train.synchronous,
                           env_options=options)

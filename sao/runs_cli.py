@@ -19,7 +19,7 @@ import time
 
 import typer
 
-from sao.cli_common import fail
+from sao.cli_common import fail, require_flows
 from sao.config import ConfigError, RunConfig, resolve
 from sao.train.config import Algorithm
 
@@ -78,16 +78,18 @@ def run_or_resume(config: RunConfig, sources: dict[str, str] | None = None) -> N
     """Run (or resume) ``config`` with the run's Ctrl-C handling and print the summary; a finished
     run prints its recorded summary instead. Exits 130 when stopped; a resume with changed settings
     that may not change is refused (exit 2) before anything starts."""
+    require_flows("sao train")
     from sao import interrupt, runs
     from sao.data import DataError
     from sao.models.policy import ModelDirectoryError
     from sao.prefect_server import PrefectServerError
     from sao.rewards import RewardImportError
+    from sao.rollout.vllm_engine import VLLMEnvironmentError
 
     try:
         runs.prepare_inputs(config)
         runs.check_resume(config)
-    except (ConfigError, DataError, RewardImportError, ModelDirectoryError) as error:
+    except (ConfigError, DataError, RewardImportError, ModelDirectoryError, VLLMEnvironmentError) as error:
         raise fail(str(error)) from None
     done = runs.finished(config)
     if done is not None:

@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from sao.cli_common import fail
+from sao.cli_common import fail, require_flows
 
 __all__ = ["ui"]
 
@@ -55,6 +55,7 @@ def ui(
     """Start a local Prefect server on 127.0.0.1 and serve the flows: open the printed URL, pick
     Deployments -> train/ui -> Run -> Custom run, and start a training run from the form.
     Ctrl-C stops the runs in flight, the runner and the server."""
+    require_flows("sao ui")
     from flows.deployments import FLOWS, SERVED_NAME
     from sao.prefect_server import LocalPrefectServer, PrefectServerError
 

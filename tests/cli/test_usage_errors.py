@@ -88,3 +88,21 @@ def test_ui_on_a_busy_port_is_a_usage_error_and_starts_no_server():
 
 def test_ui_rejects_a_port_out_of_range():
     usage_error(["ui", "--port", "70000"], "Invalid value for '--port'")
+
+
+def test_the_vllm_engine_without_its_environment_names_the_command_that_creates_it(tmp_path, monkeypatch):
+    import sao.rollout.vllm_engine as vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "default_vllm_python", lambda: tmp_path / "checkout" / ".venv-vllm" / "bin" / "python")
+    line = usage_error(["train", "--set", "rollout.engine=vllm", "--workdir", str(tmp_path)],
+                       "rollout.engine is vllm, but this Python")
+    assert "`make vllm-env`" in line and str(tmp_path / "checkout" / ".venv-vllm") in line and "rollout.python" in line
+
+
+def test_training_without_the_flows_extra_says_which_extra(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prefect" else find_spec(name, *a))
+    usage_error(["train"], "`sao train` runs through the Prefect flows, which need the extra `flows`: pip install 'sao[flows]'")

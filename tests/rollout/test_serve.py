@@ -87,6 +87,17 @@ def test_replica_resources_place_the_deployment_and_are_checked():
         RolloutConfig(policy_path="unused", resources_per_replica={"rollout": 0.0})
 
 
+def test_vllm_replicas_run_in_the_python_given_and_record_the_agents_kind():
+    from sao.rollout.serve import deployment_options
+    from sao.rollout.vllm_engine import VLLMEngineConfig
+
+    assert "runtime_env" not in deployment_options(RolloutConfig(policy_path="unused"))["ray_actor_options"]
+    config = RolloutConfig(policy_path="unused", engine=VLLMEngineConfig(), python="/envs/vllm/bin/python")
+    assert deployment_options(config)["ray_actor_options"]["runtime_env"] == {"py_executable": "/envs/vllm/bin/python"}
+    with pytest.raises(ValueError, match="the vLLM engine records 'raw' log-probabilities and the agent asks for 'sampling'"):
+        RolloutConfig(policy_path="unused", engine=VLLMEngineConfig(logprob_kind="raw"))
+
+
 class _LocalSubscriber:
     """Stands in for the weight subscriber (no Ray): the test hands the replica weights through it."""
 

