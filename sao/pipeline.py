@@ -209,6 +209,10 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         agent=cfg.agent, env_options=cfg.env_options, resources_per_replica=cfg.resources_per_replica,
         python=cfg.rollout_python,
     )
+    if isinstance(cfg.engine, VLLMEngineConfig) and not cfg.engine.record_routing:  # said once per run
+        log.warning("run %s: the vLLM replicas record no MoE routing (routed_experts is null in the lake, and the "
+                    "trainer routes by its own forward); rollout.vllm.record_routing records it where vLLM returns "
+                    "it (its V2 model runner, on a GPU)", train.run_id)
     broker = get_or_create_broker(cfg.app_name)
     # The broker outlives runs (a detached actor per app name): a run starts it over at its version.
     ray.get(broker.reset.remote(version))

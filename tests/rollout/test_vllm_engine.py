@@ -67,6 +67,21 @@ def test_the_replicas_python_is_checked_against_this_process(tmp_path, monkeypat
         vllm_python()
 
 
+def test_vllm_routing_is_kept_in_the_torch_engines_layout():
+    import numpy as np
+
+    from sao.rollout.vllm_engine import _routing
+
+    assert _routing(None, 5) is None
+    routed = np.arange(7 * 2 * 2).reshape(7, 2, 2) % 8  # (tokens, layers, top_k), int64 as vLLM gives it
+    kept = _routing(routed, 5)
+    assert kept.dtype == torch.uint8 and kept.shape == (5, 2, 2) and kept.tolist() == routed[:5].tolist()
+    with pytest.raises(RuntimeError, match=r"shape \(7, 4\)"):
+        _routing(np.zeros((7, 4)), 5)
+    assert VLLMEngineConfig(record_routing=True).to_engine_args("m")["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in VLLMEngineConfig().to_engine_args("m")
+
+
 def test_configuration_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="enable_prefix_caching=True needs recompute_kv_on_update=True"):
         VLLMEngineConfig(enable_prefix_caching=True, recompute_kv_on_update=False)
