@@ -183,15 +183,18 @@ def run_pipeline_check(workdir: Path, device: str, steps: int) -> dict[str, Any]
     from sao.runtime import RayConfig, init_ray, shutdown_ray
     from sao.train.checkpoint import policy_dir
 
+    gpu = device == "cuda"
     tasks = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b)} for a in range(2, 9) for b in range(3, 7)]
     (workdir / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     model = save_policy(build_policy(seed=0), workdir / "model", build_tokenizer(), policy_version=0)
     (workdir / "run.yaml").write_text(yaml.safe_dump({
         "run_id": "gpu-check", "workdir": str(workdir / "runs"), "model": {"path": str(model)},
         "data": {"train": str(workdir / "data.jsonl")}, "env": {"max_tool_calls": 0},
-        "train": {"steps": steps, "batch_size": 4, "device": device},
+        # On one GPU the vLLM replica and the trainer worker share it (half each in Ray's count; vLLM takes
+        # 30% of its memory).
+        "train": {"steps": steps, "batch_size": 4, "device": device, "gpus_per_worker": 0.5 if gpu else 1.0},
         "rollout": {"engine": "vllm", "num_replicas": 1, "max_tokens": 160, "max_in_flight": 12,
-                    "vllm": engine_settings(device)},
+                    "gpus": 0.5 if gpu else 0.0, "vllm": engine_settings(device)},
         "value_pretraining": {"samples": 0}, "lake": {"root": str(workdir / "lake")}}))
     config, _ = resolve(workdir / "run.yaml")
     runs.prepare_inputs(config)

@@ -54,6 +54,7 @@ from sao.rollout.torch_engine import TorchEngineConfig
 from sao.rollout.vllm_engine import VLLMEngineConfig
 from sao.runtime import RayConfig
 from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.device import DeviceSetting, check_settings
 from sao.train.evaluate import EvalConfig
 from sao.train.pretrain import PretrainConfig
 from sao.train.retention import RetentionConfig
@@ -68,7 +69,10 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 """The laptop demo's config (``sao demo``, ``make demo``), in the source checkout."""
 
 RESUME_SAFE = ("train.steps", "eval.tasks", "ray.address", "ray.num_cpus", "rollout.num_replicas",
-               "rollout.resources", "rollout.max_in_flight", "train.workers", "train.resources")
+               "rollout.resources", "rollout.max_in_flight", "rollout.gpus", "rollout.engine", "rollout.python",
+               *(f"rollout.vllm.{key}" for key in ("max_num_seqs", "gpu_memory_utilization", "kv_cache_memory_bytes",
+                                                   "enforce_eager", "startup_timeout_s")),
+               "train.workers", "train.resources", "train.device", "train.gpus_per_worker")
 """Keys a resumed run may change (how far to train, where it runs, how it is evaluated); any other
 change is refused: the run's steps must stay replayable with one configuration. ``lake.root`` and
 ``workdir`` name where the run is, so they cannot differ on a resume at all."""
@@ -261,6 +265,8 @@ class VLLMSection(Section):
     """Run eagerly, without CUDA graphs or torch.compile: faster start, slower decode on a GPU."""
     enable_prefix_caching: bool = default_of(VLLMEngineConfig, "enable_prefix_caching")
     """vLLM's prefix cache (cleared at every weight update)."""
+    record_routing: bool = default_of(VLLMEngineConfig, "record_routing")
+    """Record the experts each token was routed to (vLLM's V2 model runner: GPU only); off: routing is null."""
     startup_timeout_s: float = Field(default_of(VLLMEngineConfig, "startup_timeout_s"), gt=0)
     """Longest wait for a replica's vLLM to start."""
     engine_args: dict[str, Any] = Field(default_factory=lambda: dict(default_of(VLLMEngineConfig, "engine_args")))
@@ -282,6 +288,8 @@ class RolloutSection(Section):
     """Serve rollout replicas."""
     resources: dict[str, float] = Field(default_factory=lambda: default_of(PipelineConfig, "resources_per_replica"))
     """Custom Ray resources each replica needs, e.g. {rollout: 1} (placement: docs/SCALING.md); empty: any node."""
+    gpus: float = Field(default_of(PipelineConfig, "gpus_per_replica"), ge=0)
+    """Ray GPUs per replica: 0 for the torch engine; 1 (or a share beside the trainer) for vLLM on a GPU."""
     max_in_flight: int = Field(default_of(PipelineConfig, "max_in_flight"), ge=1)
     """Trajectories generated at once across replicas."""
     group_size: int = Field(default_of(PipelineConfig, "group_size"), ge=1)
@@ -301,7 +309,7 @@ class RolloutSection(Section):
 
 
 class TrainSection(Section):
-    """The trainer: how many updates of what size, on how stale data, on how many workers."""
+    """The trainer: how many updates of what size, on how stale data, on how many workers, on what device."""
 
     steps: int = Field(default_of(TrainConfig, "total_steps"), ge=0)
     """Actor updates of the run (a resumed run continues to this count)."""
@@ -315,6 +323,19 @@ class TrainSection(Section):
     """Ray Train workers (data parallel)."""
     resources: dict[str, float] = Field(default_factory=lambda: default_of(TrainConfig, "resources_per_worker"))
     """Custom Ray resources each trainer worker needs, e.g. {trainer: 1}; empty: any node."""
+    device: DeviceSetting = default_of(TrainConfig, "device")
+    """Where the trainer and value pretraining run: cpu, cuda (one GPU per trainer worker; an error when the Ray
+    cluster has none) or auto (GPUs when the Ray cluster has them). Replay always runs on CPU."""
+    gpus_per_worker: float = Field(default_of(TrainConfig, "gpus_per_worker"), gt=0)
+    """GPUs each trainer worker gets when it trains on GPUs; a fraction shares one (with a vLLM replica, say)."""
+    bf16: bool = default_of(TrainConfig, "bf16")
+    """bf16 autocast of the trainer's forward passes on CUDA (weights and optimiser state stay float32); refused
+    with train.device cpu."""
+
+    @model_validator(mode="after")
+    def _bf16_needs_cuda(self) -> TrainSection:
+        check_settings(self.device, self.bf16)
+        return self
 
 
 class ValuePretrainingSection(Section):
@@ -477,6 +498,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "env.agent": ((DatasetEnvConfig, "agent"),),
     "rollout.num_replicas": ((PipelineConfig, "num_replicas"),),
     "rollout.resources": ((PipelineConfig, "resources_per_replica"),),
+    "rollout.gpus": ((PipelineConfig, "gpus_per_replica"),),
     "rollout.max_in_flight": ((PipelineConfig, "max_in_flight"), (DriverConfig, "max_in_flight")),
     "rollout.group_size": ((PipelineConfig, "group_size"),),
     "rollout.max_tokens": ((AgentConfig, "max_tokens"),),
@@ -494,6 +516,9 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "train.synchronous": ((PipelineConfig, "synchronous"), (DriverConfig, "synchronous")),
     "train.workers": ((TrainConfig, "num_workers"),),
     "train.resources": ((TrainConfig, "resources_per_worker"),),
+    "train.device": ((TrainConfig, "device"),),
+    "train.bf16": ((TrainConfig, "bf16"),),
+    "train.gpus_per_worker": ((TrainConfig, "gpus_per_worker"),),
     "value_pretraining.samples": ((PretrainConfig, "num_samples"),),
     "eval.tasks": ((EvalConfig, "num_tasks"),),
     "lake.root": ((LakeConfig, "root"),),

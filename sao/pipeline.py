@@ -60,7 +60,7 @@ class PipelineConfig:
     Attributes:
         train: the trainer (run id, lake, checkpoints, algorithm, batch size, staleness, steps).
         ray: where Ray runs (local by default).
-        num_replicas, cpus_per_replica, resources_per_replica: the Serve rollout app (custom resources
+        num_replicas, cpus_per_replica, gpus_per_replica, resources_per_replica: the Serve rollout app (custom resources
             place the replicas: :class:`sao.rollout.serve.RolloutConfig`).
         engine: the engine of each replica and its settings (the torch engine's, or vLLM's).
         rollout_python: the Python executable the replicas run in (the vLLM environment:
@@ -84,6 +84,7 @@ class PipelineConfig:
     ray: RayConfig = RayConfig()
     num_replicas: int = 2
     cpus_per_replica: float = 0.5
+    gpus_per_replica: float = 0.0
     resources_per_replica: dict[str, float] = dataclasses.field(default_factory=dict)
     engine: TorchEngineConfig | VLLMEngineConfig = TorchEngineConfig()
     rollout_python: str | None = None
@@ -198,6 +199,10 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     started = time.monotonic()
     init_ray(cfg.ray)
     train = dataclasses.replace(cfg.train, app_name=cfg.app_name)
+    if cfg.use_ray_train:  # GPUs the trainer cannot have are refused now, before rollouts start
+        from sao.train.device import use_gpu
+
+        use_gpu(train.device, bf16=train.bf16, workers=train.num_workers, gpus_per_worker=train.gpus_per_worker)
     version = prepare_run(train)
     lake = Lake.open(train.lake)
     done_before = last_committed_step(lake, train.run_id)
@@ -205,7 +210,8 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     relaunch = _relaunches(lake, train.run_id, issuer_id, tasks)
     rollout = RolloutConfig(
         policy_path=_current_policy_path(train, version), app_name=cfg.app_name, initial_version=version,
-        num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
+        num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica,
+        gpus_per_replica=cfg.gpus_per_replica, engine=cfg.engine,
         agent=cfg.agent, env_options=cfg.env_options, resources_per_replica=cfg.resources_per_replica,
         python=cfg.rollout_python,
     )
@@ -323,7 +329,8 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     relaunch = relaunch[:missing]
     app_name = f"{cfg.app_name}-collect"
     rollout = RolloutConfig(policy_path=_current_policy_path(cfg.train, 0), app_name=app_name, initial_version=0,
-                            num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica, engine=cfg.engine,
+                            num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica,
+                            gpus_per_replica=cfg.gpus_per_replica, engine=cfg.engine,
                             agent=cfg.agent, env_options=cfg.env_options,
                             resources_per_replica=cfg.resources_per_replica, python=cfg.rollout_python)
     handle = start_rollout_app(rollout)

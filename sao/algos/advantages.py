@@ -143,7 +143,7 @@ def broadcast_to_actions(per_sequence: torch.Tensor, action_mask: torch.Tensor) 
     if per_sequence.shape[0] != action_mask.shape[0]:
         raise ValueError(f"per_sequence has {per_sequence.shape[0]} rows but action_mask has {action_mask.shape[0]}")
     spread = per_sequence.to(torch.float32).unsqueeze(-1).expand(action_mask.shape)
-    return torch.where(action_mask.bool(), spread, torch.zeros((), dtype=spread.dtype))
+    return torch.where(action_mask.bool(), spread, torch.zeros((), dtype=spread.dtype, device=spread.device))
 
 
 class RunningMeanBaseline:

@@ -196,11 +196,13 @@ def values_at_actions(state_values: torch.Tensor, action_mask: torch.Tensor) -> 
 
 
 def save_critic(critic: Critic, path: str | Path) -> Path:
-    """Write the backbone (``save_pretrained``, safetensors), the value head and the config; returns ``path``."""
+    """Write the backbone (``save_pretrained``, safetensors), the value head and the config; returns ``path``.
+    The critic may be on any device: the files hold CPU tensors, and :func:`load_critic` loads on CPU."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     critic.backbone.save_pretrained(path, safe_serialization=True)
-    save_file({k: v.detach().contiguous() for k, v in critic.value_head.state_dict().items()}, str(path / _HEAD_FILE))
+    save_file({k: v.detach().cpu().contiguous() for k, v in critic.value_head.state_dict().items()},
+              str(path / _HEAD_FILE))
     (path / _CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(critic.config), indent=2, sort_keys=True) + "\n")
     return path
 

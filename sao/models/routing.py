@@ -164,7 +164,7 @@ def replay_routing(model: nn.Module, experts: torch.Tensor, mask: torch.Tensor) 
             f"{tuple(mask.shape)}"
         )
     batch = mask.shape[0]
-    stats = ReplayStats(disagree=torch.zeros(batch, len(routers)), recorded=mask.sum(-1).float())
+    stats = ReplayStats(disagree=torch.zeros(batch, len(routers), device=mask.device), recorded=mask.sum(-1).float())
     flat_mask = mask.reshape(-1)
     for router in routers:
         if experts.shape[3] != router.top_k:

@@ -69,6 +69,8 @@ class RolloutConfig:
         initial_version: policy version of the weights at ``policy_path``.
         num_replicas: engine replicas.
         cpus_per_replica: Ray CPUs reserved per replica (fractions share cores).
+        gpus_per_replica: Ray GPUs per replica (0: none; the vLLM engine on a GPU needs one, or a share of
+            one beside the trainer, with ``gpu_memory_utilization`` to match).
         resources_per_replica: custom Ray resources each replica needs, e.g. ``{"rollout": 1}``: replicas
             then run only on nodes started with that resource (``ray start --resources``), which is how
             rollouts and the trainer are kept on different nodes. Empty: any node with the CPUs.
@@ -96,6 +98,7 @@ class RolloutConfig:
     initial_version: int = 0
     num_replicas: int = 2
     cpus_per_replica: float = 0.5
+    gpus_per_replica: float = 0.0
     resources_per_replica: dict[str, float] = dataclasses.field(default_factory=dict)
     torch_threads: int = 1
     max_ongoing_requests: int = 256
@@ -113,6 +116,8 @@ class RolloutConfig:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.cpus_per_replica <= 0:
             raise ValueError(f"cpus_per_replica must be > 0, got {self.cpus_per_replica}")
+        if self.gpus_per_replica < 0:
+            raise ValueError(f"gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
         for name, amount in self.resources_per_replica.items():
             if name in ("CPU", "GPU") or not amount > 0:
                 raise ValueError(f"resources_per_replica[{name!r}] = {amount}: give a custom resource name (CPUs "
@@ -222,7 +227,8 @@ def deployment_options(config: RolloutConfig) -> dict:
         "name": "RolloutReplica",
         "num_replicas": config.num_replicas,
         "max_ongoing_requests": config.max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": config.cpus_per_replica, "resources": dict(config.resources_per_replica)},
+        "ray_actor_options": {"num_cpus": config.cpus_per_replica, "resources": dict(config.resources_per_replica),
+                              **({"num_gpus": config.gpus_per_replica} if config.gpus_per_replica else {})},
         "health_check_period_s": 5,
         "logging_config": {"enable_access_log": config.access_log},
     }

@@ -6,6 +6,9 @@ that sampled it, and the value of the state it was sampled in, are read at posit
 ``prompt_len[b] + j - 1``. The value after the last token (``V(s_end)``, the bootstrap of a budget
 end) is read at the last real position.
 
+:func:`collate` builds every tensor on CPU; the trainer moves a batch to its models' device
+(:meth:`TrainBatch.to`), and what is computed from a batch stays on the batch's device.
+
 MoE routing (R3): rows that carry a ``routed_experts`` record give ``routed_experts`` (B, L, M, K) and
 ``routing_mask`` (B, L), True at the input positions the rollout engine routed (a prefix of each row's
 prompt + completion); the trainer replays them (:mod:`sao.models.routing`).
@@ -77,9 +80,23 @@ class TrainBatch(NamedTuple):
         """(B,) action tokens per sequence."""
         return self.action_mask.sum(-1)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the batch's tensors are (all on one device: :func:`collate` makes them on CPU, :meth:`to`
+        moves them)."""
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The batch with every tensor on ``device``; the batch itself when they are there already."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        return TrainBatch(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
+                             for name, value in self._asdict().items()})
+
     def select(self, index: Sequence[int]) -> TrainBatch:
         """Rows ``index`` of the batch, trimmed to their own longest lengths."""
-        rows = torch.as_tensor(list(index), dtype=torch.long)
+        rows = torch.as_tensor(list(index), dtype=torch.long, device=self.device)
         width_l = int((self.prompt_lens[rows] + self.completion_lens[rows]).max()) if len(rows) else 0
         width_t = int(self.completion_lens[rows].max()) if len(rows) else 0
         fields = {}
@@ -190,7 +207,7 @@ def completion_positions(batch: TrainBatch) -> torch.Tensor:
     """(B, T) input positions whose outputs score completion token j: ``prompt_len + j - 1``
     (clamped into range on padding)."""
     width_t = batch.action_mask.shape[1]
-    positions = batch.prompt_lens.unsqueeze(-1) - 1 + torch.arange(width_t).unsqueeze(0)
+    positions = batch.prompt_lens.unsqueeze(-1) - 1 + torch.arange(width_t, device=batch.device).unsqueeze(0)
     return positions.clamp(max=batch.input_ids.shape[1] - 1)
 
 

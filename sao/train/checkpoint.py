@@ -14,6 +14,11 @@ lists raises :class:`CheckpointPrunedError` (never a silent fresh optimiser).
 
 ``weights_hash`` is a SHA-256 over the policy's tensors (names sorted, dtype, shape and bytes): two
 checkpoints with the same hash hold bit-identical weights, which is what step replay compares.
+
+Devices: a checkpoint holds CPU tensors whatever device the models trained on (the safetensors files
+are written from CPU copies; the trainer state's tensors are moved to CPU before ``torch.save``), and
+:func:`load_checkpoint` loads everything on CPU (``map_location="cpu"``). The trainer moves the models
+to its device after loading, and AdamW's state follows them when it is loaded into the optimisers.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from sao.models.critic import Critic, load_critic, save_critic
 from sao.models.policy import load_policy, save_policy
+from sao.train.device import to_cpu
 
 __all__ = [
     "PRUNABLE_PARTS",
@@ -134,7 +140,8 @@ class Checkpoint:
 
 def save_checkpoint(root: str | Path, version: int, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
                     critic: Critic | None = None, trainer_state: dict | None = None) -> tuple[Path, str]:
-    """Write version ``version``; returns (directory, weights_hash). Overwrites an interrupted save."""
+    """Write version ``version``; returns (directory, weights_hash). Overwrites an interrupted save.
+    The models and ``trainer_state`` may be on any device; what is written is on CPU."""
     path = checkpoint_dir(root, version)
     if path.exists():
         shutil.rmtree(path)
@@ -142,7 +149,7 @@ def save_checkpoint(root: str | Path, version: int, policy: torch.nn.Module, tok
     save_policy(policy, path / _POLICY, tokenizer, policy_version=version)
     if critic is not None:
         save_critic(critic, path / _CRITIC)
-    state = {"trainer": trainer_state, "torch_rng": torch.get_rng_state()}
+    state = {"trainer": to_cpu(trainer_state), "torch_rng": torch.get_rng_state()}
     torch.save(state, path / _STATE)
     (path / _COMPLETE).write_text(f"{version}\n")
     return path, weights_hash(policy)
@@ -156,7 +163,8 @@ def pruned_parts(root: str | Path, version: int) -> tuple[str, ...]:
 
 def load_checkpoint(root: str | Path, version: int, *, with_critic: bool = True, with_state: bool = True,
                     require_state: bool = False) -> Checkpoint:
-    """Load version ``version``; raises ``FileNotFoundError`` naming what is missing.
+    """Load version ``version`` on CPU (see the module docstring); raises ``FileNotFoundError`` naming
+    what is missing.
 
     ``with_state=False`` skips the trainer state (trajectory replay needs the weights only). With
     ``require_state``, a checkpoint whose trainer state (or, ``with_critic``, critic) retention pruned
@@ -177,7 +185,7 @@ def load_checkpoint(root: str | Path, version: int, *, with_critic: bool = True,
     critic = load_critic(path / _CRITIC) if with_critic and (path / _CRITIC).exists() else None
     state = None
     if with_state and (path / _STATE).exists():
-        state = torch.load(path / _STATE, weights_only=False)["trainer"]
+        state = torch.load(path / _STATE, weights_only=False, map_location="cpu")["trainer"]
     return Checkpoint(version=version, path=path, policy=policy, critic=critic, trainer_state=state, pruned=pruned)
 
 

@@ -28,6 +28,7 @@ from sao.algos.dis import check_interval
 from sao.algos.masked import LossAggregation
 from sao.lake.config import LakeConfig
 from sao.lake.store import is_valid_run_id
+from sao.train.device import DeviceSetting, check_settings
 from sao.train.retention import RetentionConfig
 from schemas.trajectories import RUN_ID_PATTERN
 
@@ -214,6 +215,13 @@ class TrainConfig:
         app_name: rollout app whose replicas receive new weights (None: do not publish).
         num_workers: Ray Train workers (data parallel; gradients are summed across them).
         cpus_per_worker: Ray CPUs per worker (fractions leave room for dataset reads and rollouts).
+        device: where the workers train (:mod:`sao.train.device`): ``cpu``, ``cuda`` (one GPU per Ray
+            Train worker, an error where the Ray cluster has none) or ``auto`` (GPUs when the Ray cluster
+            has them when the trainer starts). Value pretraining follows it too. Replay always runs on CPU.
+        gpus_per_worker: GPUs Ray gives each worker that trains on GPUs; below 1 a worker shares its GPU
+            (with a vLLM replica on a one-GPU machine, say: then give each its share of memory).
+        bf16: bf16 autocast around the forward passes on CUDA; weights, gradients and optimiser state
+            stay float32. Refused on CPU.
         resources_per_worker: custom Ray resources per worker, e.g. ``{"trainer": 1}`` (placement on the
             nodes started with them); empty: any node with the CPUs.
         report_interval_s: on Ray Train, steps are reported to it (``ray.train.report``) at most this
@@ -246,6 +254,9 @@ class TrainConfig:
     app_name: str | None = "rollout"
     num_workers: int = 1
     cpus_per_worker: float = 0.5
+    device: DeviceSetting = "auto"
+    gpus_per_worker: float = 1.0
+    bf16: bool = False
     resources_per_worker: dict[str, float] = dataclasses.field(default_factory=dict)
     report_interval_s: float = 5.0
     rollout: ReplayContext = ReplayContext()
@@ -263,3 +274,7 @@ class TrainConfig:
             raise ValueError(f"total_steps must be >= 0, got {self.total_steps}")
         if self.compact_ledger_every < 0:
             raise ValueError(f"compact_ledger_every must be >= 0, got {self.compact_ledger_every}")
+        check_settings(self.device, self.bf16)
+        if self.gpus_per_worker <= 0 or (self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker)):
+            raise ValueError(f"train.gpus_per_worker must be a fraction in (0, 1] or a whole number, got "
+                             f"{self.gpus_per_worker}")

@@ -26,7 +26,10 @@ boundary, or while it waits for a batch; the step in progress is committed first
 (:mod:`sao.faults`) mark the moments the crash harness kills the run at.
 
 :func:`train_worker` is the body of one worker; :func:`run_training` runs it in-process (one worker)
-and :func:`sao.train.ray_trainer.fit` runs it on Ray Train workers.
+and :func:`sao.train.ray_trainer.fit` runs it on Ray Train workers. A worker trains on the device
+``train.device`` resolves to (:mod:`sao.train.device`): the GPU Ray Train gave it, this process's GPU
+for the in-process trainer, or CPU. Checkpoints are written from and loaded onto CPU
+(:mod:`sao.train.checkpoint`), so a run may resume on another kind of device.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from sao.train.checkpoint import (
     weights_hash,
 )
 from sao.train.config import TrainConfig
+from sao.train.device import CPU, configure_torch, resolve_device
 from sao.train.retention import apply_retention
 from sao.train.run_config import write_run_config
 from sao.train.step import Learner
@@ -112,20 +116,21 @@ def _broadcast(obj):
     return box[0]
 
 
-def _load_models(cfg: TrainConfig, version: int):
-    """Policy, critic and trainer state at ``version`` (version 0 may come from the SFT directory)."""
+def _load_models(cfg: TrainConfig, version: int, device: torch.device = CPU):
+    """Policy and critic at ``version`` on ``device``, and the trainer state (on CPU: the optimisers
+    move it to their parameters' device); version 0 may come from the SFT directory."""
     root = Path(cfg.checkpoint_root)
     try:
         checkpoint = load_checkpoint(root, version, with_critic=cfg.update.uses_critic, require_state=True)
-        return checkpoint.policy, checkpoint.critic, checkpoint.trainer_state
+        policy, critic, state = checkpoint.policy, checkpoint.critic, checkpoint.trainer_state
     except FileNotFoundError:
         if version != 0:
             raise
-    policy = load_policy(cfg.policy_path)
-    critic = None
-    if cfg.update.uses_critic:
-        critic = load_critic(cfg.critic_path) if cfg.critic_path else Critic.from_policy(policy)
-    return policy, critic, None
+        policy, state = load_policy(cfg.policy_path), None
+        critic = None
+        if cfg.update.uses_critic:
+            critic = load_critic(cfg.critic_path) if cfg.critic_path else Critic.from_policy(policy)
+    return policy.to(device), None if critic is None else critic.to(device), state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,11 +239,12 @@ class _Selection:
     due: bool  # whether this step is reported to Ray Train
 
 
-def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
+def train_worker(cfg: TrainConfig, *, device: torch.device | None = None, max_steps: int | None = None,
                  on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
-    """The body of one training worker (see the module docstring). ``max_steps`` stops early (tests);
-    ``on_step`` runs on every worker after each committed step."""
-    worker = _start_worker(cfg)
+    """The body of one training worker (see the module docstring). ``device``: where it trains (a Ray
+    Train worker's, :func:`sao.train.device.worker_device`); None resolves ``cfg.device`` in this
+    process. ``max_steps`` stops early (tests); ``on_step`` runs on every worker after each committed step."""
+    worker = _start_worker(cfg, resolve_device(cfg.device, bf16=cfg.bf16) if device is None else device)
     reports: list[StepReport] = []
     last_report = -math.inf
     while worker.step < cfg.total_steps and (max_steps is None or len(reports) < max_steps):
@@ -267,18 +273,18 @@ def train_worker(cfg: TrainConfig, *, max_steps: int | None = None,
     return reports
 
 
-def _start_worker(cfg: TrainConfig) -> _Worker:
-    """Resume point, models and optimiser state; rank 0 also stores the run configuration, makes sure
-    the current version is registered and re-publishes it (replicas may be behind after a restart)."""
+def _start_worker(cfg: TrainConfig, device: torch.device) -> _Worker:
+    """Resume point, models (on ``device``) and optimiser state; rank 0 also stores the run
+    configuration, makes sure the current version is registered and re-publishes it (replicas may be
+    behind after a restart)."""
     rank, world = _rank_world()
-    torch.set_num_threads(cfg.torch_threads)
-    torch.use_deterministic_algorithms(cfg.deterministic)
+    configure_torch(device, threads=cfg.torch_threads, deterministic=cfg.deterministic)
     lake = Lake.open(cfg.lake)
     resumed = last_committed_step(lake, cfg.run_id)
     step, version = (0, 0) if resumed is None else (resumed[0] + 1, resumed[1])
     torch.manual_seed(cfg.seed + version)
-    policy, critic, trainer_state = _load_models(cfg, version)
-    learner = Learner(cfg.update, policy, critic)
+    policy, critic, trainer_state = _load_models(cfg, version, device)
+    learner = Learner(cfg.update, policy, critic, bf16=cfg.bf16)
     if trainer_state is not None:
         learner.load_state_dict(trainer_state)
     worker = _Worker(cfg, rank, world, lake, learner, load_tokenizer(cfg.policy_path),

@@ -8,7 +8,9 @@
    (``ingest_seq``) and cut to the first ``num_samples``; the newest ``heldout_fraction`` of them are held
    out. (The paper used about 6k samples; the default here is laptop-sized.)
 2. **Training** on Ray Train workers (``TorchTrainer`` with ``datasets=``; each worker streams its
-   shard, ``resources_per_worker={"CPU": cpus_per_worker}`` leaves CPUs for the read tasks), one critic
+   shard, ``resources_per_worker={"CPU": cpus_per_worker}`` leaves CPUs for the read tasks; on the
+   device the run's ``train.device`` and ``train.bf16`` give, resolved as for RL by
+   :func:`sao.train.device.use_gpu` before the data is read), one critic
    optimiser step per batch of ``batch_size`` trajectories, ``epochs`` passes, through the same
    :meth:`sao.train.step.Learner.critic_update` as RL (frozen attention, ``lr_critic`` with warm-up,
    gradient clipping, gradients summed across workers, token denominators of the whole batch).
@@ -52,6 +54,7 @@ from sao.lake.store import Lake
 from sao.train.batch import TrainBatch, collate, split_by_token_budget
 from sao.train.checkpoint import critic_dir, load_checkpoint, replace_critic
 from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.device import configure_torch, use_gpu, worker_device
 from sao.train.loop import TRAIN_COLUMNS, prepare_run
 from sao.train.step import Learner, critic_values
 from schemas import trajectories
@@ -93,6 +96,9 @@ class PretrainConfig:
         trajectories_version: the ``trajectories`` snapshot to read (None: the latest at the start).
         num_workers: Ray Train workers (data parallel).
         cpus_per_worker: Ray CPUs per worker (a fraction leaves CPUs for Ray Data's read tasks).
+
+    The device is not a setting here: value pretraining trains where the run does
+    (``TrainConfig.device`` and ``TrainConfig.bf16``).
     """
 
     num_samples: int = 512
@@ -146,7 +152,8 @@ def monte_carlo_returns(batch: TrainBatch, gamma: float) -> torch.Tensor:
     """(B, T) observed return of each action token (no bootstrap), 0 elsewhere: skip-observation GAE
     with values 0 and lambda 1."""
     zeros = torch.zeros_like(batch.rewards)
-    _, returns = skip_observation_gae(batch.rewards, zeros, batch.action_mask, torch.zeros(zeros.shape[0]), gamma, 1.0)
+    no_bootstrap = torch.zeros(zeros.shape[0], device=zeros.device)
+    _, returns = skip_observation_gae(batch.rewards, zeros, batch.action_mask, no_bootstrap, gamma, 1.0)
     return returns
 
 
@@ -158,14 +165,16 @@ def _collate(rows: Sequence[Mapping], update: UpdateConfig) -> TrainBatch:
 def value_metrics(critic: torch.nn.Module, rows: Sequence[Mapping], update: UpdateConfig
                   ) -> tuple[float, float | None]:
     """(value loss, explained variance) of ``critic`` on ``rows`` against Monte-Carlo returns, over
-    every action token (micro-batches by ``update.token_budget``)."""
+    every action token (micro-batches by ``update.token_budget``, run on the critic's device in float32;
+    the figures are reduced on CPU)."""
     batch = _collate(rows, update)
     returns = monte_carlo_returns(batch, update.gamma).double()
     values = torch.zeros_like(returns)
+    device = next(critic.parameters()).device
     for index in split_by_token_budget(batch, update.token_budget):
-        micro = batch.select(index)
+        micro = batch.select(index).to(device)
         micro_values, _ = critic_values(critic, micro)
-        values[index, : micro_values.shape[1]] = micro_values.double()
+        values[index, : micro_values.shape[1]] = micro_values.double().cpu()
     mask = batch.action_mask
     target, predicted = returns[mask], values[mask]
     loss = float(0.5 * (predicted - target).square().mean())
@@ -260,13 +269,13 @@ def _train_func(config: dict) -> None:
     pcfg: PretrainConfig = config["pretrain"]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    torch.set_num_threads(cfg.torch_threads)
-    torch.use_deterministic_algorithms(cfg.deterministic)
+    device = worker_device(config["gpu"])
+    configure_torch(device, threads=cfg.torch_threads, deterministic=cfg.deterministic)
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
     checkpoint = load_checkpoint(cfg.checkpoint_root, 0, with_critic=True, with_state=False)
     update = cfg.update if pcfg.lr is None else dataclasses.replace(cfg.update, lr_critic=pcfg.lr)
-    learner = Learner(update, checkpoint.policy, checkpoint.critic)
+    learner = Learner(update, checkpoint.policy.to(device), checkpoint.critic.to(device), bf16=cfg.bf16)
     heldout = [row for rows in _rows(ray.train.get_dataset_shard("heldout")) for row in rows]
     loss_before, explained_before = value_metrics(learner.critic, heldout, update)
     shard = ray.train.get_dataset_shard("train")
@@ -292,17 +301,22 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
     """Pretrain the critic of run ``cfg.run_id`` and write it as its version-0 critic (see the module
     docstring). Ray must be initialised (:func:`sao.runtime.init_ray`).
 
+    It trains where the run trains: ``cfg.device`` and ``cfg.bf16`` (``train.device``, ``train.bf16``).
+
     Raises:
         ValueError: the algorithm has no critic, the run has already trained, or too few trajectories.
+        DeviceUnavailableError: ``train.device`` cuda and the Ray cluster has no GPU, or GPUs fewer than
+            workers (before anything is read).
     """
-    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train import DataConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from sao.train.ray_trainer import run_fit
+    from sao.train.ray_trainer import run_fit, scaling_config, torch_config
 
     pcfg = pcfg or PretrainConfig()
     if not cfg.update.uses_critic:
         raise ValueError(f"algorithm {cfg.update.algorithm.value!r} has no critic to pretrain")
+    gpu = use_gpu(cfg.device, bf16=cfg.bf16, workers=pcfg.num_workers, gpus_per_worker=cfg.gpus_per_worker)
     started = time.perf_counter()
     if prepare_run(cfg) != 0:
         raise ValueError(f"run {cfg.run_id!r} has trained already: value pretraining writes the version-0 critic "
@@ -314,11 +328,11 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
     storage = storage_path or str(Path(cfg.checkpoint_root).resolve().parent / "ray_train")
     trainer = TorchTrainer(
         _train_func,
-        train_loop_config={"train": cfg, "pretrain": pcfg, "report": {
+        train_loop_config={"train": cfg, "pretrain": pcfg, "gpu": gpu, "report": {
             "run_id": cfg.run_id, "data_run_id": data_run, "trajectories_version": version, "num_train": num_train,
             "epochs": pcfg.epochs, "target": str(pcfg.target)}},
-        scaling_config=ScalingConfig(num_workers=pcfg.num_workers, use_gpu=False,
-                                     resources_per_worker={"CPU": pcfg.cpus_per_worker}),
+        scaling_config=scaling_config(pcfg.num_workers, pcfg.cpus_per_worker, gpu, gpus_per_worker=cfg.gpus_per_worker),
+        torch_config=torch_config(gpu),
         run_config=RunConfig(name=f"pretrain-value-{cfg.run_id}", storage_path=storage),
         datasets={"train": train, "heldout": heldout},
         dataset_config=DataConfig(datasets_to_split=["train"]),

@@ -1,7 +1,10 @@
 """Training on Ray Train: :func:`sao.train.loop.train_worker` as the per-worker loop of a TorchTrainer.
 
 Every worker reads its shard of each step's trajectories from the pinned Delta snapshot; gradients are
-summed across workers over the gloo (CPU) or NCCL process group that TorchTrainer sets up. Rank 0
+summed across workers over the gloo (CPU) or NCCL (GPU) process group that TorchTrainer sets up. Where
+the workers train is decided once, on the driver, before they are launched (``train.device``,
+:func:`sao.train.device.use_gpu`): on GPUs each worker asks Ray for one (``ScalingConfig(use_gpu=True)``,
+``GPU: 1`` per worker) and trains on the one Ray Train assigns it. Rank 0
 commits the step to the lake and publishes the weights. Committed steps are also reported to Ray Train
 (``ray.train.report``, at most every ``TrainConfig.report_interval_s``: a report can block the step
 until Ray Train's controller polls) so the Ray dashboard shows progress; the lake has every step.
@@ -11,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from sao.train.config import TrainConfig
+from sao.train.device import use_gpu, worker_device
 from sao.train.loop import train_worker
 
-__all__ = ["fit", "run_fit"]
+__all__ = ["fit", "run_fit", "scaling_config", "torch_config"]
 
 log = logging.getLogger(__name__)
 
@@ -25,31 +30,57 @@ def _train_func(config: dict) -> None:
     import ray.train
 
     cfg: TrainConfig = config["config"]
+    device = worker_device(config["gpu"])
 
     def report(step_report) -> None:
         if step_report.report_due:  # at most every TrainConfig.report_interval_s: each report can block
             ray.train.report({"step": step_report.step, "version": step_report.version, **step_report.metrics})
 
-    train_worker(cfg, max_steps=config.get("max_steps"), on_step=report)
+    train_worker(cfg, device=device, max_steps=config.get("max_steps"), on_step=report)
 
 
 def fit(cfg: TrainConfig, *, storage_path: str | None = None, max_steps: int | None = None):
     """Run the training loop on ``cfg.num_workers`` Ray Train workers; returns the Ray Train result.
 
     Ray must be initialised (:func:`sao.runtime.init_ray`).
+
+    Raises:
+        DeviceUnavailableError: ``train.device`` cuda and the Ray cluster has no GPU, or GPUs fewer than
+            workers (before any worker starts; :mod:`sao.train.device`).
     """
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import RunConfig
     from ray.train.torch import TorchTrainer
 
+    gpu = use_gpu(cfg.device, bf16=cfg.bf16, workers=cfg.num_workers, gpus_per_worker=cfg.gpus_per_worker)
     storage = storage_path or str(Path(cfg.checkpoint_root).resolve().parent / "ray_train")
     trainer = TorchTrainer(
         _train_func,
-        train_loop_config={"config": cfg, "max_steps": max_steps},
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=False,
-                                     resources_per_worker={**cfg.resources_per_worker, "CPU": cfg.cpus_per_worker}),
+        train_loop_config={"config": cfg, "gpu": gpu, "max_steps": max_steps},
+        scaling_config=scaling_config(cfg.num_workers, cfg.cpus_per_worker, gpu, cfg.resources_per_worker,
+                                      cfg.gpus_per_worker),
+        torch_config=torch_config(gpu),
         run_config=RunConfig(name=f"train-{cfg.run_id}", storage_path=storage),
     )
     return run_fit(trainer)
+
+
+def scaling_config(num_workers: int, cpus_per_worker: float, gpu: bool,
+                   resources: Mapping[str, float] | None = None, gpus_per_worker: float = 1.0
+                   ):  # -> ray.train.ScalingConfig
+    """Ray Train's ``ScalingConfig`` of the trainer (and of value pretraining): ``cpus_per_worker`` CPUs,
+    ``gpus_per_worker`` GPUs each with ``gpu``, and the custom ``resources`` of each worker."""
+    from ray.train import ScalingConfig
+
+    per_worker = {**(resources or {}), "CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpu else {})}
+    return ScalingConfig(num_workers=num_workers, use_gpu=gpu, resources_per_worker=per_worker)
+
+
+def torch_config(gpu: bool):  # -> ray.train.torch.TorchConfig
+    """The workers' process group: NCCL between GPUs, gloo between CPUs (Ray Train's own default,
+    written out)."""
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(backend="nccl" if gpu else "gloo")
 
 
 def run_fit(trainer):

@@ -25,6 +25,19 @@ On CPU with ``deterministic`` settings (the default) a single-worker step reprod
 Steps of a multi-worker run summed gradients across workers in another order: they replay within
 float tolerance only (``batch/world_size`` then differs, and the report says so).
 
+Replay runs on CPU in float32 whatever the run's ``train.device`` and ``train.bf16``
+(:mod:`sao.train.device`): checkpoints load on CPU and the recomputation stays there, so a replay
+needs no GPU and a CPU run's steps stay bit-for-bit checkable. What that means for each kind of run:
+
+- a CPU run (one worker, ``deterministic``): bit for bit, weights hash and every metric exactly;
+- a GPU run: not bit for bit. CUDA kernels differ from the CPU's in summation order and some (atomic
+  adds in the MoE's scatter and attention backward passes) do not even repeat on the GPU itself;
+  bf16 autocast rounds every matmul. The replayed weights hash differs from the recorded one, and the
+  metrics agree within a tolerance only (``metric_tolerance``, ``sao replay --metric-tolerance``; looser
+  under bf16, and metrics that count tokens near a threshold, such as DIS kept fractions, may move by
+  a token). A GPU-trained step replayed on CPU checks that the step's data, settings and arithmetic were
+  what the lake says, up to that tolerance.
+
 Where the rows come from (:class:`RowSource`): one step reads only its ids from its snapshot with the
 lake reader (:func:`sao.lake.reader.read_trajectories`: an index scan and a predicate on those rows).
 A range reads a whole snapshot once: with a Ray instance available (``ray.is_initialized()``, or

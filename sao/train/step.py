@@ -21,6 +21,11 @@ live router disagrees with the record and what DIS keeps under each routing.
 A sampled token that the current policy's top-k / top-p filter excludes has probability 0 under the
 sampling distribution: its log-probability is replaced by :data:`FILTERED_LOGPROB`, which puts rho
 below any DIS interval (the token is masked) and passes no gradient.
+
+Device: the :class:`Learner` trains where its models are (:mod:`sao.train.device`); every batch is moved
+there, every tensor of the update is made there, and metrics come back as Python floats. With ``bf16``
+the forward passes run under CUDA bf16 autocast; logits and values are cast to float32 before the
+log-probabilities, advantages and losses, and the weights and optimiser state stay float32.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from sao.algos.sampling import sampling_logprobs
 from sao.models.routing import ReplayStats, moe_routers, replay_routing
 from sao.train.batch import TrainBatch, completion_positions, split_by_token_budget
 from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
+from sao.train.device import autocast
 
 __all__ = ["FILTERED_LOGPROB", "Learner", "policy_logprobs", "critic_values", "LENGTH_BUCKETS"]
 
@@ -75,13 +81,17 @@ def policy_logprobs(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
 
 
 def critic_values(critic: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` (B, T): V of the state each completion token was sampled in; ``v_end`` (B,): the
-    value after the last token."""
-    all_values = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask)  # (B, L)
+    """``values`` (B, T) float32: V of the state each completion token was sampled in; ``v_end`` (B,):
+    the value after the last token."""
+    all_values = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask).float()  # (B, L)
     values = all_values.gather(1, completion_positions(batch))
     last = (batch.prompt_lens + batch.completion_lens - 1).unsqueeze(-1)
     v_end = all_values.gather(1, last).squeeze(-1)
     return torch.where(batch.action_mask, values, torch.zeros_like(values)), v_end
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
@@ -110,11 +120,15 @@ class Learner:
 
     ``critic`` is None for estimators without a critic. ``running_mean`` is the baseline's state for
     the ``running_mean`` estimator (saved with checkpoints so a replayed step sees the same window).
+    The update runs on the models' device (:attr:`device`; policy and critic on the same one, placed
+    before the Learner is made, so that the optimisers hold the placed parameters); ``bf16``: CUDA bf16
+    autocast around the forward passes (refused on CPU).
     """
 
     config: UpdateConfig
     policy: torch.nn.Module
     critic: torch.nn.Module | None = None
+    bf16: bool = False
     policy_optimizer: torch.optim.Optimizer = dataclasses.field(init=False)
     critic_optimizer: torch.optim.Optimizer | None = dataclasses.field(init=False, default=None)
     running_mean: RunningMeanBaseline = dataclasses.field(init=False)
@@ -123,6 +137,10 @@ class Learner:
         cfg = self.config
         if cfg.uses_critic and self.critic is None:
             raise ValueError(f"algorithm {cfg.algorithm.value!r} needs a critic, got critic=None")
+        if self.critic is not None and _device_of(self.critic) != self.device:
+            raise ValueError(f"the policy is on {self.device} but the critic on {_device_of(self.critic)}: "
+                             "place both on the training device before making the Learner")
+        autocast(self.device, self.bf16)  # bf16 on a CPU is refused here, before any step
         self.policy_optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=cfg.lr_policy,
             weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
@@ -136,6 +154,15 @@ class Learner:
         self.has_routers = bool(moe_routers(self.policy))
         self.critic_steps = 0
         self.policy_steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the models are, and so where every update runs."""
+        return _device_of(self.policy)
+
+    def _forward(self) -> contextlib.AbstractContextManager:
+        """The context of a forward pass: bf16 autocast with ``bf16``, else nothing."""
+        return autocast(self.device, self.bf16)
 
     # ----- state for checkpoints ----------------------------------------------------------------
 
@@ -153,6 +180,8 @@ class Learner:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (tensors may be on any device: AdamW's moments follow their
+        parameters to the training device; its step counts stay on CPU, where AdamW keeps them)."""
         self.policy_optimizer.load_state_dict(state["policy_optimizer"])
         self.policy_scheduler.load_state_dict(state["policy_scheduler"])
         self.running_mean._recent.clear()
@@ -171,7 +200,7 @@ class Learner:
 
     def _denominator(self, batch: TrainBatch) -> float:
         local = batch.action_mask.sum() if self.config.aggregation is LossAggregation.TOKEN else torch.tensor(
-            batch.action_mask.shape[0])
+            batch.action_mask.shape[0], device=batch.device)
         return float(_all_reduce_sum(local.to(torch.float64).clone()))
 
     @torch.no_grad()
@@ -181,16 +210,18 @@ class Learner:
 
         ``sequence_advantages`` (B,) overrides the group / running-mean estimate: with several
         data-parallel workers those are computed over the whole batch (a group may span shards) and
-        each worker passes its rows.
+        each worker passes its rows. All three on :attr:`device`, where ``batch`` is moved.
         """
         cfg = self.config
+        batch = batch.to(self.device)
         metrics: dict[str, float] = {}
         estimator = cfg.advantage_estimator
         if estimator is AdvantageEstimator.CRITIC_GAE:
-            values = torch.zeros(batch.action_mask.shape)
-            v_end = torch.zeros(batch.action_mask.shape[0])
+            values = torch.zeros(batch.action_mask.shape, device=batch.device)
+            v_end = torch.zeros(batch.action_mask.shape[0], device=batch.device)
             for rows, mb in self._micro_batches(batch):
-                mb_values, mb_end = critic_values(self.critic, mb)
+                with self._forward():
+                    mb_values, mb_end = critic_values(self.critic, mb)
                 values[rows, : mb_values.shape[1]] = mb_values.float()
                 v_end[rows] = mb_end.float()
             bootstrap = torch.where(batch.bootstrap, v_end, torch.zeros_like(v_end))
@@ -210,7 +241,7 @@ class Learner:
         else:
             returns = None
             if sequence_advantages is not None:
-                per_sequence = sequence_advantages
+                per_sequence = sequence_advantages.to(batch.device)
             elif estimator is AdvantageEstimator.GROUP:
                 per_sequence = grpo_advantages(batch.scalar_rewards, batch.group_ids,
                                                scale_by_std=cfg.group_scale_by_std)
@@ -233,8 +264,9 @@ class Learner:
         return None
 
     def update(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None) -> dict[str, float]:
-        """One actor step and K critic steps on ``batch`` (this worker's shard of it)."""
+        """One actor step and K critic steps on ``batch`` (this worker's shard of it), on :attr:`device`."""
         started = time.perf_counter()
+        batch = batch.to(self.device)
         advantages, returns, metrics = self.advantages(batch, sequence_advantages)
         metrics |= self._actor_step(batch, advantages)
         actor_done = time.perf_counter()
@@ -258,10 +290,12 @@ class Learner:
         pretraining (:mod:`sao.train.pretrain`). ``returns`` (B, T) are the targets; None uses the
         critic's own ``lam_critic`` returns, as :meth:`update` does."""
         metrics: dict[str, float] = {}
+        batch = batch.to(self.device)
         if returns is None:
             _, returns, metrics = self.advantages(batch)
         if returns is None:
             raise ValueError(f"algorithm {self.config.algorithm.value!r} has no critic to update")
+        returns = returns.to(self.device)
         for _ in range(self.config.critic_updates if steps is None else steps):
             metrics |= self._critic_step(batch, returns)
         return metrics
@@ -282,7 +316,7 @@ class Learner:
         self.policy.train()
         self.policy_optimizer.zero_grad(set_to_none=True)
         denominator = self._denominator(batch)
-        kept_per_row = torch.zeros(batch.action_mask.shape[0])
+        kept_per_row = torch.zeros(batch.action_mask.shape[0], device=batch.device)
         loss_total = 0.0
         replay = self.replays_routing
         audit = cfg.routing_metrics and self.has_routers and batch.routed_experts is not None
@@ -290,12 +324,12 @@ class Learner:
         compare = audit and every > 0 and self.policy_steps % every == 0  # the extra forward, now and then
         routing = _RoutingAudit(batch, replay, compare) if audit and (replay or compare) else None
         for rows, mb in self._micro_batches(batch):
-            with self._routing(mb, replay) as stats:
+            with self._routing(mb, replay) as stats, self._forward():
                 logp = policy_logprobs(self.policy, mb)
             if routing is not None:
                 other_logp, other_stats = None, None
                 if compare:
-                    with torch.no_grad(), self._routing(mb, not replay) as other_stats:
+                    with torch.no_grad(), self._routing(mb, not replay) as other_stats, self._forward():
                         other_logp = policy_logprobs(self.policy, mb)
                 routing.add(rows, mb, logp.detach(), other_logp, stats or other_stats, cfg)
             adv = advantages[rows, : logp.shape[1]]
@@ -328,7 +362,8 @@ class Learner:
         loss_total = 0.0
         value_sum = 0.0
         for rows, mb in self._micro_batches(batch):
-            values, _ = critic_values(self.critic, mb)
+            with self._forward():
+                values, _ = critic_values(self.critic, mb)
             target = returns[rows, : values.shape[1]]
             loss, m = value_loss(values, target, mb.action_mask, aggregation=cfg.aggregation,
                                  denominator=denominator, reward_range=cfg.reward_range)
@@ -358,10 +393,10 @@ class _RoutingAudit:
     def __init__(self, batch: TrainBatch, replay: bool, compare: bool) -> None:
         rows, layers = batch.action_mask.shape[0], batch.routed_experts.shape[2]
         self.batch, self.replay, self.compare = batch, replay, compare
-        self.disagree = torch.zeros(rows, layers)
-        self.recorded = torch.zeros(rows)
-        self.kept_replay = torch.zeros(rows)
-        self.kept_live = torch.zeros(rows)
+        self.disagree = torch.zeros(rows, layers, device=batch.device)
+        self.recorded = torch.zeros(rows, device=batch.device)
+        self.kept_replay = torch.zeros(rows, device=batch.device)
+        self.kept_live = torch.zeros(rows, device=batch.device)
 
     def add(self, rows: list[int], mb: TrainBatch, logp: torch.Tensor, other_logp: torch.Tensor | None,
             stats: ReplayStats, cfg: UpdateConfig) -> None:
@@ -426,7 +461,7 @@ def kept_fraction_metrics(batch: TrainBatch, kept_per_row: torch.Tensor) -> dict
         metrics[f"actor/kept_frac/staleness_{staleness}"] = float(
             kept_per_row[rows].sum() / actions[rows].sum().clamp(min=1))
         metrics[f"batch/staleness_count/{staleness}"] = float(rows.sum())
-    bucket_of = torch.bucketize(actions, torch.tensor(LENGTH_BUCKETS, dtype=torch.float32))
+    bucket_of = torch.bucketize(actions, torch.tensor(LENGTH_BUCKETS, dtype=torch.float32, device=actions.device))
     for bucket in sorted(set(bucket_of.tolist())):
         rows = bucket_of == bucket
         label = f"le_{LENGTH_BUCKETS[bucket]}" if bucket < len(LENGTH_BUCKETS) else f"gt_{LENGTH_BUCKETS[-1]}"

@@ -94,6 +94,9 @@ def test_vllm_replicas_run_in_the_python_given_and_record_the_agents_kind():
     assert "runtime_env" not in deployment_options(RolloutConfig(policy_path="unused"))["ray_actor_options"]
     config = RolloutConfig(policy_path="unused", engine=VLLMEngineConfig(), python="/envs/vllm/bin/python")
     assert deployment_options(config)["ray_actor_options"]["runtime_env"] == {"py_executable": "/envs/vllm/bin/python"}
+    assert "num_gpus" not in deployment_options(config)["ray_actor_options"]
+    shared = RolloutConfig(policy_path="unused", engine=VLLMEngineConfig(), gpus_per_replica=0.5)
+    assert deployment_options(shared)["ray_actor_options"]["num_gpus"] == 0.5
     with pytest.raises(ValueError, match="the vLLM engine records 'raw' log-probabilities and the agent asks for 'sampling'"):
         RolloutConfig(policy_path="unused", engine=VLLMEngineConfig(logprob_kind="raw"))
 

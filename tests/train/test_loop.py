@@ -24,10 +24,13 @@ from sao.train.loop import prepare_run, run_training
 
 
 def make_config(tmp_path, policy_dir, **kw):
+    """A small run's TrainConfig. On CPU whatever the machine has (``train.device`` auto would train on a
+    GPU once a Ray instance that sees one is up): these tests check bit-for-bit replay, which only CPU
+    promises (GPU runs: tests/train/test_device.py)."""
     fields = dict(run_id="run-a", lake=LakeConfig(root=str(tmp_path / "lake")),
                   checkpoint_root=str(tmp_path / "ckpt"), policy_path=str(policy_dir),
                   update=UpdateConfig(token_budget=4096), batch_size=4, max_staleness=8, total_steps=2,
-                  app_name=None, wait_timeout_s=30, poll_s=0.02)
+                  app_name=None, wait_timeout_s=30, poll_s=0.02, device="cpu")
     fields.update(kw)
     return TrainConfig(**fields)
 
