@@ -215,6 +215,9 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         agent=cfg.agent, env_options=cfg.env_options, resources_per_replica=cfg.resources_per_replica,
         python=cfg.rollout_python,
     )
+    if isinstance(cfg.engine, VLLMEngineConfig) and not cfg.gpus_per_replica and ray.cluster_resources().get("GPU"):
+        log.warning("run %s: the Ray cluster has GPUs but the vLLM replicas ask Ray for none (rollout.gpus 0), so "
+                    "none is assigned to them: set rollout.gpus (1, or a share beside the trainer)", train.run_id)
     if isinstance(cfg.engine, VLLMEngineConfig) and not cfg.engine.record_routing:  # said once per run
         log.warning("run %s: the vLLM replicas record no MoE routing (routed_experts is null in the lake, and the "
                     "trainer routes by its own forward); rollout.vllm.record_routing records it where vLLM returns "

@@ -30,7 +30,10 @@ async def agent(client, task):
     messages.append(message.model_dump(exclude_none=True))
     if message.tool_calls:
         code = json.loads(message.tool_calls[0].function.arguments)["code"]
-        result = str(eval(code.removeprefix("print(").removesuffix(")"), {})) if code.startswith("print(") else "?"
+        try:  # the sampled code may not parse: the tool then answers with the error, as a tool would
+            result = str(eval(code.removeprefix("print(").removesuffix(")"), {})) if code.startswith("print(") else "?"
+        except Exception as error:
+            result = f"{type(error).__name__}: {error}"
         messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result})
     else:
         messages.append({"role": "user", "content": "Call the python tool first."})
