@@ -10,14 +10,29 @@ import datetime as dt
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["machine", "update_section", "write_json"]
+__all__ = ["git_commit", "machine", "update_section", "write_json"]
+
+
+def git_commit() -> str:
+    """The checkout's commit (short), with ``+changes`` when its tracked files differ from it; "unknown"
+    outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
 
 
 def machine() -> dict[str, Any]:
-    """Cores, memory, platform and the versions that decide the figures."""
+    """Cores, memory, platform, load, the commit and the versions that decide the figures."""
     memory_gib = None
     try:
         with open("/proc/meminfo") as handle:
@@ -33,6 +48,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "load_average_1m": round(os.getloadavg()[0], 2),
+        "commit": git_commit(),
     }
     for package in ("torch", "transformers", "ray", "deltalake", "pyarrow", "prefect"):
         try:

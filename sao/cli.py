@@ -28,6 +28,7 @@ app = typer.Typer(
 # `sao bench NAME [ARGS...]` runs `benchmarks/<module>.py`'s `main(argv)`. One line per benchmark.
 BENCHMARKS: dict[str, str] = {
     "lake": "lake_ingest",
+    "longrun": "long_run",
     "learning": "learning",
     "online": "online",
     "quality": "quality",

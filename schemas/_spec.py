@@ -58,6 +58,9 @@ class TableSpec:
         schema_version: bumped on every change; rows carry the version that wrote them.
         partition_by: partition columns (folders), chosen for the reads that dominate.
         description: one line, stored as the Delta table description.
+        stats_columns: the columns whose per-file min/max statistics the Delta log keeps
+            (``delta.dataSkippingStatsColumns``), which is what lets a predicate on them skip files
+            unopened; empty: Delta's default, the first 32 leaf columns (nested columns count each leaf).
     """
 
     name: str
@@ -65,6 +68,7 @@ class TableSpec:
     schema_version: int
     partition_by: tuple[str, ...]
     description: str
+    stats_columns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for column in self.partition_by:
@@ -72,6 +76,9 @@ class TableSpec:
                 raise ValueError(
                     f"table {self.name}: partition column {column!r} is not in the schema"
                 )
+        for column in self.stats_columns:
+            if column not in self.schema.names:
+                raise ValueError(f"table {self.name}: statistics column {column!r} is not in the schema")
         missing_docs = [f.name for f in self.schema if not field_doc(f)]
         if missing_docs:
             raise ValueError(f"table {self.name}: fields without a comment: {missing_docs}")

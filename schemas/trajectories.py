@@ -282,4 +282,10 @@ SPEC = TableSpec(
     partition_by=PARTITION_BY,
     description="Every trajectory: tokens, action mask, engine log-probabilities, segment versions, "
     "reward, termination reason, sampling settings, timings.",
+    # The nested columns before it use up Delta's default of 32 leaf columns with statistics, and
+    # without statistics on ``ingest_seq`` the reader's and the writer's "rows after N" reads opened
+    # every file of the run (0.7 ms each: 0.2 s a read at 300 files).
+    stats_columns=("trajectory_id", "task_id", "env_name", "min_policy_version", "max_policy_version",
+                   "num_action_tokens", "reward", "termination_reason", "num_turns", "arrived_at",
+                   "ingested_at", "ingest_seq", "episode_id"),
 )

@@ -11,6 +11,8 @@ across trainer restarts. Re-recording an identical step (a restart after the com
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -19,7 +21,7 @@ from deltalake import DeltaTable
 from sao.lake.commit import CommitResult, append_exactly
 from sao.lake.config import CommitConfig
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
-from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
+from sao.lake.store import Lake, LakeError, ingest_seq_predicate, is_valid_run_id, sql_literal
 from schemas import policy_versions, train_steps
 
 __all__ = [
@@ -129,9 +131,17 @@ def _flatten_ids(lists: pa.ChunkedArray) -> pa.Array:
 
 
 def record_train_step(
-    lake: Lake, record: TrainStepRecord, config: CommitConfig | None = None
+    lake: Lake, record: TrainStepRecord, config: CommitConfig | None = None, *,
+    ingest_seqs: Sequence[int] | None = None, snapshot: DeltaTable | None = None,
 ) -> CommitResult:
     """Append ``record`` to ``train_steps``, marking its trajectories consumed.
+
+    The ids are looked up in ``trajectories`` at the step's snapshot: with ``ingest_seqs`` (their
+    ``ingest_seq`` values, in order, as the trainer's reader handed them out) only the files those
+    values fall in are read; without, the run's ``trajectory_id`` column (a cost that grows with the
+    run). Either way an id not stored in the data run at that snapshot is refused. ``snapshot``: the
+    ``trajectories`` table already loaded at ``record.trajectories_version`` (the trainer's reader has
+    it), which saves loading its log twice.
 
     Raises:
         ConsumptionError: an id is listed twice, was consumed by an earlier step of the run, or is not
@@ -149,7 +159,7 @@ def record_train_step(
             f"step {record.step}: policy_version_after {record.policy_version_after} is before "
             f"policy_version_before {record.policy_version_before}"
         )
-    _check_ids_in_snapshot(lake, record)
+    _check_ids_in_snapshot(lake, record, ingest_seqs, snapshot)
 
     def plan(delta: DeltaTable) -> pa.Table | None:
         existing = lake.read_from(
@@ -197,19 +207,30 @@ def record_train_step(
     return append_exactly(lake, train_steps.NAME, plan, config or CommitConfig())
 
 
-def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord) -> None:
-    latest = lake.version("trajectories")
-    if record.trajectories_version > latest:
-        raise LedgerError(
-            f"step {record.step} read trajectories version {record.trajectories_version}, "
-            f"but the newest version is {latest}"
-        )
+def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord, ingest_seqs: Sequence[int] | None,
+                           snapshot: DeltaTable | None) -> None:
+    if snapshot is not None:
+        if snapshot.version() != record.trajectories_version:
+            raise ValueError(f"step {record.step}: the snapshot given is trajectories version "
+                             f"{snapshot.version()}, the step read {record.trajectories_version}")
+    else:
+        latest = lake.version("trajectories")
+        if record.trajectories_version > latest:
+            raise LedgerError(
+                f"step {record.step} read trajectories version {record.trajectories_version}, "
+                f"but the newest version is {latest}"
+            )
     if not record.trajectory_ids:
         return
-    snapshot = lake.table("trajectories", version=record.trajectories_version)
-    stored = lake.read_from(
-        snapshot, "trajectories", columns=["trajectory_id"], predicate=_run_predicate(record.data_run)
-    )
+    if snapshot is None:
+        snapshot = lake.table("trajectories", version=record.trajectories_version)
+    predicate = _run_predicate(record.data_run)
+    if ingest_seqs is not None:
+        if len(ingest_seqs) != len(record.trajectory_ids):
+            raise ValueError(f"step {record.step}: {len(ingest_seqs)} ingest_seqs for "
+                             f"{len(record.trajectory_ids)} trajectory ids")
+        predicate += " AND " + ingest_seq_predicate(ingest_seqs)
+    stored = lake.read_from(snapshot, "trajectories", columns=["trajectory_id"], predicate=predicate)
     present = pc.is_in(
         pa.array(record.trajectory_ids, pa.string()),
         value_set=stored["trajectory_id"].combine_chunks(),

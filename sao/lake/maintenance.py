@@ -2,9 +2,11 @@
 
 Compaction rewrites the many small files of batched appends into a few large ones (within each
 partition, keeping their order, so ``ingest_seq`` statistics still prune). It is a new Delta version;
-older versions still point at the small files, which become tombstones. The trainer compacts its
-ledger (``train_steps``, ``policy_versions``: :func:`compact_ledger`) itself every
-``TrainConfig.compact_ledger_every`` steps, because each of its commits reads those tables first;
+older versions still point at the small files, which become tombstones. The trainer compacts its run
+(:func:`compact_run`: the ledger, ``train_steps`` and ``policy_versions``, and the run's partition of
+``trajectories`` and ``rollout_tasks``) itself every ``TrainConfig.compact_every`` steps, while the
+rollouts go on appending: every read, refresh and commit of a Delta table costs in proportion to the
+files it holds (its log state), so without it a run's steps slow down in proportion to its length;
 ``sao lake compact`` does every table on demand.
 
 Vacuum deletes tombstoned files older than the retention, and files no commit ever referenced (left
@@ -34,7 +36,8 @@ from schemas import TABLES, table_spec, trajectories
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LEDGER_TABLES", "CompactReport", "MaintenanceError", "VacuumReport", "compact", "compact_ledger", "vacuum"]
+__all__ = ["LEDGER_TABLES", "RUN_TABLES", "CompactReport", "MaintenanceError", "VacuumReport", "compact",
+           "compact_ledger", "compact_run", "vacuum"]
 
 
 class MaintenanceError(LakeError):
@@ -74,15 +77,19 @@ def _tables(names: Sequence[str] | None) -> list[str]:
 
 
 def compact(
-    lake: Lake, tables: Sequence[str] | None = None, config: MaintenanceConfig | None = None
+    lake: Lake, tables: Sequence[str] | None = None, config: MaintenanceConfig | None = None, *,
+    run_id: str | None = None,
 ) -> list[CompactReport]:
-    """Compact ``tables`` (all when None) towards ``config.target_file_mb`` files."""
+    """Compact ``tables`` (all when None) towards ``config.target_file_mb`` files; with ``run_id``, only
+    that run's partition (every table here is partitioned by ``run_id``)."""
     config = config or MaintenanceConfig()
+    partitions = None if run_id is None else [("run_id", "=", run_id)]
     reports = []
     for name in _tables(tables):
         table = lake.table(name)
         before = table.version()
-        metrics = table.optimize.compact(target_size=config.target_file_mb * 1024 * 1024)
+        metrics = table.optimize.compact(partition_filters=partitions,
+                                         target_size=config.target_file_mb * 1024 * 1024)
         reports.append(
             CompactReport(
                 table=name,
@@ -101,14 +108,32 @@ check order and exactly-once consumption), so without compaction a step's commit
 proportion to the steps before it."""
 
 
+RUN_TABLES: tuple[str, ...] = ("trajectories", "rollout_tasks")
+"""The tables a run's rollouts append to while it trains, a few files per step: the trainer's reads
+and the rollout writer's commits of ``trajectories`` cost in proportion to their files (in the demo the
+trainer's wait for a batch grew from 0.23 s to 0.82 s over 150 steps)."""
+
+
 def compact_ledger(lake: Lake) -> list[CompactReport]:
-    """Compact the ledger tables (:data:`LEDGER_TABLES`); the trainer calls this every
-    ``TrainConfig.compact_ledger_every`` steps. A table whose compaction lost a race with another
-    writer (another run's trainer on the same lake) is left for the next call and not reported."""
+    """Compact the ledger tables (:data:`LEDGER_TABLES`). A table whose compaction lost a race with
+    another writer (another run's trainer on the same lake) is left for the next call and not reported."""
+    return _compact_each(lake, LEDGER_TABLES, None)
+
+
+def compact_run(lake: Lake, run_id: str) -> list[CompactReport]:
+    """Compact the ledger and ``run_id``'s partition of :data:`RUN_TABLES`; the trainer calls this every
+    ``TrainConfig.compact_every`` steps. Rollouts appending meanwhile are not disturbed (an append and a
+    compaction of other files do not conflict; a writer whose planned commit version was taken plans
+    again), and the reader tells the rewritten rows from new ones by ``ingest_seq``. A compaction that
+    lost a race is left for the next call and not reported."""
+    return _compact_each(lake, LEDGER_TABLES, None) + _compact_each(lake, RUN_TABLES, run_id)
+
+
+def _compact_each(lake: Lake, tables: Sequence[str], run_id: str | None) -> list[CompactReport]:
     reports = []
-    for name in LEDGER_TABLES:
+    for name in tables:
         try:
-            reports += compact(lake, [name])
+            reports += compact(lake, [name], run_id=run_id)
         except CommitFailedError as error:
             log.info("compacting %s lost a race with another writer (%s); next time", name, error)
     return reports

@@ -43,7 +43,7 @@ from deltalake import DeltaTable
 from deltalake.fs import DeltaStorageHandler
 
 from sao.lake.ledger import consumed_ids
-from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
+from sao.lake.store import Lake, LakeError, ingest_seq_predicate, is_valid_run_id, sql_literal
 from schemas import train_steps, trajectories
 
 __all__ = [
@@ -153,6 +153,11 @@ class TrajectoryReader:
     def snapshot_version(self) -> int | None:
         """The ``trajectories`` version of the last call (None before the first)."""
         return None if self._table is None else self._table.version()
+
+    @property
+    def table(self) -> DeltaTable | None:
+        """The ``trajectories`` table as of the last call (at :attr:`snapshot_version`)."""
+        return self._table
 
     @property
     def pending(self) -> int:
@@ -277,12 +282,7 @@ class TrajectoryReader:
         schema = pa.schema([trajectories.SCHEMA.field(c) for c in self.columns])
         if chosen.num_rows == 0:
             return schema.empty_table()
-        seqs = chosen["ingest_seq"].to_numpy()
-        listed = ", ".join(str(s) for s in seqs.tolist())
-        predicate = (
-            f"{self._predicate} AND ingest_seq >= {int(seqs.min())} AND ingest_seq <= {int(seqs.max())} "
-            f"AND ingest_seq IN ({listed})"
-        )
+        predicate = f"{self._predicate} AND {ingest_seq_predicate(chosen['ingest_seq'].to_pylist())}"
         data = self.lake.read_from(
             table, trajectories.NAME, columns=self.columns, predicate=predicate
         )
@@ -327,17 +327,21 @@ def read_trajectories(
     version: int | None = None,
     run_id: str | None = None,
     trajectory_ids: Sequence[str] | None = None,
+    ingest_seqs: Sequence[int] | None = None,
     columns: Sequence[str] | None = None,
 ) -> pa.Table:
     """Trajectories at snapshot ``version`` (time travel), optionally of one run and a list of ids.
 
     Rows come in the order of ``trajectory_ids`` when given (else by run and ``ingest_seq``). With ids,
-    only the index columns of the run are scanned to find them, then just those rows are read (a
-    predicate on ``ingest_seq``): the cost follows the number of ids, not the size of the table.
+    the index columns of the run are scanned to find them, then just those rows are read (a predicate
+    on ``ingest_seq``, which file statistics prune). With ``ingest_seqs`` as well (the ids' values, in
+    the same order, from a reader's :class:`MicroBatch`), the scan is skipped: only the files those
+    values fall in are read, so the cost follows the number of ids, not the run's files.
 
     Raises:
-        LakeError: an id in ``trajectory_ids`` is not in the snapshot, or (without ``run_id``) is in
-            several runs.
+        LakeError: an id in ``trajectory_ids`` is not in the snapshot (with ``ingest_seqs``: not there
+            with its value), or (without ``run_id``) is in several runs.
+        ValueError: ``ingest_seqs`` without ``run_id`` and ids of the same length.
     """
     table = lake.table(trajectories.NAME, version=version)
     predicate = _run_predicate(run_id) if run_id is not None else None
@@ -347,43 +351,48 @@ def read_trajectories(
         data = lake.read_from(table, trajectories.NAME, columns=names + extra, predicate=predicate)
         return data.sort_by([("run_id", "ascending"), ("ingest_seq", "ascending")]).select(names)
     wanted = list(trajectory_ids)
+    if ingest_seqs is not None and (run_id is None or len(ingest_seqs) != len(wanted)):
+        raise ValueError("ingest_seqs needs run_id and one value per trajectory id")
     if not wanted:
         return pa.schema([trajectories.SCHEMA.field(c) for c in names]).empty_table()
-    index = lake.read_from(
-        table,
-        trajectories.NAME,
-        columns=["run_id", "trajectory_id", "ingest_seq"],
-        predicate=predicate,
-    )
-    index = index.filter(pc.is_in(index["trajectory_id"], value_set=pa.array(wanted, pa.string())))
-    found = index["trajectory_id"].to_pylist()
-    if len(set(found)) != len(found):
-        raise LakeError("some trajectory ids are in several runs; pass run_id")
-    missing = sorted(set(wanted) - set(found))
-    if missing:
-        raise LakeError(
-            f"{len(missing)} trajectory ids are not in version {table.version()}, e.g. {missing[:3]}"
+    if ingest_seqs is None:
+        index = lake.read_from(
+            table,
+            trajectories.NAME,
+            columns=["run_id", "trajectory_id", "ingest_seq"],
+            predicate=predicate,
         )
+        index = index.filter(pc.is_in(index["trajectory_id"], value_set=pa.array(wanted, pa.string())))
+        found = index["trajectory_id"].to_pylist()
+        if len(set(found)) != len(found):
+            raise LakeError("some trajectory ids are in several runs; pass run_id")
+        _no_missing(wanted, found, table.version())
+    else:
+        index = pa.table({"run_id": pa.array([run_id] * len(wanted), pa.string()),
+                          "ingest_seq": pa.array(list(ingest_seqs), pa.int64())})
     data = lake.read_from(
         table, trajectories.NAME, columns=names + extra, predicate=_rows_predicate(index)
     )
     position = {
         trajectory_id: i for i, trajectory_id in enumerate(data["trajectory_id"].to_pylist())
     }
+    if ingest_seqs is not None:
+        _no_missing(wanted, list(position), table.version())
     order = np.array([position[i] for i in wanted], dtype=np.int64)
     return data.take(order).select(names)
+
+
+def _no_missing(wanted: Sequence[str], found: Sequence[str], version: int) -> None:
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise LakeError(f"{len(missing)} trajectory ids are not in version {version}, e.g. {missing[:3]}")
 
 
 def _rows_predicate(index: pa.Table) -> str:
     """A delta-rs predicate selecting exactly the rows of ``index`` (run_id, ingest_seq)."""
     clauses = []
     for group in index.group_by("run_id").aggregate([("ingest_seq", "list")]).to_pylist():
-        seqs = sorted(group["ingest_seq_list"])
-        listed = ", ".join(str(s) for s in seqs)
-        clauses.append(
-            f"({_run_predicate(group['run_id'])} AND ingest_seq >= {seqs[0]} "
-            f"AND ingest_seq <= {seqs[-1]} AND ingest_seq IN ({listed}))"
-        )
+        clauses.append(f"({_run_predicate(group['run_id'])} AND {ingest_seq_predicate(group['ingest_seq_list'])})")
     return " OR ".join(clauses)
 
 

@@ -14,7 +14,7 @@ appends are added in place (old rows read null); any other difference raises
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,13 +26,16 @@ from schemas import TABLES, TableSpec, plain, table_spec
 from schemas.trajectories import RUN_ID_PATTERN
 
 __all__ = [
+    "STATS_COLUMNS_KEY",
     "TABLE_CONFIGURATION",
     "Lake",
     "LakeError",
     "LakeNotFoundError",
     "SchemaMismatchError",
     "is_valid_run_id",
+    "ingest_seq_predicate",
     "sql_literal",
+    "table_configuration",
 ]
 
 ADDED_TABLES = frozenset({"rollout_tasks", "runs"})
@@ -44,6 +47,16 @@ TABLE_CONFIGURATION: dict[str, str | None] = {
     "delta.enableExpiredLogCleanup": "false",
     "delta.logRetentionDuration": "interval 36500 days",
 }
+
+
+STATS_COLUMNS_KEY = "delta.dataSkippingStatsColumns"
+
+
+def table_configuration(spec: TableSpec) -> dict[str, str | None]:
+    """The Delta table properties of ``spec``'s table: :data:`TABLE_CONFIGURATION` and its statistics
+    columns (``TableSpec.stats_columns``)."""
+    extra = {STATS_COLUMNS_KEY: ",".join(spec.stats_columns)} if spec.stats_columns else {}
+    return TABLE_CONFIGURATION | extra
 
 
 class LakeError(Exception):
@@ -61,6 +74,14 @@ class SchemaMismatchError(LakeError):
 def sql_literal(value: str) -> str:
     """``value`` as a SQL string literal (single quotes doubled) for delta-rs predicates."""
     return "'" + value.replace("'", "''") + "'"
+
+
+def ingest_seq_predicate(seqs: Iterable[int]) -> str:
+    """A delta-rs predicate for the rows with these ``ingest_seq`` values (non-empty). The range comes
+    first: file statistics prune by it, so only the files the values fall in are read."""
+    values = sorted(int(s) for s in seqs)
+    listed = ", ".join(str(s) for s in values)
+    return f"ingest_seq >= {values[0]} AND ingest_seq <= {values[-1]} AND ingest_seq IN ({listed})"
 
 
 def is_valid_run_id(run_id: str) -> bool:
@@ -167,6 +188,23 @@ class Lake:
                 raise LakeNotFoundError(f"no Delta table {spec.name!r} at {uri}")
             self._create(spec, uri)
         self._check_schema(spec, self.table(spec.name))
+        self._check_stats_columns(spec)
+
+    def _check_stats_columns(self, spec: TableSpec) -> None:
+        """A table created before its spec named statistics columns gets them (a metadata commit; files
+        written before keep the statistics they have until compaction rewrites them)."""
+        wanted = table_configuration(spec).get(STATS_COLUMNS_KEY)
+        if wanted is None:
+            return
+        table = self.table(spec.name)
+        if table.metadata().configuration.get(STATS_COLUMNS_KEY) == wanted:
+            return
+        try:
+            table.alter.set_table_properties({STATS_COLUMNS_KEY: wanted})
+        except DeltaError:
+            # Another process set it first (a commit race): fine if it is set now.
+            if self.table(spec.name).metadata().configuration.get(STATS_COLUMNS_KEY) != wanted:
+                raise
 
     def _create(self, spec: TableSpec, uri: str) -> None:
         if self.is_local:
@@ -179,7 +217,7 @@ class Lake:
                 partition_by=list(spec.partition_by) or None,
                 name=spec.name,
                 description=f"{spec.description} (schema version {spec.schema_version})",
-                configuration=TABLE_CONFIGURATION,
+                configuration=table_configuration(spec),
                 storage_options=self.storage_options,
                 # Only version 0 may create the table: a racing creator fails instead of committing a
                 # second CREATE as version 1.

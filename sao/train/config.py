@@ -231,10 +231,12 @@ class TrainConfig:
         rollout: what the rollouts used that trajectories do not record (task file, environment
             options, turn budget), stored for trajectory replay.
         retention: which old checkpoints to prune after each step (None: keep every part of every one).
-        compact_ledger_every: compact the ledger tables (``train_steps``, ``policy_versions``) every this
-            many steps (0: never). Each step's commits read the ledger rows first, and every commit adds
-            a file. Uncompacted, the pause between one step's row and the next step's start grew from
-            0.1 to 0.6 s over 450 steps (three runs in one lake, `sao bench online`).
+        compact_every: compact the run every this many steps (0: never): the ledger tables
+            (``train_steps``, ``policy_versions``) and the run's partition of ``trajectories`` and
+            ``rollout_tasks`` (:func:`sao.lake.maintenance.compact_run`). Every Delta read, refresh and
+            commit costs in proportion to a table's files, and a step adds a few to each. Uncompacted,
+            the pause between one step's row and the next step's start grew from 0.1 to 0.6 s over 450
+            steps (the ledger alone; `sao bench online`), and the step period ... (`sao bench longrun`).
     """
 
     run_id: str
@@ -261,7 +263,7 @@ class TrainConfig:
     report_interval_s: float = 5.0
     rollout: ReplayContext = ReplayContext()
     retention: RetentionConfig | None = None
-    compact_ledger_every: int = 50
+    compact_every: int = 50
 
     def __post_init__(self) -> None:
         if not is_valid_run_id(self.run_id):
@@ -272,8 +274,8 @@ class TrainConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.total_steps < 0:
             raise ValueError(f"total_steps must be >= 0, got {self.total_steps}")
-        if self.compact_ledger_every < 0:
-            raise ValueError(f"compact_ledger_every must be >= 0, got {self.compact_ledger_every}")
+        if self.compact_every < 0:
+            raise ValueError(f"compact_every must be >= 0, got {self.compact_every}")
         check_settings(self.device, self.bf16)
         if self.gpus_per_worker <= 0 or (self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker)):
             raise ValueError(f"train.gpus_per_worker must be a fraction in (0, 1] or a whole number, got "

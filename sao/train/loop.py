@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from sao.faults import crash_point
 from sao.lake.ledger import record_train_step, register_policy_version
-from sao.lake.maintenance import compact_ledger
+from sao.lake.maintenance import compact_run
 from sao.lake.reader import TrajectoryReader, read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.store import Lake, sql_literal
@@ -218,6 +218,7 @@ class _Worker:
     reader: TrajectoryReader | None
     step: int  # the next step to run
     version: int  # the policy's version before it
+    held: pa.Table | None = None  # rank 0: the rows the reader handed out for the step in progress
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -234,6 +235,7 @@ class _Selection:
 
     snapshot: int  # the trajectories version the rows are read at
     ids: list[str]
+    seqs: list[int]  # their ``ingest_seq`` values: the other workers read just those rows' files
     stale: int  # rows passed over as beyond max_staleness while waiting
     no_actions: int  # rows passed over as having no action token
     due: bool  # whether this step is reported to Ray Train
@@ -310,16 +312,25 @@ def _select(worker: _Worker, last: bool, last_report: float) -> _Selection | Non
                  cfg.run_id, worker.step, worker.version)
         return None
     due = last or time.monotonic() - last_report >= cfg.report_interval_s
-    return _Selection(snapshot, table.column("trajectory_id").to_pylist(), stale, no_actions, due)
+    worker.held = table
+    return _Selection(snapshot, table.column("trajectory_id").to_pylist(), table.column("ingest_seq").to_pylist(),
+                      stale, no_actions, due)
 
 
 def _update(worker: _Worker, selection: _Selection, timings: dict[str, float]) -> dict[str, float]:
-    """Every worker: read the selected rows at the pinned snapshot and update on its shard; the
-    step's metrics, merged across workers."""
+    """Every worker: the selected rows (rank 0 has them from its reader; the others read them at the
+    pinned snapshot, from the files their ``ingest_seq`` values fall in) and the update on its shard;
+    the step's metrics, merged across workers."""
     cfg = worker.cfg
-    rows = read_trajectories(worker.lake, version=selection.snapshot, run_id=cfg.run_id,
-                             trajectory_ids=selection.ids, columns=TRAIN_COLUMNS).to_pylist()
+    t0 = time.perf_counter()
+    if worker.held is not None:
+        table, worker.held = worker.held, None
+    else:
+        table = read_trajectories(worker.lake, version=selection.snapshot, run_id=cfg.run_id,
+                                  trajectory_ids=selection.ids, ingest_seqs=selection.seqs, columns=TRAIN_COLUMNS)
+    rows = table.select(list(TRAIN_COLUMNS)).to_pylist()
     t1 = time.perf_counter()
+    timings["read_s"] = t1 - t0
     metrics = compute_update(worker.learner, rows, worker.version, worker.rank, worker.world)
     timings["update_s"] = time.perf_counter() - t1
     crash_point("mid-step", worker.step)  # the update is done, nothing of it is saved yet
@@ -344,7 +355,7 @@ def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], s
         trajectories_version=selection.snapshot, trajectory_ids=tuple(selection.ids), started_at=started_at,
         finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
         timings={**timings, "commit_s": time.perf_counter() - t2},
-    ))
+    ), ingest_seqs=selection.seqs, snapshot=worker.reader.table)
     worker.reader.consumed(selection.ids)
     crash_point("after-commit", step)  # between the step's row and its version's row
     register_policy_version(worker.lake, PolicyVersionRecord(
@@ -353,8 +364,8 @@ def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], s
         weights_hash=digest, step=step))
     if cfg.retention is not None:
         apply_retention(worker.lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
-    if cfg.compact_ledger_every and (step + 1) % cfg.compact_ledger_every == 0:
-        compact_ledger(worker.lake)
+    if cfg.compact_every and (step + 1) % cfg.compact_every == 0:
+        compact_run(worker.lake, cfg.run_id)
     crash_point("before-publish", step)
     if worker.broker.publish is not None:  # after the commit: not in the step's row, only in its report
         metrics = {**metrics, "time/publish_s": worker.broker.publish(version, worker.policy)}

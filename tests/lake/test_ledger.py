@@ -93,3 +93,17 @@ def test_a_step_must_read_ids_present_in_its_snapshot(local_lake):
         )  # right ids, wrong run
     with pytest.raises(LedgerError, match="newest version is"):
         record_train_step(local_lake, _step(0, ids, version + 5))
+
+
+def test_a_step_given_its_ids_ingest_seqs_and_snapshot_reads_only_those_rows_and_still_checks_them(local_lake):
+    ids = _stored_ids(local_lake, 3)
+    version = local_lake.version("trajectories")
+    snapshot = local_lake.table("trajectories", version=version)
+    with pytest.raises(ConsumptionError, match="1 trajectory ids are not in trajectories version"):
+        record_train_step(local_lake, _step(0, ids, version), ingest_seqs=[1, 2, 7], snapshot=snapshot)
+    with pytest.raises(ValueError, match="2 ingest_seqs for 3 trajectory ids"):
+        record_train_step(local_lake, _step(0, ids, version), ingest_seqs=[1, 2])
+    with pytest.raises(ValueError, match="the step read"):
+        record_train_step(local_lake, _step(0, ids, version - 1), snapshot=snapshot)
+    result = record_train_step(local_lake, _step(0, ids, version), ingest_seqs=[1, 2, 3], snapshot=snapshot)
+    assert result.rows == 1

@@ -93,3 +93,43 @@ def test_ledger_compaction_keeps_every_row_and_the_order_checks(local_lake):
     register(5)
     assert sorted(local_lake.read("policy_versions", predicate="run_id = 'ledger-run'").column("version").to_pylist()) == [
         0, 1, 2, 3, 4, 5]
+
+
+def test_a_run_compacted_while_a_writer_appends_keeps_every_row_once_and_leaves_other_runs_alone(local_lake):
+    import threading
+
+    from sao.lake.ledger import register_policy_version
+    from sao.lake.maintenance import compact_run
+    from sao.lake.records import PolicyVersionRecord
+
+    register_policy_version(local_lake, PolicyVersionRecord("run-1", 0, "ckpt/0", "sha256:0"))
+    _append(local_lake, make_trajectories(4, seed=40, num_tokens=8, run_id="run-1"))
+    _append(local_lake, make_trajectories(4, seed=41, num_tokens=8, run_id="run-1"))
+    other_files = sorted(local_lake.table("trajectories").file_uris(file_pruning_predicate=[("run_id", "=", "run-1")]))
+    records = make_trajectories(60, seed=42, num_tokens=8)
+    failures = []
+
+    def produce():
+        try:
+            with TrajectoryWriter(local_lake, WriterConfig(flush_rows=3, background_flush=False)) as writer:
+                writer.add_many(records)  # 20 commits
+        except Exception as error:  # reported below
+            failures.append(error)
+
+    writer = threading.Thread(target=produce)
+    writer.start()
+    reader = TrajectoryReader(local_lake, RUN)
+    handed: list[str] = []
+    compactions = 0
+    while writer.is_alive() or len(handed) < len(records):
+        handed += reader.next_micro_batch(0, 4, 7).trajectory_ids
+        compactions += bool(compact_run(local_lake, RUN))
+        assert not failures, failures
+    writer.join()
+    assert compactions >= 2
+    assert sorted(handed) == sorted(r.trajectory_id for r in records)  # each row once, none lost
+    stored = local_lake.read("trajectories", predicate=f"run_id = '{RUN}'")
+    assert sorted(stored["ingest_seq"].to_pylist()) == list(range(1, 61))
+    compact_run(local_lake, RUN)
+    assert len(local_lake.table("trajectories").file_uris(file_pruning_predicate=[("run_id", "=", RUN)])) == 1
+    assert sorted(local_lake.table("trajectories").file_uris(file_pruning_predicate=[("run_id", "=", "run-1")])) == other_files

@@ -214,3 +214,38 @@ def test_a_poll_reads_only_data_files_it_has_not_read(lake, monkeypatch):
     batch = reader.next_micro_batch(0, 4, 100)
     assert batch.trajectory_ids == [r.trajectory_id for r in records[6:]]
     assert len(reads) == 2 and not set(reads[0]) & set(reads[1])  # only the new commit's files
+
+
+def test_reading_by_ids_with_their_ingest_seqs_skips_the_index_scan_and_reads_the_same_rows(local_lake, monkeypatch):
+    records = make_trajectories(9, seed=11, num_tokens=10)
+    for start in range(0, 9, 3):
+        write(local_lake, records[start:start + 3])
+    batch = TrajectoryReader(local_lake, RUN).next_micro_batch(0, 4, 9)
+    wanted = [batch.trajectory_ids[i] for i in (7, 0, 4)]
+    seqs = [batch.data["ingest_seq"][i].as_py() for i in (7, 0, 4)]
+    scanned = read_trajectories(local_lake, run_id=RUN, trajectory_ids=wanted, columns=["completion_ids"])
+    reads = []
+    read_from = local_lake.read_from
+    monkeypatch.setattr(local_lake, "read_from", lambda *a, **kw: reads.append(kw) or read_from(*a, **kw))
+    direct = read_trajectories(local_lake, run_id=RUN, trajectory_ids=wanted, ingest_seqs=seqs,
+                               columns=["completion_ids"])
+    assert direct.equals(scanned)
+    assert len(reads) == 1 and "ingest_seq IN" in reads[0]["predicate"]  # one read, of those rows only
+    with pytest.raises(LakeError, match="1 trajectory ids are not in version"):  # a value that is not the id's
+        read_trajectories(local_lake, run_id=RUN, trajectory_ids=wanted, ingest_seqs=[seqs[0], seqs[1], 99])
+    with pytest.raises(ValueError, match="ingest_seqs needs run_id"):
+        read_trajectories(local_lake, trajectory_ids=wanted, ingest_seqs=seqs)
+
+
+def test_ingest_seq_has_file_statistics_so_reads_after_a_watermark_skip_old_files(local_lake):
+    """The nested columns before ``ingest_seq`` use up Delta's default 32 statistics columns; the
+    table names its own (``schemas.trajectories.SPEC.stats_columns``)."""
+    import json
+    from pathlib import Path
+
+    write(local_lake, make_trajectories(3, seed=12, num_tokens=10))
+    log = sorted((Path(local_lake.root) / "trajectories" / "_delta_log").glob("*.json"))[-1]
+    adds = [json.loads(line)["add"] for line in log.read_text().splitlines() if '"add"' in line]
+    stats = json.loads(adds[0]["stats"])
+    assert (stats["minValues"]["ingest_seq"], stats["maxValues"]["ingest_seq"]) == (1, 3)
+    assert "min_policy_version" in stats["minValues"] and "completion_ids" not in stats["minValues"]

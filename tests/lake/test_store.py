@@ -14,11 +14,11 @@ from deltalake import DeltaTable, write_deltalake
 from sao.lake.config import LakeConfig
 from sao.lake.records import PolicyVersionRecord
 from sao.lake.store import (
-    TABLE_CONFIGURATION,
     Lake,
     LakeNotFoundError,
     SchemaMismatchError,
     sql_literal,
+    table_configuration,
 )
 from schemas import TABLES, doc_field, policy_versions
 
@@ -29,7 +29,7 @@ def test_tables_are_created_from_the_schemas_with_the_log_kept(lake_config):
         table = lake.table(name)
         assert pa.schema(table.schema().to_arrow()).equals(spec.schema, check_metadata=True)
         assert table.metadata().partition_columns == list(spec.partition_by)
-        assert table.metadata().configuration == TABLE_CONFIGURATION
+        assert table.metadata().configuration == table_configuration(spec)
         assert lake.read(name).schema.equals(spec.schema, check_metadata=True)
     assert Lake.open(lake_config).version("trajectories") == 0  # opening again changes nothing
 
@@ -109,3 +109,18 @@ def test_moto_honours_conditional_put(s3_options):
     client.put_object(Bucket="sao-lake-tests", Key="cond/x", Body=b"1", IfNoneMatch="*")
     with pytest.raises(ClientError, match="PreconditionFailed"):
         client.put_object(Bucket="sao-lake-tests", Key="cond/x", Body=b"2", IfNoneMatch="*")
+
+
+def test_a_table_created_before_its_statistics_columns_were_named_gets_them_on_open(lake_config):
+    from sao.lake.store import STATS_COLUMNS_KEY
+    from schemas import trajectories
+
+    lake = Lake.open(lake_config)
+    table = lake.table("trajectories")
+    table.alter.set_table_properties({STATS_COLUMNS_KEY: "trajectory_id"})  # as an older sao left it
+    Lake.open(lake_config)
+    configuration = lake.table("trajectories").metadata().configuration
+    assert configuration[STATS_COLUMNS_KEY] == ",".join(trajectories.SPEC.stats_columns)
+    version = lake.version("trajectories")
+    Lake.open(lake_config)
+    assert lake.version("trajectories") == version  # set once

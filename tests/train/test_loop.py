@@ -54,7 +54,7 @@ def roll_out(policy_dir, tokenizer, lake, run_id, count, seed=0):
 
 @pytest.fixture
 def cfg(tmp_path, policy_dir):
-    return make_config(tmp_path, policy_dir, compact_ledger_every=1)
+    return make_config(tmp_path, policy_dir, compact_every=1)
 
 
 def test_steps_read_from_the_lake_commit_and_register_versions(cfg, policy_dir, tokenizer):
