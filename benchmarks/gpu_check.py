@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from benchmarks._remote import call_in_python
 from benchmarks._report import machine, write_json
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 64, 64, 128
@@ -134,13 +135,7 @@ def routing_agreement(policy_dir: str, settings: Mapping[str, Any]) -> dict[str,
 
 def _in_vllm_environment(python: str, function: str, *arguments: Any, timeout_s: float = 900) -> dict[str, Any]:
     """``function(*arguments)`` of this module in a fresh process of ``python``; its JSON result."""
-    code = ("import json, sys\nimport benchmarks.gpu_check as check\n"
-            f"print('RESULT ' + json.dumps(check.{function}(*json.loads(sys.argv[1]))), flush=True)")
-    done = subprocess.run([python, "-c", code, json.dumps(arguments)], capture_output=True, text=True, timeout=timeout_s)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{function} failed (exit {done.returncode}): {done.stderr.strip()[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return call_in_python(python, "benchmarks.gpu_check", function, *arguments, timeout_s=timeout_s)
 
 
 def action_logprob_gap(rows: Iterable[Mapping[str, Any]], policy_at: Callable[[int], Any],

@@ -230,17 +230,11 @@ def bench_vllm_engine(policy_dir: str, levels: list[int], window_s: float,
 def _vllm_engine_in(python: str, policy_dir: Path, levels: list[int], window_s: float,
                     cpus: tuple[int, ...] | None) -> dict[int, dict[str, float]]:
     """:func:`bench_vllm_engine` in a child process of ``python`` (vLLM cannot be imported here)."""
-    import json
-    import subprocess
+    from benchmarks._remote import call_in_python
 
-    code = ("import json, sys\nfrom benchmarks.rollout import bench_vllm_engine\n"
-            "print('RESULT ' + json.dumps(bench_vllm_engine(*json.loads(sys.argv[1]))), flush=True)")
-    arguments = json.dumps([str(policy_dir), levels, window_s, None if cpus is None else list(cpus)])
-    done = subprocess.run([python, "-c", code, arguments], capture_output=True, text=True, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the vLLM engine arm failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    return {int(c): value for c, value in json.loads(lines[-1].removeprefix("RESULT ")).items()}
+    result = call_in_python(python, "benchmarks.rollout", "bench_vllm_engine", str(policy_dir), levels, window_s,
+                            None if cpus is None else list(cpus), timeout_s=1800)
+    return {int(c): value for c, value in result.items()}
 
 
 def bench_serve(policy_dir: Path, levels: list[int], window_s: float, threads: int,

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from benchmarks.gpu_check import action_logprob_gap
 from sao.models.chat import prompt_ids
 from sao.models.policy import build_policy, save_policy
 from tests._runs import train_and_audit
@@ -118,19 +119,10 @@ def test_three_steps_with_an_agent_of_ones_own(tmp_path, tokenizer, ray_session,
             tool_results += called
     assert tool_results >= len(rows) // 2  # the taught policy opens with a tool call
 
-    # At staleness 0 the trainer's log-probabilities are the engine's, version by version.
-    worst, checked = 0.0, 0
-    with torch.no_grad():
-        for version in range(3):
-            policy = load_policy(version_zero if version == 0 else policy_dir(config.checkpoint_root, version))
-            for row in (r for r in rows if r["min_policy_version"] == r["max_policy_version"] == version):
-                ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
-                logits = policy(ids).logits[0, len(row["prompt_ids"]) - 1:-1].float()
-                recomputed = torch.log_softmax(logits, -1).gather(1, torch.tensor(row["completion_ids"])[:, None])[:, 0]
-                action = torch.tensor(row["action_mask"], dtype=torch.bool)
-                worst = max(worst, float((recomputed[action] - torch.tensor(row["logprobs"])[action]).abs().max()))
-                checked += 1
-    assert checked >= 4 and worst < 1e-5, (checked, worst)
+    # At staleness 0 the trainer's log-probabilities are the engine's, each action segment recomputed by
+    # the version that sampled it.
+    gap = action_logprob_gap(rows, lambda v: load_policy(version_zero if v == 0 else policy_dir(config.checkpoint_root, v)))
+    assert gap["rows"] >= 4 and gap["max_abs_gap"] < 1e-5, gap
 
     # And by the trainer's own function (trajectory replay), every row: the agent's decisions are said
     # not to be re-run, every action segment agrees within 1e-5.

@@ -125,8 +125,14 @@ def default_vllm_python() -> Path:
     return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
+_ACCEPTED: set[str] = set()
+"""The Pythons :func:`vllm_python` accepted in this process: a run checks its environment at its start
+and again where its pipeline is configured, and a probe starts a Python that imports vLLM (seconds).
+A refusal is not remembered: an environment created after a refused run is seen at the next."""
+
+
 def _probe(python: str) -> dict[str, Any]:
-    """What ``python`` has (not cached: an environment created after a refused run is seen at the next)."""
+    """What ``python`` has (a process started for it)."""
     import subprocess
 
     try:
@@ -162,6 +168,8 @@ def vllm_python(python: str | None = None) -> str | None:
                 f"{candidate.parents[2]} (docs/VLLM.md), or set rollout.python to the Python of an environment "
                 "that has vLLM and this project")
         python = str(candidate)
+    if python in _ACCEPTED:
+        return python
     found = _probe(python)
     problems = []
     if not found["vllm"]:
@@ -176,6 +184,7 @@ def vllm_python(python: str | None = None) -> str | None:
     if problems:
         raise VLLMEnvironmentError(f"the vLLM replicas' Python {python} cannot be used: {'; '.join(problems)}. "
                                    f"Create the vLLM environment with `{VLLM_ENV_COMMAND}` (docs/VLLM.md)")
+    _ACCEPTED.add(python)
     return python
 
 

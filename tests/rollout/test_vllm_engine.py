@@ -45,7 +45,11 @@ def test_the_replicas_python_is_checked_against_this_process(tmp_path, monkeypat
 
     here = {"python": list(sys.version_info[:2]), "vllm": True, "ray": ray.__version__, "sao": True}
     good = _fake_python(tmp_path / "good", here)
-    assert vllm_python(good) == good
+    probes = []
+    probe = vllm_engine._probe
+    monkeypatch.setattr(vllm_engine, "_probe", lambda python: probes.append(python) or probe(python))
+    assert vllm_python(good) == good and vllm_python(good) == good
+    assert probes == [good]  # accepted once, then remembered
     bad = _fake_python(tmp_path / "bad", {**here, "vllm": False, "ray": "2.0.0", "sao": False, "python": [3, 9]})
     with pytest.raises(VLLMEnvironmentError) as error:
         vllm_python(bad)
@@ -55,6 +59,9 @@ def test_the_replicas_python_is_checked_against_this_process(tmp_path, monkeypat
         f"{sys.version_info[0]}.{sys.version_info[1]}. Create the vLLM environment with `make vllm-env` (docs/VLLM.md)")
     with pytest.raises(VLLMEnvironmentError, match="cannot be run"):
         vllm_python(str(tmp_path / "missing"))
+    with pytest.raises(VLLMEnvironmentError, match="cannot be run"):
+        vllm_python(str(tmp_path / "missing"))
+    assert probes.count(str(tmp_path / "missing")) == 2  # a refusal is not remembered
     # None: this Python when it has vLLM, else the checkout's environment, else the command that makes one.
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
     assert vllm_python() is None
