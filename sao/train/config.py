@@ -236,7 +236,9 @@ class TrainConfig:
             ``rollout_tasks`` (:func:`sao.lake.maintenance.compact_run`). Every Delta read, refresh and
             commit costs in proportion to a table's files, and a step adds a few to each. Uncompacted,
             the pause between one step's row and the next step's start grew from 0.1 to 0.6 s over 450
-            steps (the ledger alone; `sao bench online`), and the step period ... (`sao bench longrun`).
+            steps (the ledger alone; `sao bench online`); with the run's ``trajectories`` uncompacted and
+            unpruned as well, the step period grew from 1.6 to 6.0 s over 200 steps (`sao bench longrun`,
+            docs/RESULTS.md).
     """
 
     run_id: str
