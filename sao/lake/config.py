@@ -111,9 +111,16 @@ class MaintenanceConfig:
             never committed, by age). Versions recorded in ``train_steps`` are kept whatever it says.
         min_retention_hours: retention below this is refused unless forced: a shorter one can delete
             a file another writer has written but not yet committed.
-        target_file_mb: size compaction aims for.
+        target_file_mb: size compaction aims for (``sao lake compact``).
+        run_target_file_mb: size the compaction under a live run aims for
+            (:func:`sao.lake.maintenance.compact_run`, every ``TrainConfig.compact_every`` steps). A file
+            larger than the target is left as it is, so each such compaction rewrites at most about
+            this much besides what arrived since the last one; with ``target_file_mb`` it would rewrite
+            the run's whole partition every time until that reached 128 MB, a cost that grows with the
+            run.
     """
 
     retention_hours: int = 168
     min_retention_hours: int = 1
-    target_file_mb: int = 128
+    target_file_mb: float = 128
+    run_target_file_mb: float = 16

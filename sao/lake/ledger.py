@@ -71,13 +71,16 @@ def newest_policy_versions(lake: Lake) -> dict[str, int]:
 
 
 def register_policy_version(
-    lake: Lake, record: PolicyVersionRecord, config: CommitConfig | None = None, *, first_version: int = 0
+    lake: Lake, record: PolicyVersionRecord, config: CommitConfig | None = None, *, first_version: int = 0,
+    table: DeltaTable | None = None,
 ) -> CommitResult:
     """Append ``record`` to ``policy_versions``.
 
     Versions of a run are registered in order: the first is ``first_version`` (0, or where a what-if
     replay of another run's steps starts; parent None), each next one is the newest + 1. Registering
-    an identical row again is a no-op (``result.version`` is None).
+    an identical row again is a no-op (``result.version`` is None). ``table``: ``policy_versions`` as
+    loaded by an earlier call, brought up to date from the commits after it instead of loaded again
+    (a writer that registers every step keeps one).
 
     Raises:
         LedgerError: out-of-order version, wrong parent, or a different row for an existing version.
@@ -88,9 +91,9 @@ def register_policy_version(
         existing = lake.read_from(
             delta, policy_versions.NAME, predicate=_run_predicate(record.run_id)
         )
-        rows = {row["version"]: row for row in existing.to_pylist()}
-        if record.version in rows:
-            stored = rows[record.version]
+        same_version = existing.filter(pc.equal(existing["version"], record.version))
+        if same_version.num_rows:
+            stored = same_version.slice(0, 1).to_pylist()[0]
             same = all(stored[k] == v for k, v in record.to_row().items() if k != "created_at")
             if same:
                 return None
@@ -98,7 +101,7 @@ def register_policy_version(
                 f"run {record.run_id!r} already has policy version {record.version} with "
                 f"checkpoint {stored['checkpoint_uri']!r}, hash {stored['weights_hash']!r}"
             )
-        newest = max(rows) if rows else None
+        newest = pc.max(existing["version"]).as_py()
         expected = first_version if newest is None else newest + 1
         if record.version != expected:
             raise LedgerError(
@@ -113,7 +116,7 @@ def register_policy_version(
         row = record.to_row() | {"schema_version": policy_versions.SCHEMA_VERSION}
         return pa.Table.from_pylist([row], schema=policy_versions.SCHEMA)
 
-    return append_exactly(lake, policy_versions.NAME, plan, config or CommitConfig())
+    return append_exactly(lake, policy_versions.NAME, plan, config or CommitConfig(), table=table)
 
 
 def consumed_ids(lake: Lake, run_id: str, *, table: DeltaTable | None = None) -> pa.Array:
@@ -132,7 +135,7 @@ def _flatten_ids(lists: pa.ChunkedArray) -> pa.Array:
 
 def record_train_step(
     lake: Lake, record: TrainStepRecord, config: CommitConfig | None = None, *,
-    ingest_seqs: Sequence[int] | None = None, snapshot: DeltaTable | None = None,
+    ingest_seqs: Sequence[int] | None = None, snapshot: DeltaTable | None = None, table: DeltaTable | None = None,
 ) -> CommitResult:
     """Append ``record`` to ``train_steps``, marking its trajectories consumed.
 
@@ -141,7 +144,8 @@ def record_train_step(
     values fall in are read; without, the run's ``trajectory_id`` column (a cost that grows with the
     run). Either way an id not stored in the data run at that snapshot is refused. ``snapshot``: the
     ``trajectories`` table already loaded at ``record.trajectories_version`` (the trainer's reader has
-    it), which saves loading its log twice.
+    it), which saves loading its log twice. ``table``: ``train_steps`` as loaded by an earlier call,
+    brought up to date from the commits after it instead of loaded again (the trainer keeps one).
 
     Raises:
         ConsumptionError: an id is listed twice, was consumed by an earlier step of the run, or is not
@@ -174,9 +178,10 @@ def record_train_step(
             ],
             predicate=_run_predicate(record.run_id),
         )
-        by_step = {row["step"]: row for row in existing.to_pylist()}
-        if record.step in by_step:
-            stored = by_step[record.step]
+        # Arrow, not Python rows: the run's rows grow with it, and only one of them is ever looked at.
+        same_step = existing.filter(pc.equal(existing["step"], record.step))
+        if same_step.num_rows:
+            stored = same_step.slice(0, 1).to_pylist()[0]
             if (
                 stored["trajectory_ids"] == ids
                 and stored["trajectories_version"] == record.trajectories_version
@@ -185,7 +190,7 @@ def record_train_step(
             ):
                 return None
             raise LedgerError(f"run {record.run_id!r} already has a different step {record.step}")
-        last = max(by_step) if by_step else None
+        last = pc.max(existing["step"]).as_py()
         if last is not None and record.step <= last:
             raise LedgerError(
                 f"run {record.run_id!r}: step {record.step} is not after the last recorded step {last}"
@@ -204,7 +209,7 @@ def record_train_step(
         }
         return pa.Table.from_pylist([row], schema=train_steps.SCHEMA)
 
-    return append_exactly(lake, train_steps.NAME, plan, config or CommitConfig())
+    return append_exactly(lake, train_steps.NAME, plan, config or CommitConfig(), table=table)
 
 
 def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord, ingest_seqs: Sequence[int] | None,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deltalake.exceptions import CommitFailedError
 
@@ -89,7 +89,7 @@ def compact(
         table = lake.table(name)
         before = table.version()
         metrics = table.optimize.compact(partition_filters=partitions,
-                                         target_size=config.target_file_mb * 1024 * 1024)
+                                         target_size=int(config.target_file_mb * 1024 * 1024))
         reports.append(
             CompactReport(
                 table=name,
@@ -120,20 +120,24 @@ def compact_ledger(lake: Lake) -> list[CompactReport]:
     return _compact_each(lake, LEDGER_TABLES, None)
 
 
-def compact_run(lake: Lake, run_id: str) -> list[CompactReport]:
-    """Compact the ledger and ``run_id``'s partition of :data:`RUN_TABLES`; the trainer calls this every
-    ``TrainConfig.compact_every`` steps. Rollouts appending meanwhile are not disturbed (an append and a
-    compaction of other files do not conflict; a writer whose planned commit version was taken plans
-    again), and the reader tells the rewritten rows from new ones by ``ingest_seq``. A compaction that
-    lost a race is left for the next call and not reported."""
-    return _compact_each(lake, LEDGER_TABLES, None) + _compact_each(lake, RUN_TABLES, run_id)
+def compact_run(lake: Lake, run_id: str, config: MaintenanceConfig | None = None) -> list[CompactReport]:
+    """Compact the ledger and ``run_id``'s partition of :data:`RUN_TABLES` towards
+    ``config.run_target_file_mb`` files; the trainer calls this every ``TrainConfig.compact_every``
+    steps. Rollouts appending meanwhile are not disturbed (an append and a compaction of other files do
+    not conflict; a writer whose planned commit version was taken plans again), and the reader tells the
+    rewritten rows from new ones by ``ingest_seq``. A compaction that lost a race is left for the next
+    call and not reported."""
+    config = config or MaintenanceConfig()
+    live = replace(config, target_file_mb=config.run_target_file_mb)
+    return _compact_each(lake, LEDGER_TABLES, None, live) + _compact_each(lake, RUN_TABLES, run_id, live)
 
 
-def _compact_each(lake: Lake, tables: Sequence[str], run_id: str | None) -> list[CompactReport]:
+def _compact_each(lake: Lake, tables: Sequence[str], run_id: str | None,
+                  config: MaintenanceConfig | None = None) -> list[CompactReport]:
     reports = []
     for name in tables:
         try:
-            reports += compact(lake, [name], run_id=run_id)
+            reports += compact(lake, [name], config, run_id=run_id)
         except CommitFailedError as error:
             log.info("compacting %s lost a race with another writer (%s); next time", name, error)
     return reports

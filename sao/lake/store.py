@@ -187,16 +187,16 @@ class Lake:
             if not create:
                 raise LakeNotFoundError(f"no Delta table {spec.name!r} at {uri}")
             self._create(spec, uri)
-        self._check_schema(spec, self.table(spec.name))
-        self._check_stats_columns(spec)
+        table = self.table(spec.name)
+        self._check_schema(spec, table)
+        self._check_stats_columns(spec, table)
 
-    def _check_stats_columns(self, spec: TableSpec) -> None:
+    def _check_stats_columns(self, spec: TableSpec, table: DeltaTable) -> None:
         """A table created before its spec named statistics columns gets them (a metadata commit; files
         written before keep the statistics they have until compaction rewrites them)."""
         wanted = table_configuration(spec).get(STATS_COLUMNS_KEY)
         if wanted is None:
             return
-        table = self.table(spec.name)
         if table.metadata().configuration.get(STATS_COLUMNS_KEY) == wanted:
             return
         try:

@@ -234,11 +234,8 @@ class TrainConfig:
         compact_every: compact the run every this many steps (0: never): the ledger tables
             (``train_steps``, ``policy_versions``) and the run's partition of ``trajectories`` and
             ``rollout_tasks`` (:func:`sao.lake.maintenance.compact_run`). Every Delta read, refresh and
-            commit costs in proportion to a table's files, and a step adds a few to each. Uncompacted,
-            the pause between one step's row and the next step's start grew from 0.1 to 0.6 s over 450
-            steps (the ledger alone; `sao bench online`); with the run's ``trajectories`` uncompacted and
-            unpruned as well, the step period grew from 1.6 to 6.0 s over 200 steps (`sao bench longrun`,
-            docs/RESULTS.md).
+            commit costs in proportion to a table's files, and a step adds a few to each; what that
+            cost over a long run, with and without, is in docs/RESULTS.md (`sao bench longrun`).
     """
 
     run_id: str

@@ -44,6 +44,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 import torch.distributed as dist
+from deltalake import DeltaTable
 
 from sao.faults import crash_point
 from sao.lake.ledger import record_train_step, register_policy_version
@@ -67,7 +68,7 @@ from sao.train.device import CPU, configure_torch, resolve_device
 from sao.train.retention import apply_retention
 from sao.train.run_config import write_run_config
 from sao.train.step import Learner
-from schemas import train_steps
+from schemas import policy_versions, train_steps
 
 __all__ = ["StepReport", "compute_update", "last_committed_step", "prepare_run", "run_training",
            "train_worker"]
@@ -219,6 +220,15 @@ class _Worker:
     step: int  # the next step to run
     version: int  # the policy's version before it
     held: pa.Table | None = None  # rank 0: the rows the reader handed out for the step in progress
+    ledger: dict[str, DeltaTable] = dataclasses.field(default_factory=dict)
+    """Rank 0: ``train_steps`` and ``policy_versions`` as last committed to, each step bringing them up to
+    date from the commits since (loading one afresh replays its log from the last checkpoint: up to 99
+    commits, a cost that rose and fell with the step number in ``sao bench longrun``)."""
+
+    def ledger_table(self, name: str) -> DeltaTable:
+        if name not in self.ledger:
+            self.ledger[name] = self.lake.table(name)
+        return self.ledger[name]
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -355,13 +365,13 @@ def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], s
         trajectories_version=selection.snapshot, trajectory_ids=tuple(selection.ids), started_at=started_at,
         finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
         timings={**timings, "commit_s": time.perf_counter() - t2},
-    ), ingest_seqs=selection.seqs, snapshot=worker.reader.table)
+    ), ingest_seqs=selection.seqs, snapshot=worker.reader.table, table=worker.ledger_table(train_steps.NAME))
     worker.reader.consumed(selection.ids)
     crash_point("after-commit", step)  # between the step's row and its version's row
     register_policy_version(worker.lake, PolicyVersionRecord(
         run_id=cfg.run_id, version=version, parent_version=version - 1,
         checkpoint_uri=str(checkpoint_dir(cfg.checkpoint_root, version).resolve()),
-        weights_hash=digest, step=step))
+        weights_hash=digest, step=step), table=worker.ledger_table(policy_versions.NAME))
     if cfg.retention is not None:
         apply_retention(worker.lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
     if cfg.compact_every and (step + 1) % cfg.compact_every == 0:

@@ -14,6 +14,7 @@ from sao.lake.ledger import (
     record_train_step,
     register_policy_version,
 )
+from sao.lake.maintenance import compact_ledger
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.synthetic import make_trajectories
 from sao.lake.writer import TrajectoryWriter
@@ -107,3 +108,24 @@ def test_a_step_given_its_ids_ingest_seqs_and_snapshot_reads_only_those_rows_and
         record_train_step(local_lake, _step(0, ids, version - 1), snapshot=snapshot)
     result = record_train_step(local_lake, _step(0, ids, version), ingest_seqs=[1, 2, 3], snapshot=snapshot)
     assert result.rows == 1
+
+
+def test_a_held_ledger_table_sees_what_was_committed_through_other_handles_and_compaction(lake):
+    """The trainer keeps ``train_steps`` and ``policy_versions`` loaded from step to step: each commit
+    through them first takes in the commits made since (another handle's step, a compaction)."""
+    ids = _stored_ids(lake)
+    version = lake.version("trajectories")
+    steps, versions = lake.table("train_steps"), lake.table("policy_versions")
+    record_train_step(lake, _step(0, ids[:2], version))  # through a handle of its own
+    register_policy_version(lake, _version(2, 1))
+    compact_ledger(lake)
+    with pytest.raises(ConsumptionError, match="consumed by an earlier step"):
+        record_train_step(lake, _step(1, ids[1:3], version), table=steps)
+    with pytest.raises(LedgerError, match="already has a different step 0"):
+        record_train_step(lake, _step(0, ids[2:4], version), table=steps)
+    assert record_train_step(lake, _step(1, ids[2:4], version), table=steps).rows == 1
+    with pytest.raises(LedgerError, match="next version is 3"):
+        register_policy_version(lake, _version(4, 3), table=versions)
+    assert register_policy_version(lake, _version(3, 2), table=versions).rows == 1
+    assert newest_policy_version(lake, RUN) == 3
+    assert sorted(consumed_ids(lake, RUN).to_pylist()) == sorted(ids[:4])

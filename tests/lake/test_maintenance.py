@@ -133,3 +133,31 @@ def test_a_run_compacted_while_a_writer_appends_keeps_every_row_once_and_leaves_
     compact_run(local_lake, RUN)
     assert len(local_lake.table("trajectories").file_uris(file_pruning_predicate=[("run_id", "=", RUN)])) == 1
     assert sorted(local_lake.table("trajectories").file_uris(file_pruning_predicate=[("run_id", "=", "run-1")])) == other_files
+
+
+def test_compacting_a_live_run_leaves_files_above_its_target_as_they_are(local_lake):
+    """Each compaction under a run rewrites what arrived since the last, not the run's whole partition."""
+    import pyarrow as pa
+
+    from sao.lake.config import MaintenanceConfig
+    from sao.lake.maintenance import compact_run
+
+    def sizes() -> dict[str, int]:
+        actions = pa.table(local_lake.table("trajectories").get_add_actions(flatten=True))
+        return dict(zip(actions["path"].to_pylist(), actions["size_bytes"].to_pylist(), strict=True))
+
+    records = make_trajectories(243, seed=50, num_tokens=128)
+    for start in range(0, 240, 60):
+        _append(local_lake, records[start:start + 60])
+    compact_run(local_lake, RUN)
+    (first, first_size), = sizes().items()
+    for record in records[240:]:  # three one-row files
+        _append(local_lake, [record])
+    new = {path: size for path, size in sizes().items() if path != first}
+    assert 3 * max(new.values()) < first_size  # what makes a target between them possible
+    target = (first_size + 3 * max(new.values())) / 2
+    reports = {r.table: r for r in compact_run(local_lake, RUN, MaintenanceConfig(run_target_file_mb=target / 2**20))}
+    assert reports["trajectories"].files_removed == 3 and reports["trajectories"].files_added == 1
+    assert first in sizes() and len(sizes()) == 2  # the large file was left as it was
+    stored = local_lake.read("trajectories", predicate=f"run_id = '{RUN}'")
+    assert sorted(stored["trajectory_id"].to_pylist()) == sorted(r.trajectory_id for r in records)
