@@ -89,6 +89,7 @@ def _produce(lake_config: LakeConfig, batch: int, rows: int, tokens: int, prompt
             commits.put(time.perf_counter() - t0)
             produced += rows
             chunk += 1
+    commits.put(None)  # the end: the run drains the queue up to here before it joins this process
 
 
 def run_once(root: Path, args: argparse.Namespace, index: int) -> dict[str, Any]:
@@ -121,8 +122,13 @@ def run_once(root: Path, args: argparse.Namespace, index: int) -> dict[str, Any]
                   f"(mean of the last 10)", flush=True)
 
     producer.start()
+    commit_s: list[float] = []
     try:
         run_training(cfg, on_step=on_step)
+        halt.set()
+        # Drained before the join: a process exits only once what it put on a queue was read.
+        while (seconds := commits.get(timeout=120)) is not None:
+            commit_s.append(seconds)
     finally:
         halt.set()
         producer.join(timeout=60)
@@ -130,9 +136,6 @@ def run_once(root: Path, args: argparse.Namespace, index: int) -> dict[str, Any]
             producer.kill()
     if producer.exitcode not in (0, None):
         raise RuntimeError(f"the producer process failed (exit {producer.exitcode}); see its output above")
-    commit_s = []
-    while not commits.empty():
-        commit_s.append(commits.get())
     rows = sorted(lake.read(train_steps.NAME, columns=["step", "timings"],
                             predicate=f"run_id = '{RUN}'").to_pylist(), key=lambda r: r["step"])
     periods = [ends[0] - started] + [b - a for a, b in zip(ends, ends[1:], strict=False)]
@@ -180,7 +183,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"over that of steps 5-15%: **{ratio['median']:.3f}** (median of {len(result['runs'])} runs; "
         f"min {ratio['min']:.3f}, max {ratio['max']:.3f}). Target at most 1.10: {verdict}.",
         "",
-        "| run | window | steps | period (s) | " + " | ".join(PARTS) + " | rest (s) | files |",
+        "| run | window | steps | period (s) | " + " | ".join(PARTS) + " | rest (s) | files at the end |",
         "|---|---|---|---|" + "---|" * len(PARTS) + "---|---|",
     ]
     for index, run in enumerate(result["runs"]):

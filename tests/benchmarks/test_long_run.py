@@ -33,5 +33,6 @@ def test_a_short_run_trains_every_step_and_writes_its_figures(tmp_path):
     assert data["steps"] == 20 and data["batch_size"] == 8 and data["commits_per_step"] == 4
     assert run["trajectories_files"] >= 1 and run["train_steps_versions"] >= 21  # every step committed
     assert all(run[w]["period_s"] > 0 and set(PARTS) <= set(run[w]) for w in ("early", "late"))
+    assert all(run[w]["writer_commit_s"] > 0 for w in ("early", "late"))  # every commit's time came back
     assert data["ratio"]["median"] == run["ratio"] and data["machine"]["commit"]
     assert "sao bench longrun" in results.read_text()
