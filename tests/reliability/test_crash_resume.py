@@ -25,9 +25,9 @@ with two (the second exits at once); each time the same command resumes it.
 
 On 2 cores (2026-12-02) the every-stage chain took 19 minutes, the S3 chain 7, the two-worker chain 6
 and the Ctrl-C test 7: each start of ``sao train`` starts Ray, Serve, Ray Train and a Prefect flow
-again (about 100 s). The every-stage chain is in the ``slow`` tier (``make test-slow``, run by
-``.ci/run``); the other three are marked ``crash`` (``make test-crash``), because CI's 90 minutes cannot
-hold them beside the two tiers (docs/TESTING.md).
+again (about 100 s). The ``slow`` tier (``make test-slow``, run by ``.ci/run``) runs the local chain
+with one kill per stage; the every-stage chain and the other three are marked ``crash``
+(``make test-crash``), because CI's 90 minutes cannot hold them beside the two tiers (docs/TESTING.md).
 """
 
 from __future__ import annotations
@@ -279,20 +279,33 @@ def copy_warm_start(policy_dir: Path, workdir: Path, run_id: str) -> None:
     shutil.copytree(policy_dir, workdir / run_id / "sft")
 
 
-def test_killed_in_every_stage_a_run_resumes_to_its_steps_with_every_row_accounted_for(tmp_path, prefect_api):
-    """A local lake, one trainer worker, value pretraining: kills in the SFT warm start (twice),
-    while collecting version-0 rollouts, while fitting the critic, before the first step, at the three
-    crash points, mid-run, and during the final evaluation."""
+EVERY_STAGE = [
+    Moment("sft-early", SFT, (3.0, 10.0)),
+    Moment("sft-late", SFT, (12.0, 24.0)),
+    Moment("value-collect", COLLECT, (0.0, 0.5)),
+    Moment("value-fit", FIT_CRITIC, (4.0, 20.0)),
+    *TRAINING_MOMENTS,
+]
+"""The local chain's kills: twice in the SFT warm start, while collecting version-0 rollouts, while
+fitting the critic, then every moment of training."""
+
+CI_STAGES = ("sft-late", "value-fit", "mid-step", "after-commit", "mid-run")
+"""The kills of the chain CI runs (one per stage, and the two crash points between a step's update and
+its commits): half the starts of the every-stage chain."""
+
+
+@pytest.mark.parametrize("moments", [
+    pytest.param([m for m in EVERY_STAGE if m.name in CI_STAGES], id="one-per-stage"),
+    pytest.param(EVERY_STAGE, id="every-moment", marks=pytest.mark.crash),
+])
+def test_killed_in_every_stage_a_run_resumes_to_its_steps_with_every_row_accounted_for(tmp_path, prefect_api,
+                                                                                        moments):
+    """A local lake, one trainer worker, value pretraining: kills in the SFT warm start, while
+    collecting version-0 rollouts or fitting the critic, and in training (:data:`EVERY_STAGE`, or one
+    kill per stage: :data:`CI_STAGES`)."""
     run_id, steps = "crash-local", 6
     run = UserRun(tmp_path, train_args(run_id, tmp_path / "runs", "lake", steps, "--value-samples", "8",
                                        "--num-replicas", "1"), os.environ | prefect_api)
-    moments = [
-        Moment("sft-early", SFT, (3.0, 10.0)),
-        Moment("sft-late", SFT, (12.0, 24.0)),
-        Moment("value-collect", COLLECT, (0.0, 0.5)),
-        Moment("value-fit", FIT_CRITIC, (4.0, 20.0)),
-        *TRAINING_MOMENTS,
-    ]
     killed = crash_chain(run, moments, seed=19)
     assert len(killed) >= len(moments) - 1, killed  # a late moment may pass before its kill lands
     stats = assert_run_accounted_for(run, run_id, steps, Lake.open(LakeConfig(root=str(tmp_path / "lake"))),
