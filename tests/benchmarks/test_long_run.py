@@ -20,7 +20,7 @@ def test_summary_of_hand_worked_periods():
            "trajectories_versions": 21, "train_steps_versions": 21}
     summary = summarise(run, 20)
     assert summary["early"]["period_s"] == 1.0 and summary["late"]["period_s"] == 3.0
-    assert summary["ratio"] == 3.0
+    assert summary["ratio"] == 3.0 and summary["update_ratio"] == 1.0
     assert summary["late"]["rest_s"] == pytest.approx(3.0 - 0.75)
     assert summary["early"]["read_s"] == 0.0  # a part a step did not time counts as 0
 
@@ -35,4 +35,5 @@ def test_a_short_run_trains_every_step_and_writes_its_figures(tmp_path):
     assert all(run[w]["period_s"] > 0 and set(PARTS) <= set(run[w]) for w in ("early", "late"))
     assert all(run[w]["writer_commit_s"] > 0 for w in ("early", "late"))  # every commit's time came back
     assert data["ratio"]["median"] == run["ratio"] and data["machine"]["commit"]
+    assert data["update_ratio"]["median"] == run["update_ratio"] > 0
     assert "sao bench longrun" in results.read_text()
