@@ -252,12 +252,15 @@ def _restore_critic(path: Path) -> None:
         (path / "critic.old").rename(path / "critic")
 
 
-def complete_versions(root: str | Path) -> list[int]:
-    """Versions with a complete checkpoint under ``root``, ascending."""
+def complete_versions(root: str | Path, *, after: int = -1) -> list[int]:
+    """Versions above ``after`` with a complete checkpoint under ``root``, ascending (only those are
+    looked into: a caller that keeps track of what it checked before keeps this from growing with the
+    run)."""
     root = Path(root)
     if not root.exists():
         return []
-    return sorted(int(p.name[1:]) for p in root.iterdir() if _is_version_dir(p.name) and (p / _COMPLETE).exists())
+    found = (int(p.name[1:]) for p in root.iterdir() if _is_version_dir(p.name))
+    return sorted(v for v in found if v > after and is_complete(root, v))
 
 
 def latest_complete(root: str | Path) -> int | None:

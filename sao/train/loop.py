@@ -225,6 +225,10 @@ class _Worker:
     date from the commits since (loading one afresh replays its log from the last checkpoint: up to 99
     commits, a cost that rose and fell with the step number in ``sao bench longrun``)."""
 
+    retention_after: int = -1
+    """Rank 0: checkpoint versions up to this one are settled by retention (the last plan's
+    ``settled``; -1 at the start, so a resumed run looks at every version once)."""
+
     def ledger_table(self, name: str) -> DeltaTable:
         if name not in self.ledger:
             self.ledger[name] = self.lake.table(name)
@@ -373,7 +377,8 @@ def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], s
         checkpoint_uri=str(checkpoint_dir(cfg.checkpoint_root, version).resolve()),
         weights_hash=digest, step=step), table=worker.ledger_table(policy_versions.NAME))
     if cfg.retention is not None:
-        apply_retention(worker.lake, cfg.run_id, cfg.checkpoint_root, cfg.retention)
+        worker.retention_after = apply_retention(worker.lake, cfg.run_id, cfg.checkpoint_root, cfg.retention,
+                                                 after=worker.retention_after).settled
     if cfg.compact_every and (step + 1) % cfg.compact_every == 0:
         compact_run(worker.lake, cfg.run_id)
     crash_point("before-publish", step)

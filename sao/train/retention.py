@@ -77,28 +77,43 @@ class RetentionPlan:
         prune_state: versions losing their critic and trainer state (weights kept).
         prune_policy: versions losing their weights too.
         referenced: versions named by a stored trajectory (only looked up when weights may go).
+        settled: every version up to this one is decided for good once the plan is applied (out of the
+            newest ``keep_last`` and, when weights may go, of the ``policy_grace`` window): the next
+            plan may start after it.
     """
 
     keep_full: tuple[int, ...]
     prune_state: tuple[int, ...]
     prune_policy: tuple[int, ...]
     referenced: tuple[int, ...] = ()
+    settled: int = -1
 
 
-def referenced_versions(lake: Lake, run_id: str) -> set[int]:
-    """Policy versions named by the segments of the run's stored trajectories (latest snapshot)."""
-    table = lake.read(trajectories.NAME, columns=["segments"], predicate=f"run_id = {sql_literal(run_id)}")
+def referenced_versions(lake: Lake, run_id: str, *, after: int = -1) -> set[int]:
+    """Policy versions named by the segments of the run's stored trajectories (latest snapshot); with
+    ``after``, only the trajectories sampled in part by a later version are read (the files'
+    ``max_policy_version`` statistics skip the rest), so versions up to ``after`` may be missing."""
+    predicate = f"run_id = {sql_literal(run_id)}" + (f" AND max_policy_version > {int(after)}" if after >= 0 else "")
+    table = lake.read(trajectories.NAME, columns=["segments"], predicate=predicate)
     segments = pc.list_flatten(table["segments"])
     versions = pc.unique(pc.struct_field(segments, "policy_version").drop_null())
     return {int(v) for v in versions.to_pylist()}
 
 
-def plan_retention(lake: Lake, run_id: str, checkpoint_root: str | Path, config: RetentionConfig) -> RetentionPlan:
-    """Decide, without deleting anything, what :func:`apply_retention` would delete."""
-    versions = complete_versions(checkpoint_root)
+def plan_retention(lake: Lake, run_id: str, checkpoint_root: str | Path, config: RetentionConfig, *,
+                   after: int = -1) -> RetentionPlan:
+    """Decide, without deleting anything, what :func:`apply_retention` would delete. With ``after``
+    (an earlier applied plan's ``settled``), only the versions above it are looked at: the trainer,
+    which applies retention after every step, checks each version a bounded number of times instead of
+    every version at every step."""
+    versions = complete_versions(checkpoint_root, after=after)
     if not versions:
-        return RetentionPlan((), (), ())
+        return RetentionPlan((), (), (), settled=after)
     newest = versions[-1]
+    settled = newest - config.keep_last
+    if not config.keep_policy_weights:
+        settled = min(settled, newest - config.policy_grace - 1)
+    settled = max(after, settled)
     full = {0, *range(newest - config.keep_last + 1, newest + 1)}
     if config.keep_every:
         full |= {v for v in versions if v % config.keep_every == 0}
@@ -106,19 +121,19 @@ def plan_retention(lake: Lake, run_id: str, checkpoint_root: str | Path, config:
     prune_state = tuple(v for v in versions if v not in full
                         and set(_STATE_PARTS) - set(pruned_parts(checkpoint_root, v)))
     if config.keep_policy_weights:
-        return RetentionPlan(keep_full, prune_state, ())
-    referenced = referenced_versions(lake, run_id)
+        return RetentionPlan(keep_full, prune_state, (), settled=settled)
+    referenced = referenced_versions(lake, run_id, after=after)
     prune_policy = tuple(
         v for v in versions
         if v not in full and v not in referenced and v < newest - config.policy_grace
         and "policy" not in pruned_parts(checkpoint_root, v))
-    return RetentionPlan(keep_full, prune_state, prune_policy, tuple(sorted(referenced)))
+    return RetentionPlan(keep_full, prune_state, prune_policy, tuple(sorted(referenced)), settled)
 
 
 def apply_retention(lake: Lake, run_id: str, checkpoint_root: str | Path, config: RetentionConfig, *,
-                    dry_run: bool = False) -> RetentionPlan:
+                    dry_run: bool = False, after: int = -1) -> RetentionPlan:
     """Delete what :func:`plan_retention` selects (nothing with ``dry_run``); returns the plan."""
-    plan = plan_retention(lake, run_id, checkpoint_root, config)
+    plan = plan_retention(lake, run_id, checkpoint_root, config, after=after)
     if not dry_run:
         for version in plan.prune_state:
             prune_checkpoint(checkpoint_root, version, _STATE_PARTS)

@@ -93,3 +93,33 @@ def test_retention_settings_are_validated():
         RetentionConfig(keep_last=0)
     with pytest.raises(ValueError, match="keep_every"):
         RetentionConfig(keep_every=-1)
+
+
+def test_retention_after_every_step_looks_at_each_version_a_bounded_number_of_times(tmp_path, monkeypatch):
+    """The trainer passes each plan's ``settled`` to the next: the outcome is a full sweep's, and a
+    version is looked into while it is among the newest only, not at every later step."""
+    import collections
+
+    import sao.train.retention as retention
+    from sao.train.checkpoint import checkpoint_dir
+
+    looked = collections.Counter()
+    real = retention.pruned_parts
+
+    def counting(root, version):
+        looked[version] += 1
+        return real(root, version)
+
+    monkeypatch.setattr(retention, "pruned_parts", counting)
+    root, config, after = tmp_path / "ckpt", RetentionConfig(keep_last=3, keep_every=5), -1
+    for version in range(40):
+        path = checkpoint_dir(root, version)
+        (path / "critic").mkdir(parents=True)
+        (path / "COMPLETE").write_text("")
+        after = apply_retention(None, "run-0", root, config, after=after).settled
+        assert after == max(-1, version - 3)
+    full = {0, 37, 38, 39} | set(range(0, 40, 5))
+    assert [v for v in range(40) if pruned_parts(root, v) == ()] == sorted(full)
+    assert all(pruned_parts(root, v) == ("critic", "trainer_state") for v in range(40) if v not in full)
+    assert retention.plan_retention(None, "run-0", root, config).prune_state == ()  # a full sweep: nothing left
+    assert max(looked.values()) <= config.keep_last + 1
