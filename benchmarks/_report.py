@@ -10,11 +10,17 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "machine", "update_section", "write_json"]
+__all__ = ["git_commit", "machine", "median_spread", "update_section", "write_json"]
+
+
+def median_spread(values: list[float]) -> dict[str, float]:
+    """The median, min and max of a figure over repeated runs (how every ratio is reported)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def git_commit() -> str:

@@ -39,14 +39,13 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import random
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, update_section, write_json
+from benchmarks._report import machine, machine_line, median_spread, update_section, write_json
 from benchmarks.rollout import _engine_cpus
 
 TARGET_RATIO = 0.9
@@ -271,7 +270,7 @@ def _ratios(arm: list[float], reference: list[float]) -> list[float]:
 
 
 def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+    return median_spread(values) | {"runs": values}
 
 
 def main(argv: list[str]) -> int:

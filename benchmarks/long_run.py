@@ -5,7 +5,8 @@ Run with ``sao bench longrun`` (``--quick`` for a smoke run). The real training 
 run config's update and checkpoint-retention defaults) trains ``--steps`` steps on a local lake while a
 producer process stores trajectories through :class:`sao.lake.TrajectoryWriter`,
 ``--commits-per-step`` commits per step as the pipeline's writer makes them (it flushes every 2 s: the
-demo's ``trajectories`` had 385 files after 150 steps). The producer keeps two batches ahead of the trainer, so the trainer never waits for rollouts:
+demo's ``trajectories`` had 385 files after 150 steps). The producer keeps two batches ahead of the
+trainer, so the trainer never waits for rollouts:
 every part of its step period is its own work (finding and reading the batch, the update, the
 checkpoint, the ledger's commits, compaction). No Ray and no Serve: what grows with a run's length is the
 lake's part, and that is what this isolates.
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, update_section, write_json
+from benchmarks._report import machine, machine_line, median_spread, update_section, write_json
 from sao.config import demo_config
 from sao.lake import Lake, LakeConfig, TrajectoryWriter, WriterConfig
 from sao.lake.synthetic import make_trajectories
@@ -172,19 +173,13 @@ def summarise(run: dict[str, Any], steps: int) -> dict[str, Any]:
     return out
 
 
-def _update_line(update: dict[str, float | None]) -> list[str]:
+def _update_line(update: dict[str, float] | None) -> list[str]:
     """The update's own late/early ratio: it reads nothing from the lake, so it shows how far the
-    machine's speed drifted between the windows (a shared machine's does, by 10-30%)."""
-    if update.get("median") is None:
+    machine's speed drifted between the windows."""
+    if update is None:
         return []
     return [f"The update alone (no lake work in it; the machine's drift between the windows): late/early "
             f"{update['median']:.3f} (median; min {update['min']:.3f}, max {update['max']:.3f}).", ""]
-
-
-def _spread(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"median": None, "min": None, "max": None}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -201,7 +196,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"over that of steps 5-15%: **{ratio['median']:.3f}** (median of {len(result['runs'])} runs; "
         f"min {ratio['min']:.3f}, max {ratio['max']:.3f}). Target at most 1.10: {verdict}.",
         "",
-        *_update_line(result.get("update_ratio") or {}),
+        *_update_line(result.get("update_ratio")),
         "| run | window | steps | period (s) | " + " | ".join(PARTS) + " | rest (s) | files at the end |",
         "|---|---|---|---|" + "---|" * len(PARTS) + "---|---|",
     ]
@@ -227,13 +222,14 @@ def main(argv: list[str]) -> int:
         finally:
             shutil.rmtree(root, ignore_errors=True)
     ratios = [r["ratio"] for r in runs]
+    updates = [r["update_ratio"] for r in runs if r["update_ratio"] is not None]
     result = {
         "command": "sao bench longrun" + (" " + " ".join(argv) if argv else ""),
         "machine": info,
         **{k: v for k, v in vars(args).items() if k not in ("out", "results_md", "quick")},
         "runs": runs,
-        "ratio": _spread(ratios),
-        "update_ratio": _spread([r["update_ratio"] for r in runs if r["update_ratio"] is not None]),
+        "ratio": median_spread(ratios),
+        "update_ratio": median_spread(updates) if updates else None,
     }
     write_json(args.out, result)
     section = _markdown(result)

@@ -73,7 +73,7 @@ class RetentionPlan:
     """What retention keeps and deletes, by version.
 
     Attributes:
-        keep_full: versions whose every part is kept.
+        keep_full: versions whose every part is kept (of those the plan looked at: above its ``after``).
         prune_state: versions losing their critic and trainer state (weights kept).
         prune_policy: versions losing their weights too.
         referenced: versions named by a stored trajectory (only looked up when weights may go).
