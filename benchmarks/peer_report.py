@@ -182,8 +182,8 @@ def _reading(records: dict[str, dict[str, Any]], s: dict[str, dict[str, Any]]) -
             f"Asynchronous trainer step: {_split_words(sao)}.")
         if ratio < 3.0:
             part = max(SPLIT_PARTS, key=lambda p: sao["split_s"][p])
-            detail = (f" (actor step with the value forward {sao['update_s']['actor_s']:.2f} s, K=2 critic updates "
-                      f"{sao['update_s']['critic_s']:.2f} s)" if part == "training" else "")
+            detail = (f" (actor step {sao['update_s']['actor_s']:.2f} s, K=2 critic updates, the first of which "
+                      f"also gives GAE its values, {sao['update_s']['critic_s']:.2f} s)" if part == "training" else "")
             lines.append(f"  What bounds the asynchronous run: {part}, {sao['split_s'][part]:.2f} s of its "
                          f"{sao['step_s']:.2f} s step{detail}; the synchronous step's generation (up to the batch's "
                          f"slowest rollout) is {grpo['split_s']['generation']:.2f} s. Asynchrony removes the wait for "
@@ -196,8 +196,8 @@ def _single_turn_cost(s: dict[str, dict[str, Any]]) -> list[str]:
     trl, sao = s["trl-single"], s["sao-single"]
     out = [f"Where the time goes, measured: SAO's trainer updates for {sao['split_s']['training']:.2f} s of each "
            f"{sao['step_s']:.2f} s step and waits {sao['split_s']['generation']:.2f} s for rollouts, so it is "
-           f"bound by its update: the actor step (with the critic's value forward for GAE) "
-           f"{sao['update_s']['actor_s']:.2f} s and K=2 critic updates {sao['update_s']['critic_s']:.2f} s, against "
+           f"bound by its update: the actor step {sao['update_s']['actor_s']:.2f} s and K=2 critic updates (the "
+           f"first of which also gives GAE its values) {sao['update_s']['critic_s']:.2f} s, against "
            f"{trl['split_s']['training']:.2f} s for TRL's whole update"
            + (f" and {s['grpo-single']['update_s']['actor_s']:.2f} s for our GRPO actor step on the same shape."
               if "grpo-single" in s else ".")]

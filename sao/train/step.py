@@ -55,19 +55,41 @@ from sao.train.batch import TrainBatch, completion_positions, split_by_token_bud
 from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
 from sao.train.device import autocast
 
-__all__ = ["FILTERED_LOGPROB", "Learner", "policy_logprobs", "critic_values", "LENGTH_BUCKETS"]
+__all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_values", "critic_returns",
+           "policy_logprobs", "scoring_logits"]
 
 FILTERED_LOGPROB = -1.0e4
 # Upper bounds (action tokens) of the length buckets the kept fraction is reported by.
 LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
+# Causal LMs whose logits are their output layer applied to the decoder's last hidden state and nothing
+# else (no soft-capping or scaling): their logits are computed at the scoring positions only.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
+def scoring_logits(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """(B, T, V) float32 logits at the input positions that score each completion token.
+
+    For a :data:`PLAIN_HEAD_MODEL_TYPES` model the output layer runs at those positions only (the
+    prompt's positions score nothing; the output layer is a quarter of the tiny policy's work per
+    token); any other model runs its whole forward and the positions are gathered from its logits. The
+    two give the same values (tested)."""
+    positions = completion_positions(batch)
+    config = getattr(policy, "config", None)
+    if getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and hasattr(policy, "get_decoder"):
+        hidden = policy.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                      use_cache=False).last_hidden_state
+        scoring = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return policy.get_output_embeddings()(scoring).float()
+    logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits.float()
+    return logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+
+
 def policy_logprobs(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     """(B, T) log pi_theta of each completion token, under the distribution the rollout recorded."""
-    logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    scoring = scoring_logits(policy, batch)  # (B, T, V)
     positions = completion_positions(batch)
-    vocab = logits.shape[-1]
-    scoring = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, vocab))  # (B, T, V)
     targets = batch.input_ids.gather(1, (positions + 1).clamp(max=batch.input_ids.shape[1] - 1))
     sampled = sampling_logprobs(scoring, batch.temperature.unsqueeze(-1), batch.top_k.unsqueeze(-1),
                                 batch.top_p.unsqueeze(-1))
@@ -88,6 +110,16 @@ def critic_values(critic: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Ten
     last = (batch.prompt_lens + batch.completion_lens - 1).unsqueeze(-1)
     v_end = all_values.gather(1, last).squeeze(-1)
     return torch.where(batch.action_mask, values, torch.zeros_like(values)), v_end
+
+
+@torch.no_grad()
+def critic_returns(batch: TrainBatch, values: torch.Tensor, v_end: torch.Tensor, config: UpdateConfig) -> torch.Tensor:
+    """(B, T) the critic's targets: skip-observation GAE returns with ``lam_critic``, bootstrapped with
+    ``v_end`` where the row's end bootstraps. Each row's returns depend on its own values only."""
+    bootstrap = torch.where(batch.bootstrap, v_end, torch.zeros_like(v_end))
+    _, returns = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, config.gamma,
+                                      config.lam_critic)
+    return returns
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -212,11 +244,9 @@ class Learner:
         data-parallel workers those are computed over the whole batch (a group may span shards) and
         each worker passes its rows. All three on :attr:`device`, where ``batch`` is moved.
         """
-        cfg = self.config
         batch = batch.to(self.device)
-        metrics: dict[str, float] = {}
-        estimator = cfg.advantage_estimator
-        if estimator is AdvantageEstimator.CRITIC_GAE:
+        values = None
+        if self.config.advantage_estimator is AdvantageEstimator.CRITIC_GAE:
             values = torch.zeros(batch.action_mask.shape, device=batch.device)
             v_end = torch.zeros(batch.action_mask.shape[0], device=batch.device)
             for rows, mb in self._micro_batches(batch):
@@ -224,9 +254,22 @@ class Learner:
                     mb_values, mb_end = critic_values(self.critic, mb)
                 values[rows, : mb_values.shape[1]] = mb_values.float()
                 v_end[rows] = mb_end.float()
+            values = (values, v_end)
+        return self._advantages_from(batch, values, sequence_advantages)
+
+    @torch.no_grad()
+    def _advantages_from(self, batch: TrainBatch, values: tuple[torch.Tensor, torch.Tensor] | None,
+                         sequence_advantages: torch.Tensor | None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """:meth:`advantages` given the critic's ``(values (B, T), v_end (B,))`` before the update
+        (the critic estimator) or None (the others)."""
+        cfg = self.config
+        metrics: dict[str, float] = {}
+        estimator = cfg.advantage_estimator
+        if estimator is AdvantageEstimator.CRITIC_GAE:
+            values, v_end = values
+            returns = critic_returns(batch, values, v_end, cfg)
             bootstrap = torch.where(batch.bootstrap, v_end, torch.zeros_like(v_end))
-            _, returns = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, cfg.gamma,
-                                              cfg.lam_critic)
             lam_policy = length_adaptive_lambda(batch.num_action_tokens, cfg.alpha)
             advantages, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, cfg.gamma,
                                                  lam_policy)
@@ -264,18 +307,33 @@ class Learner:
         return None
 
     def update(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None) -> dict[str, float]:
-        """One actor step and K critic steps on ``batch`` (this worker's shard of it), on :attr:`device`."""
+        """One actor step and K critic steps on ``batch`` (this worker's shard of it), on :attr:`device`.
+
+        With a critic and K >= 1 the first critic step's forward passes are the values the advantages
+        use: it runs first, on the critic as it was before the update, and its forward with gradients
+        gives the same values as a separate no-gradient forward would (tested), which is saved. The
+        actor step does not depend on the critic's steps, so the order changes no result."""
         started = time.perf_counter()
         batch = batch.to(self.device)
-        advantages, returns, metrics = self.advantages(batch, sequence_advantages)
+        critic_metrics: dict[str, float] = {}
+        if self.config.advantage_estimator is AdvantageEstimator.CRITIC_GAE and self.config.critic_updates > 0:
+            critic_metrics, values = self._critic_step(batch, None)
+            advantages, returns, metrics = self._advantages_from(batch, values, sequence_advantages)
+            remaining = self.config.critic_updates - 1
+        else:
+            advantages, returns, metrics = self.advantages(batch, sequence_advantages)
+            remaining = self.config.critic_updates if returns is not None else 0
+        critic_s = time.perf_counter() - started
+        actor_started = time.perf_counter()
         metrics |= self._actor_step(batch, advantages)
-        actor_done = time.perf_counter()
-        if returns is not None:
-            for _ in range(self.config.critic_updates):
-                metrics |= self._critic_step(batch, returns)
+        actor_s = time.perf_counter() - actor_started
+        critic_started = time.perf_counter()
+        for _ in range(remaining):
+            critic_metrics, _ = self._critic_step(batch, returns)
+        metrics |= critic_metrics
         metrics |= {
-            "time/actor_s": actor_done - started,
-            "time/critic_s": time.perf_counter() - actor_done,
+            "time/actor_s": actor_s,
+            "time/critic_s": critic_s + time.perf_counter() - critic_started,
             "batch/trajectories": float(batch.action_mask.shape[0]),
             "batch/action_tokens": float(batch.action_mask.sum()),
             "batch/reward_mean": float(batch.scalar_rewards.mean()),
@@ -297,7 +355,7 @@ class Learner:
             raise ValueError(f"algorithm {self.config.algorithm.value!r} has no critic to update")
         returns = returns.to(self.device)
         for _ in range(self.config.critic_updates if steps is None else steps):
-            metrics |= self._critic_step(batch, returns)
+            metrics |= self._critic_step(batch, returns)[0]
         return metrics
 
     @property
@@ -354,17 +412,32 @@ class Learner:
                    "actor/lr": self.policy_scheduler.get_last_lr()[0]} | kept_fraction_metrics(batch, kept_per_row)
         return metrics | (routing.metrics() if routing is not None else {})
 
-    def _critic_step(self, batch: TrainBatch, returns: torch.Tensor) -> dict[str, float]:
+    def _critic_step(self, batch: TrainBatch, returns: torch.Tensor | None,
+                     ) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor] | None]:
+        """One critic optimiser step towards ``returns`` (B, T). ``returns`` None: the update's first
+        step, whose targets are the critic's own ``lam_critic`` returns from this very forward (each
+        row's returns depend on its own values only, so each micro-batch's are known after its
+        forward); it also returns the values ``(values (B, T), v_end (B,))`` it saw, for the advantages."""
         cfg = self.config
         self.critic.train()
         self.critic_optimizer.zero_grad(set_to_none=True)
         denominator = self._denominator(batch)
+        seen = None
+        if returns is None:
+            seen = (torch.zeros(batch.action_mask.shape, device=batch.device),
+                    torch.zeros(batch.action_mask.shape[0], device=batch.device))
         loss_total = 0.0
         value_sum = 0.0
         for rows, mb in self._micro_batches(batch):
             with self._forward():
-                values, _ = critic_values(self.critic, mb)
-            target = returns[rows, : values.shape[1]]
+                values, v_end = critic_values(self.critic, mb)
+            if seen is None:
+                target = returns[rows, : values.shape[1]]
+            else:
+                before, end_before = values.detach().float(), v_end.detach().float()
+                seen[0][rows, : values.shape[1]] = before
+                seen[1][rows] = end_before
+                target = critic_returns(mb, before, end_before, cfg)
             loss, m = value_loss(values, target, mb.action_mask, aggregation=cfg.aggregation,
                                  denominator=denominator, reward_range=cfg.reward_range)
             loss.backward()
@@ -377,7 +450,7 @@ class Learner:
         self.critic_steps += 1
         return {"critic/loss": loss_total, "critic/grad_norm": grad_norm,
                 "critic/value_mean": value_sum / max(float(batch.action_mask.sum()), 1.0),
-                "critic/lr": self.critic_scheduler.get_last_lr()[0]}
+                "critic/lr": self.critic_scheduler.get_last_lr()[0]}, seen
 
     def _clip(self, module: torch.nn.Module) -> float:
         params = [p for p in module.parameters() if p.grad is not None]

@@ -10,6 +10,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from sao.lake.records import routing_entries
 from sao.models.routing import record_routing, replay_routing
+from sao.train import step as step_module
 from sao.train.batch import collate, split_by_token_budget
 from sao.train.config import UpdateConfig
 from sao.train.step import Learner, policy_logprobs
@@ -136,13 +137,16 @@ CFG = UpdateConfig(eps_low=0.3, eps_high=0.5, lr_policy=1e-5, lr_critic=1e-5, wa
                    critic_updates=2, token_budget=12)
 
 
-def record_optimizer_steps(monkeypatch):
-    """Record the gradients every AdamW step sees, in order (policy step, then K critic steps)."""
+def record_optimizer_steps(monkeypatch, optimizers=None):
+    """Record the gradients every AdamW step sees, in order; with ``optimizers`` (a list), also the
+    optimiser of each step, in the same order."""
     seen = []
     original = torch.optim.AdamW.step
 
     def step(self, *args, **kwargs):
         seen.append([p.grad.clone() for group in self.param_groups for p in group["params"] if p.grad is not None])
+        if optimizers is not None:
+            optimizers.append(self)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
@@ -156,9 +160,16 @@ def test_one_sao_step_matches_the_slow_reference(monkeypatch):
     critic = ValueModel(tiny(1))
     rows = hand_built_rows(policy)
     ref_policy, ref_critic = copy.deepcopy(policy), copy.deepcopy(critic)
-    seen = record_optimizer_steps(monkeypatch)
-    metrics = Learner(CFG, policy, critic).update(collate(rows, trainer_version=5))
-    ours, seen[:] = list(seen), []
+    optimizers = []
+    seen = record_optimizer_steps(monkeypatch, optimizers)
+    learner = Learner(CFG, policy, critic)
+    metrics = learner.update(collate(rows, trainer_version=5))
+    # The learner's order: the first critic step (its forward gives the values), the actor, the others;
+    # the reference's: the actor, then K critic steps.
+    order = [k for k in range(len(seen)) if optimizers[k] is learner.policy_optimizer]
+    order += [k for k in range(len(seen)) if optimizers[k] is not learner.policy_optimizer]
+    assert order == [1, 0, 2]
+    ours, seen[:] = [seen[k] for k in order], []
     reference_update(CFG, ref_policy, ref_critic, rows, trainer_version=5)
     assert len(ours) == len(seen) == 1 + CFG.critic_updates
     for step, (a_grads, b_grads) in enumerate(zip(ours, seen, strict=True)):
@@ -170,6 +181,44 @@ def test_one_sao_step_matches_the_slow_reference(monkeypatch):
         assert torch.allclose(a, b, atol=3 * CFG.lr_policy)
     assert 0 < metrics["actor/kept_frac"] < 1  # the shifts above push some rho out of (0.7, 1.5)
     assert metrics["batch/staleness_count/1"] == 1.0 and metrics["batch/staleness_count/3"] == 1.0
+
+
+@pytest.mark.parametrize("critic_updates", [1, 2, 3])
+def test_the_first_critic_steps_forward_gives_the_values_a_separate_forward_would(critic_updates):
+    # The update takes GAE's values from its first critic step's forward (with gradients) instead of a
+    # separate no-gradient forward first: every parameter and metric must come out bit for bit as in
+    # that order (values, actor step, K critic steps).
+    policy = tiny()
+    rows = hand_built_rows(policy)
+    cfg = dataclasses.replace(CFG, critic_updates=critic_updates, token_budget=10)
+    models = [(copy.deepcopy(policy), ValueModel(tiny(1))) for _ in range(2)]
+    fused = Learner(cfg, *models[0])
+    separate = Learner(cfg, *models[1])
+    batch = collate(rows, trainer_version=5)
+    metrics = [fused.update(batch)]
+    advantages, returns, plain = separate.advantages(batch)
+    plain |= separate._actor_step(batch, advantages)
+    for _ in range(critic_updates):
+        critic_metrics, _ = separate._critic_step(batch, returns)
+    metrics.append(plain | critic_metrics)
+    for a, b in zip(list(models[0][0].parameters()) + list(models[0][1].parameters()),
+                    list(models[1][0].parameters()) + list(models[1][1].parameters()), strict=True):
+        assert torch.equal(a, b)
+    same = [{k: v for k, v in m.items() if not k.startswith(("time/", "batch/"))} for m in metrics]
+    assert same[0] == same[1] and len(same[0]) > 10
+    assert fused.critic_steps == separate.critic_steps == critic_updates
+
+
+def test_logits_at_the_scoring_positions_are_the_whole_forwards_logits(monkeypatch):
+    # The output layer runs at the scoring positions only for plain-head models; a model of any other
+    # type takes its whole forward. Both give the same log-probabilities.
+    policy = tiny()
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    head_only = policy_logprobs(policy, batch)
+    monkeypatch.setattr(step_module, "PLAIN_HEAD_MODEL_TYPES", frozenset())
+    whole = policy_logprobs(policy, batch)
+    assert torch.allclose(head_only, whole, rtol=0, atol=1e-6)
+    assert torch.equal(head_only == 0, batch.action_mask == 0)
 
 
 def test_k_critic_updates_means_exactly_k_critic_optimiser_steps():
