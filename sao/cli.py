@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "endpoint": "endpoint",
     "sft": "sft_warmstart",
     "peer": "peer",
+    "update": "update_floor",
     "speed": "speed",
     "bias": "bias",
     "gpu-check": "gpu_check",
