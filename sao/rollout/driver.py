@@ -20,6 +20,11 @@ With an ``issue_log`` (:class:`sao.lake.issued.IssueLog`), every launch is also 
 ``rollout_tasks`` table (a retry names the attempt it retries), on the sink's thread and before any of
 its records, so ``sao lake check`` can account for every issued rollout.
 
+The sink batches its commits (``WriterConfig.flush_rows`` / ``flush_seconds``). When nothing is in
+flight and the gate lets nothing start (a synchronous batch is complete, or the trainer is
+``max_staleness`` versions behind), the driver flushes the issue log and the sink at once: the trainer
+is waiting for exactly those rows.
+
 Stopping: ``stop`` ends launching; the rollouts in flight then finish and are handed to the sink. With
 ``cancel`` as well (a Ctrl-C of the run, after its grace period), every rollout still in flight is
 cancelled on its replica and recorded as a ``cancelled`` trajectory with no tokens, so the run stops
@@ -151,6 +156,7 @@ class _RunState:
     exhausted: bool = False  # the task source has run out
     index: int = 0  # launches so far in this run: the offset of the next seed
     pending_sink: list[asyncio.Future] = dataclasses.field(default_factory=list)  # calls on the sink's thread
+    idle_flushed: bool = False  # the sink was flushed since the last rollout was in flight
 
     def next_launch(self) -> _Launch | None:
         """A waiting retry, else the source's next task as a first attempt; None when both have run out."""
@@ -227,8 +233,11 @@ class RolloutDriver:
             if not state.running:
                 if (state.exhausted and not state.retry) or stopping:
                     break
+                if not state.idle_flushed:
+                    self._flush_when_idle(state)
                 await asyncio.sleep(self.config.version_poll_s)  # gate closed: wait for the trainer
                 continue
+            state.idle_flushed = False
             if cancel is not None and cancel.is_set():
                 done = await self._cancel_all(state.running)
             else:
@@ -315,6 +324,16 @@ class RolloutDriver:
             await asyncio.gather(*state.pending_sink)  # the failed records are stored, then the run stops
             raise RolloutsFailing(f"the first {self.stats.records} rollouts all ended with error; the first: "
                                   f"{self.stats.first_error}")
+
+    def _flush_when_idle(self, state: _RunState) -> None:
+        """Nothing is in flight and the gate lets nothing start: nothing more arrives until the trainer
+        moves (a synchronous batch is complete, or the trainer is ``max_staleness`` behind), and the
+        trainer waits for the rows held in the sink's buffer, so they are committed now rather than when
+        the buffer fills or ages (once per idle spell)."""
+        state.idle_flushed = True
+        if self.issue_log is not None:  # before the records: no record without its launch
+            state.pending_sink.append(self._on_sink_thread(self.issue_log.flush))
+        state.pending_sink.append(self._on_sink_thread(self.sink.flush))
 
     async def _finish(self, state: _RunState) -> None:
         """Drain the sink's thread, then flush the issue log before the records' last flush."""

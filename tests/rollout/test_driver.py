@@ -173,6 +173,50 @@ def test_a_synchronous_driver_launches_one_batch_per_version_at_that_version():
     assert [(v, m) for _, v, m in app.started_at] == [(0, 0)] * 4 + [(1, 1)] * 4
 
 
+def test_a_complete_synchronous_batch_is_flushed_at_once_and_once():
+    # The trainer waits for the batch: its rows (and their launches, first) are committed as soon as
+    # nothing is in flight, not when the writer's buffer fills or ages; the idle polls flush no more.
+    events = []
+
+    class Issues(ListIssueLog):
+        def flush(self):
+            events.append("issues flushed")
+            return 0
+
+    class Records(ListSink):
+        def add_many(self, records):
+            super().add_many(records)
+            events.append(f"recorded {len(self.records)}")
+
+        def flush(self):
+            super().flush()
+            events.append("records flushed")
+
+    trainer = {"v": 0}
+
+    async def trainer_version():
+        return trainer["v"]
+
+    sink = Records()
+    driver = RolloutDriver(VersionedApp(trainer), sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0,
+                                                               version_poll_s=0.01, synchronous=True),
+                           trainer_version=trainer_version, issue_log=Issues())
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=8))
+        await asyncio.sleep(0.3)  # the first batch is done; about 30 polls of a closed gate
+        flushed_while_waiting = list(events)
+        trainer["v"] = 1
+        await asyncio.wait_for(job, timeout=10)
+        return flushed_while_waiting
+
+    waiting = asyncio.run(run())
+    assert len(sink.records) == 8 and {r.termination_reason for r in sink.records} == {"stop"}
+    assert waiting[-2:] == ["issues flushed", "records flushed"] and waiting.count("records flushed") == 1
+    assert waiting.index("records flushed") > max(i for i, e in enumerate(waiting) if e.startswith("recorded"))
+    assert events.count("records flushed") == 2  # after the first batch, and the run's last flush
+
+
 def test_a_synchronous_driver_needs_max_staleness_zero():
     import pytest
 
