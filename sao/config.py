@@ -321,6 +321,10 @@ class TrainSection(Section):
     """Synchronous RL, the comparison baseline (needs max_staleness 0): one batch per version."""
     workers: int = Field(default_of(TrainConfig, "num_workers"), ge=1)
     """Ray Train workers (data parallel)."""
+    threads: int | None = Field(None, ge=1)
+    """Intra-op torch threads of each trainer worker. None: one in an asynchronous run (the replicas generate on
+    the other CPUs while it updates); in a synchronous run, where nothing generates during an update, this
+    machine's CPUs shared among the workers. Replay uses the number the run trained with."""
     resources: dict[str, float] = Field(default_factory=lambda: default_of(TrainConfig, "resources_per_worker"))
     """Custom Ray resources each trainer worker needs, e.g. {trainer: 1}; empty: any node."""
     device: DeviceSetting = default_of(TrainConfig, "device")
@@ -529,8 +533,9 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 
 RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction",
-           "env.verifiers", "rollout.engine", "rollout.python")
-"""Settings of the run itself, which no component config has."""
+           "env.verifiers", "rollout.engine", "rollout.python", "train.threads")
+"""Settings of the run itself, which no component config has, or whose default the run works out
+(``train.threads``: :func:`sao.runs.trainer_threads`)."""
 
 
 def leaves(model: BaseModel, prefix: str = "", *, json_values: bool = False) -> dict[str, Any]:

@@ -336,6 +336,17 @@ def _absolute_lake(lake: LakeConfig) -> LakeConfig:
     return lake if "://" in lake.root else dataclasses.replace(lake, root=str(Path(lake.root).resolve()))
 
 
+def trainer_threads(config: RunConfig) -> int:
+    """``train.threads``, or its default: 1 for an asynchronous run, whose replicas generate while it
+    updates; for a synchronous run, where nothing generates during an update, the CPUs this process may
+    run on shared among the trainer's workers."""
+    if config.train.threads is not None:
+        return config.train.threads
+    if not config.train.synchronous:
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) // config.train.workers)
+
+
 def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tuple[str, ...] | None = None
                     ) -> PipelineConfig:
     """The pipeline of ``config``. Local paths are made absolute here: Ray Train workers run in
@@ -357,7 +368,8 @@ def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tu
         checkpoint_root=str(config.checkpoint_root.resolve()),
         policy_path=str(Path(policy_path).resolve()), update=config.update(), batch_size=config.train.batch_size,
         max_staleness=config.train.max_staleness, total_steps=config.train.steps, seed=config.seed,
-        num_workers=config.train.workers, resources_per_worker=dict(config.train.resources),
+        num_workers=config.train.workers, torch_threads=trainer_threads(config),
+        resources_per_worker=dict(config.train.resources),
         device=config.train.device, gpus_per_worker=config.train.gpus_per_worker,
         bf16=config.train.bf16,
         rollout=ReplayContext(tasks_path=str(tasks_path(config).resolve()), env_options=options,

@@ -14,6 +14,20 @@ def test_a_run_prunes_old_checkpoints_but_keeps_every_policy(tmp_path):
     assert Path(train.checkpoint_root).is_absolute() and Path(train.lake.root).is_absolute()
 
 
+def test_the_trainer_takes_every_cpu_only_when_nothing_generates_during_its_update(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    sync = {"synchronous": True, "max_staleness": 0}
+
+    def threads(**train):
+        settings = RunConfig(run_id="r", workdir=str(tmp_path), lake={"root": str(tmp_path / "lake")}, train=train)
+        return runs.pipeline_config(settings, tmp_path / "sft").train.torch_threads
+
+    assert threads() == 1  # asynchronous: the replicas generate while it updates
+    assert threads(**sync) == 4
+    assert threads(**sync, workers=2) == 2 and threads(**sync, workers=8) == 1
+    assert threads(threads=3) == 3 and threads(**sync, threads=1) == 1  # as set
+
+
 def test_a_finished_run_is_recognised_until_more_steps_are_asked_for(tmp_path):
     settings = RunConfig(run_id="done", workdir=str(tmp_path), train={"steps": 4})
     assert runs.finished(settings) is None
