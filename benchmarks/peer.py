@@ -40,6 +40,10 @@ tree and CPU milliseconds per trained completion by component (``benchmarks/_pro
 process; our driver + trainer process, rollout replicas with their engines, Serve's controller, Ray's
 own processes, Ray Train).
 
+``--runs`` rounds (default 3) run every arm once each, round after round; the ratios the targets are
+judged on (:data:`RATIOS`, and CPU per completion against TRL's) are taken within each round and
+reported as the median over the rounds with min and max. The tables describe the last round.
+
 Writes ``docs/results/peer.json``, ``docs/results/peer.png`` and the ``peer`` section of
 ``docs/RESULTS.md`` (with ``--quick``: a tiny run whose files go under ``--workdir`` only). This module
 measures; the section's text is written by ``benchmarks/peer_report.py`` from the record.
@@ -61,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._proctree import TreeSampler
-from benchmarks._report import machine, update_section, write_json
+from benchmarks._report import machine, median_spread, update_section, write_json
 from benchmarks.peer_report import ARMS, SPLIT_PARTS, markdown
 from sao.algos.waits import mean_group_wait
 
@@ -128,6 +132,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="steps of each single-turn arm")
     parser.add_argument("--multi-steps", type=int, default=20, help="steps of each multi-turn arm")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state window")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="rounds of every arm (run one after another, round by round); each ratio is the median "
+                             "over the rounds with min and max (1 with --quick)")
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--latency-median", type=float, default=0.5, help="median tool delay, seconds")
     parser.add_argument("--latency-sigma", type=float, default=1.0, help="log-normal shape of the tool delay")
@@ -146,6 +153,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--results-md", type=Path, default=Path("docs/RESULTS.md"))
     args = parser.parse_args(argv)
+    if args.quick:
+        args.runs = 1
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(args.arms) - set(ARMS))
     if unknown:
@@ -154,6 +165,39 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 # --- the arms (each runs in a child process) ---------------------------------------------------------
+
+
+def trl_settings(arm: Arm) -> dict[str, Any]:
+    """The keyword arguments of TRL's ``GRPOConfig`` for ``arm`` (torch's threads are left at its default)."""
+    return dict(
+        output_dir=str(Path(arm.workdir) / arm.name), per_device_train_batch_size=arm.batch,
+        gradient_accumulation_steps=1, num_generations=arm.generations, max_completion_length=arm.max_tokens,
+        learning_rate=arm.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        temperature=1.0, top_k=0, top_p=1.0, beta=0.0, router_aux_loss_coef=0.0, gradient_checkpointing=False,
+        bf16=False, use_cpu=True, max_steps=arm.steps, report_to="none", save_strategy="no",
+        disable_tqdm=True, seed=arm.seed, data_seed=arm.seed,
+    )
+
+
+def our_config(arm: Arm):
+    """``(run settings, pipeline config)`` of one of our arms, as :func:`_run_ours` runs it."""
+    from benchmarks._settings import bench_config
+    from sao import runs
+    from sao.rollout.agent import AgentConfig
+
+    run_dir = Path(arm.workdir) / arm.name
+    settings = bench_config(
+        run_id=arm.name, workdir=arm.workdir, lake_root=str(run_dir / "lake"), algorithm=arm.algorithm,
+        steps=arm.steps, batch_size=arm.batch, max_staleness=arm.max_staleness, lr_policy=arm.lr,
+        num_replicas=arm.num_replicas, max_in_flight=arm.batch, group_size=arm.group_size,
+        synchronous=arm.synchronous, value_samples=arm.value_samples, seed=arm.seed)
+    env_options = {"math_tool": {"max_tool_calls": arm.max_tool_calls, "latency": dict(arm.latency)}}
+    agent = AgentConfig(max_tokens=arm.max_tokens, max_turns=arm.max_turns)
+    config = runs.pipeline_config(settings, arm.policy_dir)
+    rollout = dataclasses.replace(config.train.rollout, env_options=env_options, max_turns=agent.max_turns)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, rollout=rollout), agent=agent,
+                                 env_options=env_options, use_ray_train=arm.ray_train, app_name=f"peer-{arm.name}")
+    return settings, config
 
 
 def _run_trl(arm: Arm) -> dict[str, Any]:
@@ -199,14 +243,7 @@ def _run_trl(arm: Arm) -> dict[str, Any]:
         def on_step_end(self, args, state, control, **kwargs):
             steps.append({**current, "end": time.time(), "step": len(steps)})
 
-    config = GRPOConfig(
-        output_dir=str(Path(arm.workdir) / arm.name), per_device_train_batch_size=arm.batch,
-        gradient_accumulation_steps=1, num_generations=arm.generations, max_completion_length=arm.max_tokens,
-        learning_rate=arm.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        temperature=1.0, top_k=0, top_p=1.0, beta=0.0, router_aux_loss_coef=0.0, gradient_checkpointing=False,
-        bf16=False, use_cpu=True, max_steps=arm.steps, report_to="none", save_strategy="no",
-        disable_tqdm=True, seed=arm.seed, data_seed=arm.seed,
-    )
+    config = GRPOConfig(**trl_settings(arm))
     trainer = GRPOTrainer(model=load_policy(arm.policy_dir), reward_funcs=math_tool_reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # its log lines only; TRL's metrics are still gathered every step
@@ -253,28 +290,15 @@ def _run_ours(arm: Arm) -> dict[str, Any]:
     trajectories are read back from the lake."""
     import torch
 
-    from benchmarks._settings import bench_config
     from sao import runs
     from sao.envs.base import Split
     from sao.lake.store import Lake
     from sao.pipeline import run_pipeline
-    from sao.rollout.agent import AgentConfig
     from sao.runtime import shutdown_ray
 
     started = time.time()
-    run_dir = Path(arm.workdir) / arm.name
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
-    settings = bench_config(
-        run_id=arm.name, workdir=arm.workdir, lake_root=str(run_dir / "lake"), algorithm=arm.algorithm,
-        steps=arm.steps, batch_size=arm.batch, max_staleness=arm.max_staleness, lr_policy=arm.lr,
-        num_replicas=arm.num_replicas, max_in_flight=arm.batch, group_size=arm.group_size,
-        synchronous=arm.synchronous, value_samples=arm.value_samples, seed=arm.seed)
-    env_options = {"math_tool": {"max_tool_calls": arm.max_tool_calls, "latency": dict(arm.latency)}}
-    agent = AgentConfig(max_tokens=arm.max_tokens, max_turns=arm.max_turns)
-    config = runs.pipeline_config(settings, arm.policy_dir)
-    rollout = dataclasses.replace(config.train.rollout, env_options=env_options, max_turns=agent.max_turns)
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, rollout=rollout), agent=agent,
-                                 env_options=env_options, use_ray_train=arm.ray_train, app_name=f"peer-{arm.name}")
+    shutil.rmtree(Path(arm.workdir) / arm.name, ignore_errors=True)  # a fresh run, never a resumed one
+    settings, config = our_config(arm)
     tasks = runs.math_tasks(Split.TRAIN, runs.tasks_path(settings))
     pretrain_s = 0.0
     if arm.value_samples:
@@ -505,6 +529,45 @@ def summarize(record: dict[str, Any], warmup: int, target_reward: float | None) 
     }
 
 
+RATIOS = {  # name -> (numerator arm, denominator arm, target)
+    "grpo-single / trl-single": ("grpo-single", "trl-single", 1.0),
+    "sao-single / trl-single": ("sao-single", "trl-single", 0.75),
+    "sao-single-raytrain / trl-single": ("sao-single-raytrain", "trl-single", 0.75),
+    "sao-multi / grpo-multi": ("sao-multi", "grpo-multi", 3.0),
+}
+"""The ratios of trained completions/s the targets are judged on (each round's arms paired)."""
+
+
+def over_runs(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Median, min and max over the rounds: each arm's trained completions/s and CPU ms per completion,
+    and each :data:`RATIOS` ratio computed within a round (arms of one round ran back to back)."""
+    def spread(values: list[float]) -> dict[str, Any]:
+        return median_spread(values) | {"runs": values}
+
+    names = [name for name in ARMS if all(name in r for r in rounds)]
+    out: dict[str, Any] = {
+        "trained_per_s": {name: spread([r[name]["trained_per_s"] for r in rounds]) for name in names},
+        "cpu_ms_per_completion": {name: spread([sum(r[name]["cpu_ms_per_completion"].values()) for r in rounds])
+                                  for name in names},
+        "ratios": {},
+    }
+    def ratios(top: str, bottom: str, figure) -> list[float]:
+        """Each round's ratio, leaving out rounds whose denominator is 0 (a window too short for the
+        CPU sampler to see, in a quick run)."""
+        return [figure(r[top]) / figure(r[bottom]) for r in rounds if figure(r[bottom]) > 0]
+
+    for label, (top, bottom, target) in RATIOS.items():
+        values = ratios(top, bottom, lambda s: s["trained_per_s"]) if top in names and bottom in names else []
+        if values:
+            out["ratios"][label] = spread(values) | {"target": target}
+    for name in ("grpo-single", "sao-single"):
+        values = (ratios(name, "trl-single", lambda s: sum(s["cpu_ms_per_completion"].values()))
+                  if name in names and "trl-single" in names else [])
+        if values:
+            out["ratios"][f"CPU per completion: {name} / trl-single"] = spread(values) | {"target": 1.5, "at_most": True}
+    return out
+
+
 def _thread_ms(record: dict[str, Any], trained: int) -> tuple[dict[str, float], dict[str, float]]:
     """CPU ms per trained completion of the arm's own process in the steady state, by :func:`thread_group`,
     and of its native threads by the kernel's name for them; largest first."""
@@ -619,16 +682,20 @@ def main(argv: list[str]) -> int:
     started = time.time()
     info = machine()
     random_dir, sft_dir = _policies(args)
-    records: dict[str, dict[str, Any]] = {}
-    for arm in arms(args, random_dir, sft_dir):
-        print(f"peer: {arm.name} ...", file=sys.stderr, flush=True)
-        records[arm.name] = run_arm(arm, args.workdir, args.warmup, timeout_s=600 if args.quick else 1800)
-        print(f"peer: {arm.name} done in {records[arm.name]['process_wall_s']:.0f} s", file=sys.stderr, flush=True)
-    summary = {name: summarize(r, args.warmup, args.target_reward if r["arm"]["shape"] == "multi" else None)
-               for name, r in records.items()}
+    rounds: list[dict[str, dict[str, Any]]] = []  # each round's summaries, by arm
+    for round_ in range(args.runs):
+        records: dict[str, dict[str, Any]] = {}
+        for arm in arms(args, random_dir, sft_dir):
+            print(f"peer: round {round_ + 1}/{args.runs}: {arm.name} ...", file=sys.stderr, flush=True)
+            records[arm.name] = run_arm(arm, args.workdir, args.warmup, timeout_s=600 if args.quick else 1800)
+            print(f"peer: {arm.name} done in {records[arm.name]['process_wall_s']:.0f} s", file=sys.stderr, flush=True)
+        summary = {name: summarize(r, args.warmup, args.target_reward if r["arm"]["shape"] == "multi" else None)
+                   for name, r in records.items()}
+        rounds.append(summary)
+    # The tables describe the last round (its records are kept whole); the ratios span every round.
     record = {"machine": info, "command": " ".join(["sao bench peer", *argv]), "warmup": args.warmup, "tag": args.tag,
-              "target_reward": args.target_reward, "wall_s": time.time() - started,
-              "summary": summary, "arms": records}
+              "target_reward": args.target_reward, "wall_s": time.time() - started, "runs": args.runs,
+              "summary": summary, "arms": records, "rounds": rounds, "over_runs": over_runs(rounds)}
     name = f"peer-{args.tag}" if args.tag else "peer"
     figure = plot(records, summary, args.workdir / "peer-quick.png" if args.quick else args.out / f"{name}.png",
                   args.target_reward)

@@ -6,7 +6,8 @@ from ``docs/results/peer.json``.
 
 ``record`` is plain data: ``{"machine", "command", "warmup", "tag", "target_reward", "summary", "arms"}``,
 where ``summary[name]`` is ``benchmarks.peer.summarize``'s dict and ``arms[name]`` an arm's record
-(``benchmarks.peer.run_arm``). Nothing here measures or imports the benchmark: the names a record is keyed
+(``benchmarks.peer.run_arm``), both of the last round; with ``"runs"`` and ``"over_runs"``
+(``benchmarks.peer.over_runs``) the ratios over every round are reported too. Nothing here measures or imports the benchmark: the names a record is keyed
 by (:data:`ARMS`, :data:`SPLIT_PARTS`) live in this module and the benchmark imports them from here, so the
 layers point one way (``peer`` -> ``peer_report`` -> ``_report``).
 """
@@ -46,7 +47,6 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
     multi = next((r["arm"] for r in records.values() if r["arm"]["shape"] == "multi"), None)
     single = next((r["arm"] for r in records.values() if r["arm"]["shape"] == "single"), None)
     versions = next((r["versions"] for r in records.values() if r["trainer"] == "trl"), {})
-    trl_threads = next((r["torch_threads"] for r in records.values() if r["trainer"] == "trl"), "-")
     tag = f" ({record['tag']})" if record.get("tag") else ""
     raw = f"peer-{record['tag']}.json" if record.get("tag") else "peer.json"
     lines = [
@@ -58,8 +58,11 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
         f"{arm0['generations']} generations = {arm0['prompts'] * arm0['generations']} completions per step (SAO: "
         f"that many single rollouts), policy lr {arm0['lr']:g} constant, fp32, gradient checkpointing off, no KL. "
         f"Our trainer ran in the arm's process (`use_ray_train=False`) except in `sao-single-raytrain` (one Ray "
-        f"Train worker), with {arm0['num_replicas']} Serve rollout replicas, all at one torch thread"
-        + (f"; TRL at {trl_threads} (torch's default: one per core). " if versions else ". ")
+        f"Train worker), with {arm0['num_replicas']} Serve rollout replicas; torch threads of the arm's process: "
+        + ", ".join(f"{name} {r.get('torch_threads', '-')}" for name, r in records.items())
+        + " (ours: the run config's default, `train.threads`: one in an asynchronous run, whose replicas generate "
+          "while it updates, every core in a synchronous one"
+        + ("; TRL: torch's default, one per core). " if versions else "). ")
         + (f"Single-turn: the prompts answered without the tool, a random-initialised policy, completions up to "
            f"{single['max_tokens']} tokens, {single['steps']} steps. " if single is not None else "") +
         "Figures over the steady state (after the first "
@@ -70,6 +73,7 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
         "peak memory GiB (RSS / PSS) | setup s |",
         "|---|---:|---:|---:|---|---:|---:|",
         *[_row(name, records[name], s[name]) for name in s],
+        *_over_runs(record),
     ]
     if multi is not None:
         lines += ["", _multi_turn_paragraph(record, multi)]
@@ -88,6 +92,31 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
               *_reading(records, s), "",
               f"![peer]({figure.relative_to(Path('docs')) if figure.is_relative_to('docs') else figure})"]
     return "\n".join(lines)
+
+
+def _over_runs(record: dict[str, Any]) -> list[str]:
+    """The ratios the targets are judged on, over the rounds (median, min-max), when the record has them."""
+    over = record.get("over_runs")
+    if not over:
+        return []
+    runs = record["runs"]
+    lines = ["", f"The table above is the last of {runs} rounds (each round runs every arm once, one after another). "
+             f"Over the {runs} rounds, median (min-max):", "",
+             "| arm | trained completions/s | CPU ms per trained completion |", "|---|---:|---:|"]
+    for name, v in over["trained_per_s"].items():
+        cpu = over["cpu_ms_per_completion"][name]
+        lines.append(f"| {name} | {_spread(v, '.1f')} | {_spread(cpu, '.1f')} |")
+    if over["ratios"]:
+        lines += ["", "| ratio (within each round) | measured | target | met |", "|---|---:|---:|---|"]
+        for label, v in over["ratios"].items():
+            bound = "<=" if v.get("at_most") else ">="
+            met = v["median"] <= v["target"] if v.get("at_most") else v["median"] >= v["target"]
+            lines.append(f"| {label} | {_spread(v, '.2f')} | {bound} {v['target']:g} | {'yes' if met else '**no**'} |")
+    return lines
+
+
+def _spread(v: dict[str, Any], digits: str) -> str:
+    return f"{v['median']:{digits}} ({v['min']:{digits}}-{v['max']:{digits}})"
 
 
 def _row(name: str, r: dict[str, Any], s: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from benchmarks.peer import _split_ours, summarize
-from benchmarks.peer_report import SPLIT_PARTS, THREAD_GROUPS
+from benchmarks.peer_report import ARMS, SPLIT_PARTS, THREAD_GROUPS
 
 
 def _record(ends: list[float], rewards: list[float], trained: int = 8) -> dict:
@@ -51,6 +51,70 @@ def test_synchronous_split_separates_generation_training_and_the_lake():
     assert sum(asynchronous.values()) == pytest.approx(10.0)
 
 
+def _arms(tmp_path):
+    import argparse
+
+    from benchmarks.peer import arms
+
+    args = argparse.Namespace(quick=False, steps=30, multi_steps=20, workdir=tmp_path, lr=2e-4, latency_median=0.5,
+                              latency_sigma=1.0, latency_max=10.0, value_samples=None, arms=list(ARMS))
+    return {arm.name: arm for arm in arms(args, tmp_path / "random", tmp_path / "sft")}
+
+
+def test_the_arms_of_each_comparison_share_their_settings(tmp_path, monkeypatch):
+    # What is compared must differ only in who trains: model, batch, tokens, sampling, optimiser, threads.
+    import os
+
+    from benchmarks.peer import our_config, trl_settings
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    every = _arms(tmp_path)
+    trl = trl_settings(every["trl-single"])
+    for name in ("grpo-single", "sao-single", "sao-single-raytrain"):
+        arm = every[name]
+        assert (arm.policy_dir, arm.steps, arm.seed, arm.batch) == (every["trl-single"].policy_dir, trl["max_steps"],
+                                                                    trl["seed"], trl["per_device_train_batch_size"])
+        _, config = our_config(arm)
+        train, agent, update = config.train, config.agent, config.train.update
+        assert train.batch_size == trl["per_device_train_batch_size"] and train.total_steps == trl["max_steps"]
+        assert agent.max_tokens == trl["max_completion_length"] and agent.max_turns == 1
+        assert (agent.temperature, agent.top_k or 0, agent.top_p) == (trl["temperature"], trl["top_k"], trl["top_p"])
+        assert update.lr_policy == trl["learning_rate"] and update.max_grad_norm == trl["max_grad_norm"]
+        assert update.weight_decay == trl["weight_decay"] and update.warmup_steps_policy == trl["warmup_steps"] == 0
+        assert config.env_options["math_tool"]["max_tool_calls"] == 0 and not config.env_options["math_tool"]["latency"]
+        if arm.synchronous:  # the same algorithm: groups of TRL's size, on TRL's threads (one per core)
+            assert update.algorithm.value == "grpo" and config.group_size == trl["num_generations"]
+            assert train.torch_threads == 2
+        else:  # asynchronous: one thread, the replicas generate on the other core while it updates
+            assert train.torch_threads == 1 and train.max_staleness == 2
+    grpo, sao = (our_config(every[name])[1] for name in ("grpo-multi", "sao-multi"))
+    assert grpo.env_options == sao.env_options and grpo.env_options["math_tool"]["latency"]["kind"] == "lognormal"
+    assert (grpo.agent, grpo.train.batch_size, grpo.train.total_steps, grpo.train.update.lr_policy) == (
+        sao.agent, sao.train.batch_size, sao.train.total_steps, sao.train.update.lr_policy)
+    assert every["grpo-multi"].policy_dir == every["sao-multi"].policy_dir
+
+
+def test_ratios_over_rounds_pair_the_arms_of_each_round():
+    from benchmarks.peer import over_runs
+
+    def summary(rate, cpu):
+        return {"trained_per_s": rate, "cpu_ms_per_completion": {"a": cpu, "b": 1.0}}
+
+    rounds = [{"trl-single": summary(100.0, 9.0), "grpo-single": summary(50.0, 19.0)},
+              {"trl-single": summary(80.0, 9.0), "grpo-single": summary(60.0, 29.0)},
+              {"trl-single": summary(120.0, 9.0), "grpo-single": summary(30.0, 14.0)}]
+    over = over_runs(rounds)
+    ratio = over["ratios"]["grpo-single / trl-single"]
+    assert ratio["runs"] == [0.5, 0.75, 0.25] and ratio["median"] == 0.5 and ratio["target"] == 1.0
+    assert (ratio["min"], ratio["max"]) == (0.25, 0.75)
+    assert over["trained_per_s"]["grpo-single"]["median"] == 50.0  # not the ratio of the medians
+    cpu = over["ratios"]["CPU per completion: grpo-single / trl-single"]
+    assert cpu["runs"] == [2.0, 3.0, 1.5] and cpu["at_most"]
+    assert "sao-single / trl-single" not in over["ratios"]  # an arm that did not run is not reported
+    rounds[1]["trl-single"]["cpu_ms_per_completion"] = {}  # a window the CPU sampler did not see
+    assert over_runs(rounds)["ratios"]["CPU per completion: grpo-single / trl-single"]["runs"] == [2.0, 1.5]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_quick_run_reports_each_kind_of_arm(tmp_path):
@@ -81,6 +145,8 @@ def test_quick_run_reports_each_kind_of_arm(tmp_path):
         assert set(summary["root_threads_ms_per_completion"]) <= set(THREAD_GROUPS)
     assert all(0 < s["tokens"] <= 8 * 24 for s in trl["steps"])  # completions of at most 24 tokens
     grpo = data["arms"]["grpo-single"]
+    assert grpo["torch_threads"] == trl["torch_threads"]  # a synchronous trainer on TRL's threads
+    assert data["runs"] == 1 and set(data["over_runs"]["trained_per_s"]) == set(arms)
     assert data["summary"]["grpo-single"]["tokens_per_s"] > 0  # synchronous: generated inside the window
     assert all(s["batch_created_first"] <= s["batch_finished_last"] <= s["end"] for s in grpo["steps"])
     assert {"rollout replicas", "Ray system", "driver + trainer process"} <= set(grpo["cpu_s"])
