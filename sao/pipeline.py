@@ -53,6 +53,10 @@ __all__ = ["PipelineConfig", "PipelineResult", "run_pipeline", "task_stream"]
 log = logging.getLogger(__name__)
 
 
+ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S = 16, 0.25  # the lake writer's default batching in an asynchronous run
+SYNC_FLUSH_S = 5.0  # a synchronous run's age flush (its batches are committed whole)
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """An asynchronous run: where rollouts run, how they are fed, how the trainer runs.
@@ -73,7 +77,7 @@ class PipelineConfig:
             ``train.max_staleness = 0`` the driver launches one batch per trainer version, and each of
             its rollouts starts only once its replica runs that version; the trainer waits for the
             whole batch, the rollouts for the update. False: asynchronous (SAO).
-        writer: lake writer batching (small batches keep the trainer fed; the age flush bounds delay).
+        writer: lake writer batching (also the issue log's); None: :meth:`writer_config` picks it by mode.
         use_ray_train: run the trainer on Ray Train workers (False: in this process, one worker).
         seed: shuffles the task stream and seeds rollouts.
         app_name: Serve application name.
@@ -93,11 +97,23 @@ class PipelineConfig:
     max_in_flight: int = 64
     group_size: int = 1
     synchronous: bool = False
-    writer: WriterConfig = WriterConfig(flush_rows=16, flush_seconds=0.25)
+    writer: WriterConfig | None = None
     use_ray_train: bool = True
     seed: int = 0
     app_name: str = "rollout"
     stop_grace_s: float = interrupt.GRACE_S
+
+    def writer_config(self) -> WriterConfig:
+        """``writer``, or by default: in an asynchronous run, commits of :data:`ASYNC_FLUSH_ROWS` rows or
+        every :data:`ASYNC_FLUSH_S` (small commits keep the trainer fed); in a synchronous run, one commit
+        per batch (the trainer cannot start before the whole batch is in, and the driver commits it the
+        moment its last rollout ends: :mod:`sao.rollout.driver`), with :data:`SYNC_FLUSH_S` bounding how
+        long a row waits in memory. Commits in between would only take CPU from the generation."""
+        if self.writer is not None:
+            return self.writer
+        if self.synchronous:
+            return WriterConfig(flush_rows=self.train.batch_size, flush_seconds=SYNC_FLUSH_S)
+        return WriterConfig(flush_rows=ASYNC_FLUSH_ROWS, flush_seconds=ASYNC_FLUSH_S)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -233,9 +249,9 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     async def trainer_skipped() -> int:
         return await broker.skipped_total.remote()
 
-    issue_log = IssueLog(lake, cfg.writer, issuer_id=issuer_id)
+    issue_log = IssueLog(lake, cfg.writer_config(), issuer_id=issuer_id)
     # No record is committed before its launch: the issue log is flushed before each trajectory commit.
-    writer = TrajectoryWriter(lake, cfg.writer, writer_id=issuer_id, before_flush=issue_log.flush)
+    writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush)
     driver = RolloutDriver(
         handle, writer, train.run_id,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
@@ -337,8 +353,8 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
                             agent=cfg.agent, env_options=cfg.env_options,
                             resources_per_replica=cfg.resources_per_replica, python=cfg.rollout_python)
     handle = start_rollout_app(rollout)
-    issue_log = IssueLog(lake, cfg.writer, issuer_id=issuer_id)
-    writer = TrajectoryWriter(lake, cfg.writer, writer_id=issuer_id, before_flush=issue_log.flush)
+    issue_log = IssueLog(lake, cfg.writer_config(), issuer_id=issuer_id)
+    writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush)
     driver = RolloutDriver(handle, writer, run_id, DriverConfig(max_in_flight=cfg.max_in_flight, seed=cfg.seed),
                            on_record=_shown_every(10.0, Progress("value pretraining:", count, "version-0 rollouts",
                                                                  start=stored), stored, on_record,
