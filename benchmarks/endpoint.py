@@ -201,7 +201,7 @@ def measure(policy_dir: str, levels: list[int], window_s: float, repeats: int,
             task = Task(task_id=f"{index}", env="dataset", prompt=text, answer="", split=Split.TRAIN)
             two_turns = _TwoTurns()
             records = await runner.run(environment_agent(two_turns, task, tools), two_turns, task, "bench",
-                                       f"{index}-{rng.random()}", rng.randrange(2**31))
+                                       f"{index}-{rng.random()}", rng.randrange(2**31), built_in=True)
             return sum(int(r.action_mask.sum()) for r in records)
 
         arms = {"direct": direct, "endpoint": via_endpoint, "loop": agent_loop, "env_agent": env_agent}

@@ -2,7 +2,9 @@
 
 A rollout replica runs math_tool, style_preference and the ``dataset`` environment's tool loop as an
 agent (:func:`environment_agent`) on its chat endpoint, the same way as an agent of one's own
-(:mod:`sao.rollout.user_agent`): the environment's prompt goes out as chat messages, each reply comes
+(:mod:`sao.rollout.user_agent`; its client is the endpoint's in-process
+:class:`~sao.rollout.user_agent.EndpointClient`, not the ``openai`` package's, which records the
+same: tested): the environment's prompt goes out as chat messages, each reply comes
 back as the policy's action (its text, a tool call as ``<tool_call>code</tool_call>``), the
 environment steps on it (in a thread: tools block), and a tool's output goes back as a ``tool``
 message, which the endpoint records as the observation. The records are those of

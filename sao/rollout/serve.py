@@ -192,7 +192,7 @@ class RolloutReplica:
         env = self._new_env(task)
         spec = self.config.env_options.get(task.env, {}).get("agent")
         agent = self.agents.agent(spec, tuple(env.config.paths)) if spec else environment_agent(env, task, self._tools)
-        return await self.agents.run(agent, env, task, run_id, trajectory_id, seed)
+        return await self.agents.run(agent, env, task, run_id, trajectory_id, seed, built_in=not spec)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """One raw generation call (no agent loop): benchmarks and evaluation."""

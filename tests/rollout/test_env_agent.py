@@ -43,9 +43,11 @@ def both_paths(engine, tokenizer, config, env_options):
             pairs = []
             for seed, task in enumerate(TASKS):
                 looped = await loop.run(task, "r", f"t{seed}", seed)
-                env = make_env(task.env, **env_options)
-                (served,) = await runner.run(environment_agent(env, task, tools), env, task, "r", f"t{seed}", seed)
-                pairs.append((looped, served))
+                for built_in in (True, False):  # the built-in client, and the openai client an own agent gets
+                    env = make_env(task.env, **env_options)
+                    (served,) = await runner.run(environment_agent(env, task, tools), env, task, "r", f"t{seed}",
+                                                 seed, built_in=built_in)
+                    pairs.append((looped, served))
             return pairs
         finally:
             await runner.close()
