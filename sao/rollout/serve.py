@@ -166,6 +166,7 @@ class RolloutReplica:
         self.endpoint = ChatEndpoint(self.engine, tokenizer)
         self.agents = UserAgentRunner(self.endpoint, config.agent, self.replica_id)
         self._tools = concurrent.futures.ThreadPoolExecutor(config.agent.tool_threads, thread_name_prefix="tool")
+        self._version_waits: dict[int, asyncio.Future] = {}  # min_version -> the one wait every request shares
         self.subscriber = WeightSubscriber(get_or_create_broker(config.app_name), self.replica_id,
                                            lambda: self.engine.version, self.engine.load_weights,
                                            wait_s=config.weight_wait_s)
@@ -182,17 +183,32 @@ class RolloutReplica:
         """One episode: its trajectory (or its parts, see the module docstring). With ``min_version``, it starts only once this replica's engine runs that
         version or a newer one (synchronous runs: the batch is sampled by the trainer's policy); a
         replica that does not get there within ``version_wait_s`` fails the request."""
-        if min_version is not None:
-            deadline = time.monotonic() + self.config.version_wait_s
-            while self.engine.version < min_version:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"replica {self.replica_id} runs version {self.engine.version}, "
-                                       f"not {min_version}, after {self.config.version_wait_s:.0f} s")
-                await asyncio.sleep(0.002)
+        if min_version is not None and self.engine.version < min_version:
+            await self._reach_version(min_version)
         env = self._new_env(task)
         spec = self.config.env_options.get(task.env, {}).get("agent")
         agent = self.agents.agent(spec, tuple(env.config.paths)) if spec else environment_agent(env, task, self._tools)
         return await self.agents.run(agent, env, task, run_id, trajectory_id, seed, built_in=not spec)
+
+    async def _reach_version(self, min_version: int) -> None:
+        """Wait until the engine runs ``min_version`` or newer (at most ``version_wait_s``). A synchronous
+        batch's rollouts all wait for the same version, so they share one wait that checks the version
+        every 2 ms, rather than each checking it (64 requests doing so took the replica's event loop about
+        32,000 wake-ups a second while the new weights loaded)."""
+        wait = self._version_waits.get(min_version)
+        if wait is None:
+            wait = asyncio.ensure_future(self._poll_version(min_version))
+            self._version_waits[min_version] = wait
+            wait.add_done_callback(lambda _: self._version_waits.pop(min_version, None))
+        await asyncio.shield(wait)  # a cancelled request leaves the wait to the others
+
+    async def _poll_version(self, min_version: int) -> None:
+        deadline = time.monotonic() + self.config.version_wait_s
+        while self.engine.version < min_version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {self.replica_id} runs version {self.engine.version}, "
+                                   f"not {min_version}, after {self.config.version_wait_s:.0f} s")
+            await asyncio.sleep(0.002)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         """One raw generation call (no agent loop): benchmarks and evaluation."""

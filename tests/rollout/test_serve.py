@@ -141,3 +141,42 @@ def test_replica_builds_step_dependent_environments_at_its_engine_version(policy
     finally:
         replica.engine.close()
         replica._tools.shutdown()
+
+
+def test_requests_waiting_for_a_version_share_one_wait_and_fail_together_when_it_never_comes(monkeypatch):
+    """A synchronous batch's rollouts all wait for the trainer's version: one wait per version, however
+    many requests; a request cancelled meanwhile leaves it to the others; past version_wait_s all fail."""
+    import types
+
+    from sao.rollout import serve as serve_module
+
+    replica = object.__new__(serve_module.RolloutReplica)  # the waiting part only: no engine, no Serve
+    replica.engine = types.SimpleNamespace(version=0, close=lambda: None)
+    replica.config = types.SimpleNamespace(version_wait_s=5.0)
+    replica.replica_id = "r0"
+    replica._version_waits = {}
+    polls = []
+    poll = serve_module.RolloutReplica._poll_version
+
+    async def counted(self, min_version):
+        polls.append(min_version)
+        await poll(self, min_version)
+
+    monkeypatch.setattr(serve_module.RolloutReplica, "_poll_version", counted)
+
+    async def batch():
+        waiting = [asyncio.ensure_future(replica._reach_version(1)) for _ in range(64)]
+        await asyncio.sleep(0.05)
+        waiting[0].cancel()
+        await asyncio.sleep(0.05)
+        assert not any(w.done() for w in waiting[1:])
+        replica.engine.version = 1
+        await asyncio.wait_for(asyncio.gather(*waiting[1:]), timeout=5)
+        assert waiting[0].cancelled() and replica._version_waits == {}
+        replica.config.version_wait_s = 0.1
+        late = [asyncio.ensure_future(replica._reach_version(2)) for _ in range(3)]
+        return await asyncio.gather(*late, return_exceptions=True)
+
+    failures = asyncio.run(batch())
+    assert polls == [1, 2]
+    assert all(isinstance(f, TimeoutError) and "runs version 1, not 2" in str(f) for f in failures)
