@@ -66,7 +66,7 @@ from typing import Any
 
 from benchmarks._proctree import TreeSampler
 from benchmarks._report import machine, median_spread, update_section, write_json
-from benchmarks.peer_report import ARMS, SPLIT_PARTS, markdown
+from benchmarks.peer_report import ARMS, CPU_TARGET, RATIOS, SPLIT_PARTS, markdown
 from sao.algos.waits import mean_group_wait
 
 DEFAULT_SFT = Path("runs/bench/bench-learning/sft")
@@ -150,6 +150,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="tiny run for the tests (2 prompts x 4, 3 steps, 24 tokens; writes under --workdir only)")
     parser.add_argument("--tag", default="", help="names a variant run: peer-TAG.json/png and section peer-TAG")
+    parser.add_argument("--render", action="store_true",
+                        help="measure nothing: write the section again from --out's peer[-TAG].json (after a change "
+                             "of the report's text)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--results-md", type=Path, default=Path("docs/RESULTS.md"))
     args = parser.parse_args(argv)
@@ -475,7 +478,9 @@ def thread_group(name: str | None) -> str:
     if name is None:
         return "native threads"
     if name == "MainThread":
-        return "main thread"  # our in-process trainer, or TRL's whole loop
+        return "main thread"  # TRL's whole loop; ours waits for the run there
+    if name == "trainer":
+        return "trainer thread"  # our in-process trainer (sao.pipeline)
     if name == "rollout-driver":
         return "rollout driver"  # the asyncio driver: Serve handle calls, staleness gate
     if name.startswith("sink") or name.endswith("-timer"):
@@ -529,15 +534,6 @@ def summarize(record: dict[str, Any], warmup: int, target_reward: float | None) 
     }
 
 
-RATIOS = {  # name -> (numerator arm, denominator arm, target)
-    "grpo-single / trl-single": ("grpo-single", "trl-single", 1.0),
-    "sao-single / trl-single": ("sao-single", "trl-single", 0.75),
-    "sao-single-raytrain / trl-single": ("sao-single-raytrain", "trl-single", 0.75),
-    "sao-multi / grpo-multi": ("sao-multi", "grpo-multi", 3.0),
-}
-"""The ratios of trained completions/s the targets are judged on (each round's arms paired)."""
-
-
 def over_runs(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Median, min and max over the rounds: each arm's trained completions/s and CPU ms per completion,
     and each :data:`RATIOS` ratio computed within a round (arms of one round ran back to back)."""
@@ -564,7 +560,7 @@ def over_runs(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         values = (ratios(name, "trl-single", lambda s: sum(s["cpu_ms_per_completion"].values()))
                   if name in names and "trl-single" in names else [])
         if values:
-            out["ratios"][f"CPU per completion: {name} / trl-single"] = spread(values) | {"target": 1.5, "at_most": True}
+            out["ratios"][f"CPU per completion: {name} / trl-single"] = spread(values) | {"target": CPU_TARGET, "at_most": True}
     return out
 
 
@@ -671,6 +667,15 @@ def arms(args: argparse.Namespace, random_dir: Path, sft_dir: Path) -> list[Arm]
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    name = f"peer-{args.tag}" if args.tag else "peer"
+    if args.render:  # the last round's summaries are made again from its records, which are kept whole
+        record = json.loads((args.out / f"{name}.json").read_text())
+        record["summary"] = {arm: summarize(r, record["warmup"], record["target_reward"] if r["arm"]["shape"] == "multi"
+                                            else None) for arm, r in record["arms"].items()}
+        text = markdown(record, args.out / f"{name}.png")
+        print(text)
+        update_section(args.results_md, name, text)
+        return 0
     if "trl-single" in args.arms:
         try:
             import trl  # noqa: F401
@@ -696,7 +701,6 @@ def main(argv: list[str]) -> int:
     record = {"machine": info, "command": " ".join(["sao bench peer", *argv]), "warmup": args.warmup, "tag": args.tag,
               "target_reward": args.target_reward, "wall_s": time.time() - started, "runs": args.runs,
               "summary": summary, "arms": records, "rounds": rounds, "over_runs": over_runs(rounds)}
-    name = f"peer-{args.tag}" if args.tag else "peer"
     figure = plot(records, summary, args.workdir / "peer-quick.png" if args.quick else args.out / f"{name}.png",
                   args.target_reward)
     text = markdown(record, figure)

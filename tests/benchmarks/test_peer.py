@@ -115,6 +115,21 @@ def test_ratios_over_rounds_pair_the_arms_of_each_round():
     assert over_runs(rounds)["ratios"]["CPU per completion: grpo-single / trl-single"]["runs"] == [2.0, 1.5]
 
 
+def test_the_committed_record_renders_to_its_section_with_every_target_judged(tmp_path):
+    from pathlib import Path
+
+    from benchmarks.peer import main
+
+    results = tmp_path / "RESULTS.md"
+    assert main(["--render", "--out", "docs/results", "--results-md", str(results)]) == 0
+    section = results.read_text()
+    committed = Path("docs/RESULTS.md").read_text()
+    begin, end = "<!-- peer:begin -->", "<!-- peer:end -->"
+    assert section[section.index(begin):section.index(end)] == committed[committed.index(begin):committed.index(end)]
+    for target in ("target 1x", "target 0.75x", "target 3x"):
+        assert target in section
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_quick_run_reports_each_kind_of_arm(tmp_path):
