@@ -5,8 +5,10 @@ of the lake.
 
 Every arm runs the same policy (the SFT warm start of ``sao bench learning``, made if missing), the same
 math_tool tasks with the same heavy-tailed tool latency, one Serve rollout replica (its engine on one
-core) and the trainer in this process on one torch thread, so rollouts and training each have about
-one of the machine's two cores, as rollout and trainer GPUs would in a cluster. Arms, one after
+core) and the trainer in this process, on the run config's torch threads (``train.threads``: one in
+an asynchronous arm, so rollouts and training each have about one of the machine's two cores, as rollout
+and trainer GPUs would in a cluster; every core in the synchronous arm, where nothing generates during
+an update). Arms, one after
 another in one run:
 
 ``rollout capacity``  the rollout app alone (no trainer, no staleness gate), writing to the lake:
@@ -14,7 +16,8 @@ another in one run:
                       (rollouts finished while the driver still launched, after a quarter of that time);
 ``trainer capacity``  the SAO trainer alone on those trajectories (already in the lake, never
                       waiting): trajectories per second;
-``async SAO (lake)``  the real pipeline: rollouts -> Delta -> trainer -> weights, max staleness 4;
+``async SAO (lake)``  the real pipeline: rollouts -> Delta -> trainer -> weights, at the run config's
+                      max staleness (``--max-staleness``);
 ``async SAO (queue)`` the same, with an in-memory queue in place of Delta (the comparison systems
                       without a lake use; it keeps the checkpoint per step and the weight publication,
                       so the difference is Delta alone);
@@ -59,10 +62,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--group", type=int, default=8, help="GRPO rollouts per prompt")
     parser.add_argument("--in-flight", type=int, default=64, help="rollouts at once (every arm)")
-    parser.add_argument("--max-staleness", type=int, default=4,
-                        help="of the asynchronous arms: the gate admits (max staleness + 1) x batch rollouts "
-                             "beyond what the trainer consumed, in flight or waiting; at 2 that window (96) "
-                             "held about 25 of the 64 slots busy here")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="of the asynchronous arms (default: the run config's, train.max_staleness of the "
+                             "demo config the benchmarks start from): the gate admits (max staleness + 1) x batch "
+                             "rollouts beyond what the trainer consumed, in flight or waiting")
     parser.add_argument("--tool-median-s", type=float, default=1.0)
     parser.add_argument("--tool-sigma", type=float, default=1.0)
     parser.add_argument("--tool-max-s", type=float, default=30.0)
@@ -78,6 +81,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.steps, args.sync_steps, args.trainer_steps, args.rollouts = 3, 2, 2, 16
         args.batch, args.group, args.in_flight = 8, 4, 8
         args.tool_median_s, args.tool_max_s = 0.05, 0.5
+    if args.max_staleness is None:
+        from benchmarks._settings import bench_config
+
+        args.max_staleness = bench_config().train.max_staleness
     if args.batch % args.group:
         parser.error(f"--batch {args.batch} is not a multiple of --group {args.group}")
     if args.rollouts < args.trainer_steps * args.batch:
@@ -405,8 +412,9 @@ def _markdown(record: dict[str, Any], plot: Path | None) -> str:
         "## Speed: asynchronous SAO vs synchronous GRPO (`sao bench speed`)", "",
         f"Command: `{record['command']}`. {machine_line(record['machine'])} Benchmark wall time "
         f"{record['wall_s']:.0f} s.", "",
-        f"Setup: one Serve rollout replica (engine on one core), the trainer in the driver's process on one "
-        f"torch thread, {record['in_flight']} rollouts at once, batch {record['batch']}; math_tool with "
+        "Setup: one Serve rollout replica (engine on one core), the trainer in the driver's process on the run "
+        "config's torch threads (`train.threads`: one in the asynchronous arms, every core in the synchronous one), "
+        f"{record['in_flight']} rollouts at once, batch {record['batch']}; math_tool with "
         f"log-normal tool latency per call (median {record['tool']['median_s']} s, sigma {record['tool']['sigma']}, "
         f"cap {record['tool']['max_s']} s, keyed by task). Rollout wall times measured in the capacity arm: "
         f"p50 {rollout_q['p50']:.1f} s, p90 {rollout_q['p90']:.1f} s, p99 {rollout_q['p99']:.1f} s, max "

@@ -309,10 +309,11 @@ class Learner:
     def update(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None) -> dict[str, float]:
         """One actor step and K critic steps on ``batch`` (this worker's shard of it), on :attr:`device`.
 
-        With a critic and K >= 1 the first critic step's forward passes are the values the advantages
-        use: it runs first, on the critic as it was before the update, and its forward with gradients
-        gives the same values as a separate no-gradient forward would (tested), which is saved. The
-        actor step does not depend on the critic's steps, so the order changes no result."""
+        With a critic and K >= 1 the first critic step's forward passes give the values the advantages
+        use: that step runs first, on the critic as it was before the update, and its forward with
+        gradients gives the same values as a separate no-gradient forward would (tested), so the
+        separate forward is not run. The actor step does not depend on the critic's steps, so the order
+        changes no result."""
         started = time.perf_counter()
         batch = batch.to(self.device)
         critic_metrics: dict[str, float] = {}
