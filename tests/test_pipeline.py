@@ -41,12 +41,14 @@ def test_pipeline_settings_are_checked(tmp_path):
         next(task_stream(TASKS, 0, repeat=0))
 
 
-def test_the_writer_commits_small_batches_asynchronously_and_whole_batches_synchronously(tmp_path):
+def test_the_writer_commits_half_batches_asynchronously_and_whole_batches_synchronously(tmp_path):
     from sao.lake.config import WriterConfig
     from sao.pipeline import ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S, SYNC_FLUSH_S
 
     asynchronous = PipelineConfig(train=_train(tmp_path, batch_size=32)).writer_config()
-    assert (asynchronous.flush_rows, asynchronous.flush_seconds) == (ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S)
+    assert (asynchronous.flush_rows, asynchronous.flush_seconds) == (ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S) == (16, 0.25)
+    larger = PipelineConfig(train=_train(tmp_path, batch_size=128)).writer_config()
+    assert (larger.flush_rows, larger.flush_seconds) == (64, 1.0)  # a commit per half batch, or 1 s
     synchronous = PipelineConfig(train=_train(tmp_path, batch_size=32, max_staleness=0), synchronous=True)
     assert (synchronous.writer_config().flush_rows, synchronous.writer_config().flush_seconds) == (32, SYNC_FLUSH_S)
     chosen = WriterConfig(flush_rows=3, flush_seconds=1.0)
