@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "machine", "median_spread", "update_section", "write_json"]
+__all__ = ["git_commit", "machine", "median_spread", "publish", "update_section", "write_json"]
 
 
 def median_spread(values: list[float]) -> dict[str, float]:
@@ -86,3 +86,14 @@ def update_section(path: Path, name: str, markdown: str) -> None:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def publish(name: str, result: dict[str, Any], markdown: str, *, out: Path | None, results_md: Path | None,
+            quick: bool, default_json: Path, default_results: Path) -> None:
+    """Print ``markdown``; write ``result`` and the section ``name`` where ``out`` / ``results_md`` say,
+    or to the defaults outside a quick run (a quick run writes only where it is told to)."""
+    print(markdown)
+    if out is not None or not quick:
+        write_json(out or default_json, result)
+    if results_md is not None or not quick:
+        update_section(results_md or default_results, name, markdown)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, median_spread, update_section, write_json
+from benchmarks._report import machine, machine_line, median_spread, publish
 from benchmarks.rollout import _engine_cpus
 
 TARGET_RATIO = 0.9
@@ -299,12 +299,8 @@ def main(argv: list[str]) -> int:
     result = {"machine": machine(), "command": command, "concurrency": args.concurrency, "window_s": args.window_s,
               "repeats": args.repeats, "levels": levels,
               "engine_cpus": list(args.engine_cpus) if args.engine_cpus is not None else None, "target_ratio": TARGET_RATIO, "notes": notes}
-    markdown = _markdown(result)
-    print(markdown)
-    if args.out_json is not None or not args.quick:
-        write_json(args.out_json or DEFAULT_JSON, result)
-    if args.results_md is not None or not args.quick:
-        update_section(args.results_md or DEFAULT_RESULTS, "endpoint", markdown)
+    publish("endpoint", result, _markdown(result), out=args.out_json, results_md=args.results_md, quick=args.quick,
+            default_json=DEFAULT_JSON, default_results=DEFAULT_RESULTS)
     return 0
 
 

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, median_spread, update_section, write_json
+from benchmarks._report import machine, machine_line, median_spread, publish
 
 TARGET_RATIO = 1.3
 DEFAULT_JSON, DEFAULT_RESULTS = Path("docs/results/update.json"), Path("docs/RESULTS.md")
@@ -306,12 +306,8 @@ def main(argv: list[str]) -> int:
     result |= {"command": "sao bench update" + (" " + " ".join(argv) if argv else ""), "machine": info,
                "target_ratio": TARGET_RATIO}
     result["summary"] = summarise(result)
-    markdown = _markdown(result)
-    print(markdown)
-    if args.out is not None or not args.quick:
-        write_json(args.out or DEFAULT_JSON, result)
-    if args.results_md is not None or not args.quick:
-        update_section(args.results_md or DEFAULT_RESULTS, "update", markdown)
+    publish("update", result, _markdown(result), out=args.out, results_md=args.results_md, quick=args.quick,
+            default_json=DEFAULT_JSON, default_results=DEFAULT_RESULTS)
     return 0
 
 
