@@ -314,7 +314,9 @@ def _run_ours(arm: Arm) -> dict[str, Any]:
     shutdown_ray()
     driver = result.driver
     return {"trainer": "ours", "pretrain_s": pretrain_s, "wall_s": time.time() - started,
-            "torch_threads": torch.get_num_threads(), "ray_train": arm.ray_train,
+            # torch's threads are set per thread: the trainer's (config.train) are not the main thread's
+            "torch_threads": torch.get_num_threads(), "trainer_threads": config.train.torch_threads,
+            "ray_train": arm.ray_train,
             "driver": {"launched": driver.launched, "finished": driver.finished, "wall_s": driver.wall_s,
                        "slot_busy_s": driver.slot_busy_s, "slot_utilisation": driver.slot_utilisation(arm.batch),
                        "by_reason": dict(driver.by_reason)},

@@ -70,11 +70,8 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
         f"{arm0['generations']} generations = {arm0['prompts'] * arm0['generations']} completions per step (SAO: "
         f"that many single rollouts), policy lr {arm0['lr']:g} constant, fp32, gradient checkpointing off, no KL. "
         f"Our trainer ran in the arm's process (`use_ray_train=False`) except in `sao-single-raytrain` (one Ray "
-        f"Train worker), with {arm0['num_replicas']} Serve rollout replicas; torch threads of the arm's process: "
-        + ", ".join(f"{name} {r.get('torch_threads', '-')}" for name, r in records.items())
-        + " (ours: the run config's default, `train.threads`: one in an asynchronous run, whose replicas generate "
-          "while it updates, every core in a synchronous one"
-        + ("; TRL: torch's default, one per core). " if versions else "). ")
+        f"Train worker), with {arm0['num_replicas']} Serve rollout replicas. Torch threads: " + _threads_words(records)
+        + " "
         + (f"Single-turn: the prompts answered without the tool, a random-initialised policy, completions up to "
            f"{single['max_tokens']} tokens, {single['steps']} steps. " if single is not None else "") +
         "Figures over the steady state (after the first "
@@ -107,6 +104,17 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
     return "\n".join(lines)
 
 
+def _threads_words(records: dict[str, dict[str, Any]]) -> str:
+    """The torch threads each arm trained with: TRL's process's, our trainer's (recorded from the run
+    config since 2026-12-03; before, the record held the main thread's, which is not the trainer's)."""
+    ours = [(name, r.get("trainer_threads")) for name, r in records.items() if r["trainer"] == "ours"]
+    trl = [(name, r.get("torch_threads")) for name, r in records.items() if r["trainer"] == "trl"]
+    words = ", ".join(f"{name} {threads}" for name, threads in trl + ours if threads is not None)
+    rule = ("our trainer's are the run config's default, `train.threads`: one in an asynchronous run, whose "
+            "replicas generate while it updates, every core in a synchronous one")
+    return (f"{words} ({rule}; TRL's, torch's default: one per core)." if words else f"{rule}.")
+
+
 def _over_runs(record: dict[str, Any]) -> list[str]:
     """The ratios the targets are judged on, over the rounds (median, min-max), when the record has them."""
     over = record.get("over_runs")
@@ -116,12 +124,14 @@ def _over_runs(record: dict[str, Any]) -> list[str]:
     lines = ["", f"The table above is the last of {runs} rounds (each round runs every arm once, one after another). "
              f"Over the {runs} rounds, median (min-max):", "",
              "| arm | trained completions/s | CPU ms per trained completion |", "|---|---:|---:|"]
-    for name, v in over["trained_per_s"].items():
-        cpu = over["cpu_ms_per_completion"][name]
+    for name in [n for n in ARMS if n in over["trained_per_s"]]:  # (a record read back has sorted keys)
+        v, cpu = over["trained_per_s"][name], over["cpu_ms_per_completion"][name]
         lines.append(f"| {name} | {_spread(v, '.1f')} | {_spread(cpu, '.1f')} |")
     if over["ratios"]:
         lines += ["", "| ratio (within each round) | measured | target | met |", "|---|---:|---:|---|"]
-        for label, v in over["ratios"].items():
+        labels = [label for label in RATIOS if label in over["ratios"]]
+        for label in labels + sorted(set(over["ratios"]) - set(labels)):
+            v = over["ratios"][label]
             bound = "<=" if v.get("at_most") else ">="
             met = v["median"] <= v["target"] if v.get("at_most") else v["median"] >= v["target"]
             lines.append(f"| {label} | {_spread(v, '.2f')} | {bound} {v['target']:g} | {'yes' if met else '**no**'} |")

@@ -160,7 +160,8 @@ def test_quick_run_reports_each_kind_of_arm(tmp_path):
         assert set(summary["root_threads_ms_per_completion"]) <= set(THREAD_GROUPS)
     assert all(0 < s["tokens"] <= 8 * 24 for s in trl["steps"])  # completions of at most 24 tokens
     grpo = data["arms"]["grpo-single"]
-    assert grpo["torch_threads"] == trl["torch_threads"]  # a synchronous trainer on TRL's threads
+    assert grpo["trainer_threads"] == trl["torch_threads"]  # a synchronous trainer on TRL's threads
+    assert data["arms"]["sao-multi"]["trainer_threads"] == 1  # asynchronous: the replicas use the other core
     assert data["runs"] == 1 and set(data["over_runs"]["trained_per_s"]) == set(arms)
     assert data["summary"]["grpo-single"]["tokens_per_s"] > 0  # synchronous: generated inside the window
     assert all(s["batch_created_first"] <= s["batch_finished_last"] <= s["end"] for s in grpo["steps"])
