@@ -14,7 +14,8 @@ __all__ = ["LogprobKind", "SegmentKind", "TerminationReason"]
 
 class TerminationReason(enum.StrEnum):
     """Why a trajectory ended (``termination_reason``). Only ``stop`` ends with value 0; the budget
-    reasons bootstrap."""
+    reasons (``length``, ``turns``, ``timeout``) bootstrap; ``cancelled`` and ``error`` ends are stored
+    and, by default, not trained on (SAO.md section 2; ``UpdateConfig.skip_reasons``)."""
 
     STOP = "stop"  # natural end: stop token or answer given
     LENGTH = "length"  # token budget exhausted

@@ -72,7 +72,8 @@ def test_the_demo_config_is_the_laptop_demo():
     config = demo_config()
     assert (config.run_id, config.train.steps, config.train.batch_size, config.train.max_staleness) == (
         "demo", 150, 32, 2)
-    assert config.update().bootstrap_reasons == ("timeout", "cancelled", "error")
+    assert config.update().bootstrap_reasons == ("timeout",)
+    assert config.update().skip_reasons == ("cancelled", "error")
     assert (config.agent().max_tokens, config.value_pretraining.samples, config.eval.tasks) == (96, 256, 300)
 
 

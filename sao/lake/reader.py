@@ -5,7 +5,9 @@ at my version v, up to N rows". Terms:
     arrival order: ``ingest_seq`` (1, 2, 3, ... per run, increasing with the commit that stored the row;
         see :mod:`sao.lake.writer`).
     staleness at trainer version v: ``v - min_policy_version``. Trajectories without an action token
-        (``min_policy_version`` null) have nothing to train on and are never returned.
+        (``min_policy_version`` null) have nothing to train on and are never returned; nor are those
+        whose ``termination_reason`` the reader was told to pass over (``pass_over``: by default the
+        trainer passes over ``cancelled`` and ``error`` ends, SAO.md section 2), which stay stored.
     consumed: listed by a ``train_steps`` row of the run (:func:`sao.lake.ledger.record_train_step`).
 
 :class:`TrajectoryReader` answers it incrementally. Because ``ingest_seq`` only grows with commits, a row
@@ -72,6 +74,8 @@ class MicroBatch:
         data: the rows, in ``ingest_seq`` order, with the reader's columns (declared types).
         skipped_stale: rows set aside by this call because they are too stale.
         skipped_no_actions: rows set aside by this call because they hold no action token.
+        skipped_passed_over: rows set aside since the previous call because their termination reason
+            is one the reader passes over (each row counted once, when first scanned).
     """
 
     run_id: str
@@ -81,6 +85,7 @@ class MicroBatch:
     data: pa.Table
     skipped_stale: int
     skipped_no_actions: int
+    skipped_passed_over: int = 0
 
     @property
     def trajectory_ids(self) -> list[str]:
@@ -127,9 +132,12 @@ class TrajectoryReader:
         run_id: the run to read.
         columns: columns of :attr:`MicroBatch.data` (all when None); ``trajectory_id`` and
             ``ingest_seq`` are always included.
+        pass_over: termination reasons whose rows are never handed out (counted in
+            :attr:`MicroBatch.skipped_passed_over`; ``UpdateConfig.skip_reasons`` in training).
     """
 
-    def __init__(self, lake: Lake, run_id: str, *, columns: Sequence[str] | None = None) -> None:
+    def __init__(self, lake: Lake, run_id: str, *, columns: Sequence[str] | None = None,
+                 pass_over: Sequence[str] = ()) -> None:
         self.lake = lake
         self.run_id = run_id
         self._predicate = _run_predicate(run_id)
@@ -138,6 +146,8 @@ class TrajectoryReader:
             if required not in names:
                 names.insert(0, required)
         self.columns = names
+        self.pass_over = tuple(pass_over)
+        self._passed_over = 0  # rows passed over since the last call
         self._table: DeltaTable | None = None
         self._consumed: pa.Array | None = None
         self._cursor = 0
@@ -192,6 +202,7 @@ class TrajectoryReader:
         self._stale = pa.concat_tables([self._stale, stale])
         for row in chosen.to_pylist():
             self._handed_out[row["trajectory_id"]] = (row["ingest_seq"], row["min_policy_version"])
+        passed_over, self._passed_over = self._passed_over, 0
         return MicroBatch(
             run_id=self.run_id,
             snapshot_version=table.version(),
@@ -200,6 +211,7 @@ class TrajectoryReader:
             data=data,
             skipped_stale=stale.num_rows,
             skipped_no_actions=no_actions,
+            skipped_passed_over=passed_over,
         )
 
     def consumed(self, trajectory_ids: Iterable[str]) -> None:
@@ -263,19 +275,24 @@ class TrajectoryReader:
         if self._files is None:
             self._files = pafs.PyFileSystem(
                 DeltaStorageHandler(self.lake.table_uri(trajectories.NAME), self.lake.storage_options))
+        read = [*INDEX_COLUMNS, "termination_reason"] if self.pass_over else list(INDEX_COLUMNS)
         try:
-            new = pq.read_table(paths, filesystem=self._files, columns=list(INDEX_COLUMNS))
+            new = pq.read_table(paths, filesystem=self._files, columns=read)
         except (OSError, pa.ArrowException) as error:
             raise LakeError(f"reading {len(paths)} new files of run {self.run_id!r} at version "
                             f"{table.version()} failed (a file vacuumed away?): {error}") from error
         self._seen_files.update(paths)
-        new = new.select(list(INDEX_COLUMNS)).cast(_INDEX_SCHEMA)
         new = new.filter(pc.greater(new["ingest_seq"], self._cursor))
         if new.num_rows == 0:
             return
         self._cursor = int(pc.max(new["ingest_seq"]).as_py())
         if len(self._consumed):
             new = new.filter(pc.invert(pc.is_in(new["trajectory_id"], value_set=self._consumed)))
+        if self.pass_over:
+            passed = pc.is_in(new["termination_reason"], value_set=pa.array(self.pass_over, pa.string()))
+            self._passed_over += pc.sum(passed).as_py() or 0
+            new = new.filter(pc.invert(passed))
+        new = new.select(list(INDEX_COLUMNS)).cast(_INDEX_SCHEMA)
         self._pending = pa.concat_tables([self._pending, new.sort_by("ingest_seq")])
 
     def _fetch(self, table: DeltaTable, chosen: pa.Table) -> pa.Table:
@@ -303,20 +320,24 @@ def select_unconsumed(
     *,
     version: int | None = None,
     exclude: Iterable[str] = (),
+    pass_over: Sequence[str] = (),
 ) -> pa.Table:
     """Reference answer to the trainer's query: the index columns (``INDEX_COLUMNS``) of up to
     ``max_rows`` rows of ``run_id`` at ``version``, oldest ``ingest_seq`` first, not consumed by a
-    ``train_steps`` row, not in ``exclude``, holding an action token, with staleness <= ``max_staleness``.
-    Scans the whole run: use :class:`TrajectoryReader` in training."""
+    ``train_steps`` row, not in ``exclude``, holding an action token, not ending for a reason in
+    ``pass_over``, with staleness <= ``max_staleness``. Scans the whole run: use
+    :class:`TrajectoryReader` in training."""
     _check_bounds(trainer_version, max_staleness, max_rows)
     index = lake.read(
         trajectories.NAME,
         version=version,
-        columns=list(INDEX_COLUMNS),
+        columns=[*INDEX_COLUMNS, "termination_reason"],
         predicate=_run_predicate(run_id),
     )
     taken = pa.concat_arrays([consumed_ids(lake, run_id), pa.array(list(exclude), pa.string())])
     index = index.filter(pc.invert(pc.is_in(index["trajectory_id"], value_set=taken)))
+    index = index.filter(pc.invert(pc.is_in(index["termination_reason"], value_set=pa.array(list(pass_over), pa.string()))))
+    index = index.select(list(INDEX_COLUMNS))
     fresh, _, _ = _split_stale(index, trainer_version - max_staleness)
     return fresh.sort_by("ingest_seq").slice(0, max_rows)
 

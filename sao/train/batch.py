@@ -23,14 +23,19 @@ import torch
 
 from sao.algos.sampling import LogprobKind
 from sao.lake.records import decode_routing
+from schemas.vocabulary import TerminationReason
 
-__all__ = ["BOOTSTRAP_REASONS", "TrainBatch", "collate", "completion_positions", "split_by_token_budget"]
+__all__ = ["BOOTSTRAP_REASONS", "END_REASONS", "SKIP_REASONS", "TrainBatch", "collate", "completion_positions", "split_by_token_budget"]
 
-# Ends after which the return is bootstrapped with V(s_end) by default (SAO.md: only a natural end
-# has value 0). ``cancelled`` and ``error`` ends are included: their sampled tokens are valid actions of
-# the behaviour policy and the return after them is unknown, exactly as after a budget end.
-# ``UpdateConfig.bootstrap_reasons`` chooses per run.
-BOOTSTRAP_REASONS = ("length", "turns", "timeout", "cancelled", "error")
+# SAO.md section 2: after a budget end (max tokens, max turns, timeout) the return is bootstrapped with
+# V(s_end); after a natural end V beyond it is 0. ``cancelled`` and ``error`` ends were cut short by the
+# system, not by a budget the policy spent: by default the trainer stores them and passes over them
+# (``SKIP_REASONS``; counted in ``batch/cut_short_skipped``). ``UpdateConfig.bootstrap_reasons`` and
+# ``UpdateConfig.skip_reasons`` choose per run.
+BOOTSTRAP_REASONS = (TerminationReason.LENGTH.value, TerminationReason.TURNS.value, TerminationReason.TIMEOUT.value)
+SKIP_REASONS = (TerminationReason.CANCELLED.value, TerminationReason.ERROR.value)
+END_REASONS = tuple(r.value for r in TerminationReason if r is not TerminationReason.STOP)
+"""Every termination reason but ``stop`` (a natural end, always valued 0)."""
 
 
 class TrainBatch(NamedTuple):

@@ -28,6 +28,7 @@ from sao.algos.dis import check_interval
 from sao.algos.masked import LossAggregation
 from sao.lake.config import LakeConfig
 from sao.lake.store import is_valid_run_id
+from sao.train.batch import BOOTSTRAP_REASONS, END_REASONS, SKIP_REASONS
 from sao.train.device import DeviceSetting, check_settings
 from sao.train.retention import RetentionConfig
 from schemas.trajectories import RUN_ID_PATTERN
@@ -87,10 +88,16 @@ class UpdateConfig:
         group_scale_by_std: GRPO divides by the group's std (False: mean baseline only).
         running_mean_window: window of the running-mean baseline (paper comparison 8).
         reward_range: (low, high) to monitor values outside it.
-        bootstrap_reasons: termination reasons after which the return is V(s_end) rather than 0. The
-            paper bootstraps budget ends; where a budget is far above what a good answer needs (the
-            math demo: 96 tokens for a 25-token answer), treating ``length`` as a failure (value 0)
-            stops an optimistic critic from rewarding answers that never end.
+        bootstrap_reasons: termination reasons after which the return is V(s_end) rather than 0.
+            SAO.md bootstraps the budget ends (``length``, ``turns``, ``timeout``); where a budget is
+            far above what a good answer needs (the math demo: 96 tokens for a 25-token answer),
+            treating ``length`` as a failure (value 0) stops an optimistic critic from rewarding
+            answers that never end.
+        skip_reasons: termination reasons whose trajectories the trainer stores but does not train
+            on (value pretraining neither); the reader passes over them and each step counts them in
+            ``batch/cut_short_skipped``. SAO.md: ``cancelled`` and ``error`` ends, cut short by the
+            system rather than by a budget the policy spent. Empty (with these reasons in
+            ``bootstrap_reasons``) trains on them, bootstrapped.
         token_budget: most (sequences x padded length) tokens in one micro-batch.
         routing_replay: R3 (:mod:`sao.models.routing`): the actor's forward routes every token the
             rollout recorded a routing for to the recorded experts (weights from the live router, which
@@ -128,7 +135,8 @@ class UpdateConfig:
     group_scale_by_std: bool = True
     running_mean_window: int = 8
     reward_range: tuple[float, float] = (0.0, 1.0)
-    bootstrap_reasons: tuple[str, ...] = ("length", "turns", "timeout", "cancelled", "error")
+    bootstrap_reasons: tuple[str, ...] = BOOTSTRAP_REASONS
+    skip_reasons: tuple[str, ...] = SKIP_REASONS
     token_budget: int = 8192
     routing_replay: bool | None = None
     routing_metrics: bool = True
@@ -139,10 +147,16 @@ class UpdateConfig:
         object.__setattr__(self, "aggregation", LossAggregation(self.aggregation))
         object.__setattr__(self, "reward_range", tuple(self.reward_range))
         object.__setattr__(self, "bootstrap_reasons", tuple(self.bootstrap_reasons))
-        allowed = ("length", "turns", "timeout", "cancelled", "error")
-        unknown = [r for r in self.bootstrap_reasons if r not in allowed]
-        if unknown:
-            raise ValueError(f"bootstrap_reasons {unknown} are not among {allowed} ('stop' always ends with 0)")
+        object.__setattr__(self, "skip_reasons", tuple(self.skip_reasons))
+        for name in ("bootstrap_reasons", "skip_reasons"):
+            unknown = [r for r in getattr(self, name) if r not in END_REASONS]
+            if unknown:
+                raise ValueError(f"{name} {unknown} are not among {END_REASONS} ('stop' always ends with 0 "
+                                 "and is always trained on)")
+        both = sorted(set(self.bootstrap_reasons) & set(self.skip_reasons))
+        if both:
+            raise ValueError(f"{both} are in both bootstrap_reasons and skip_reasons: a skipped trajectory "
+                             "is not trained on, so it has no return to bootstrap")
         check_interval(self.eps_low, self.eps_high)
         if self.critic_updates < 0:
             raise ValueError(f"critic_updates must be >= 0, got {self.critic_updates}")

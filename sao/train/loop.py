@@ -163,14 +163,15 @@ class _Stopped(Exception):
 
 def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, broker: _Broker = _Broker()):
     """Block until ``batch_size`` eligible trajectories are in the lake; returns (snapshot version,
-    rows, stale rows passed over, rows without an action token passed over). Rows passed over are
+    rows, stale rows passed over, rows without an action token passed over, rows passed over for their
+    termination reason: ``UpdateConfig.skip_reasons``). Rows passed over are
     reported to the broker as they are found, so that the rollout driver launches others in their
     place while this waits (at ``max_staleness`` 0 a batch would otherwise never fill once one of its
     rollouts saw a weight update). Raises :class:`_Stopped` when the broker's stop is requested."""
     deadline = time.monotonic() + cfg.wait_timeout_s
     held: list[pa.Table] = []
     snapshot = None
-    stale = no_actions = 0
+    stale = no_actions = cut_short = 0
     while True:
         if broker.stop_requested():
             raise _Stopped
@@ -178,13 +179,14 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
         micro = reader.next_micro_batch(version, cfg.max_staleness, want)
         stale += micro.skipped_stale
         no_actions += micro.skipped_no_actions
-        if micro.skipped_stale + micro.skipped_no_actions:
-            broker.skipped(micro.skipped_stale + micro.skipped_no_actions)
+        cut_short += micro.skipped_passed_over
+        if micro.skipped_stale + micro.skipped_no_actions + micro.skipped_passed_over:
+            broker.skipped(micro.skipped_stale + micro.skipped_no_actions + micro.skipped_passed_over)
         if len(micro):
             held.append(micro.data)
         snapshot = micro.snapshot_version
         if sum(t.num_rows for t in held) >= cfg.batch_size:
-            return snapshot, pa.concat_tables(held), stale, no_actions
+            return snapshot, pa.concat_tables(held), stale, no_actions, cut_short
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"run {cfg.run_id!r}: only {sum(t.num_rows for t in held)} of {cfg.batch_size} trajectories "
@@ -252,6 +254,7 @@ class _Selection:
     seqs: list[int]  # their ``ingest_seq`` values: the other workers read just those rows' files
     stale: int  # rows passed over as beyond max_staleness while waiting
     no_actions: int  # rows passed over as having no action token
+    cut_short: int  # rows passed over for their termination reason (``UpdateConfig.skip_reasons``)
     due: bool  # whether this step is reported to Ray Train
 
 
@@ -305,7 +308,8 @@ def _start_worker(cfg: TrainConfig, device: torch.device) -> _Worker:
         learner.load_state_dict(trainer_state)
     worker = _Worker(cfg, rank, world, lake, learner, load_tokenizer(cfg.policy_path),
                      broker=_broker_calls(cfg) if rank == 0 else _Broker(),
-                     reader=TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS) if rank == 0 else None,
+                     reader=TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS,
+                                             pass_over=cfg.update.skip_reasons) if rank == 0 else None,
                      step=step, version=version)
     if rank == 0:
         write_run_config(cfg)
@@ -320,7 +324,7 @@ def _select(worker: _Worker, last: bool, last_report: float) -> _Selection | Non
     to Ray Train when it is the ``last`` or ``report_interval_s`` passed since ``last_report``."""
     cfg = worker.cfg
     try:
-        snapshot, table, stale, no_actions = _wait_for_batch(worker.reader, cfg, worker.version, worker.broker)
+        snapshot, table, stale, no_actions, cut_short = _wait_for_batch(worker.reader, cfg, worker.version, worker.broker)
     except _Stopped:
         log.info("run %s: stop requested; the trainer stops at step %d (version %d)",
                  cfg.run_id, worker.step, worker.version)
@@ -328,7 +332,7 @@ def _select(worker: _Worker, last: bool, last_report: float) -> _Selection | Non
     due = last or time.monotonic() - last_report >= cfg.report_interval_s
     worker.held = table
     return _Selection(snapshot, table.column("trajectory_id").to_pylist(), table.column("ingest_seq").to_pylist(),
-                      stale, no_actions, due)
+                      stale, no_actions, cut_short, due)
 
 
 def _update(worker: _Worker, selection: _Selection, timings: dict[str, float]) -> dict[str, float]:
@@ -351,6 +355,7 @@ def _update(worker: _Worker, selection: _Selection, timings: dict[str, float]) -
     metrics = _merge_worker_metrics(metrics, worker.world)
     metrics["batch/stale_skipped"] = float(selection.stale)
     metrics["batch/no_action_skipped"] = float(selection.no_actions)
+    metrics["batch/cut_short_skipped"] = float(selection.cut_short)
     metrics["batch/world_size"] = float(worker.world)
     return metrics
 

@@ -5,7 +5,8 @@
 1. **Data**: the trajectories of ``data_run_id`` (the run itself by default) sampled entirely by policy
    version 0 (``max_policy_version = 0``), read from one pinned ``trajectories`` snapshot with
    ``ray.data.read_delta(table_uri, version=...)``, filtered to the run, ordered by arrival
-   (``ingest_seq``) and cut to the first ``num_samples``; the newest ``heldout_fraction`` of them are held
+   (``ingest_seq``), without the ends ``UpdateConfig.skip_reasons`` names (``cancelled`` and ``error``
+   by default: RL does not train on them either), and cut to the first ``num_samples``; the newest ``heldout_fraction`` of them are held
    out. (The paper used about 6k samples; the default here is laptop-sized.)
 2. **Training** on Ray Train workers (``TorchTrainer`` with ``datasets=``; each worker streams its
    shard, ``resources_per_worker={"CPU": cpus_per_worker}`` leaves CPUs for the read tasks; on the
@@ -200,10 +201,10 @@ def fit_critic(learner: Learner, batches: Callable[[int], Iterable[Sequence[Mapp
 # ----- Ray Data: the pinned snapshot ---------------------------------------------------------------
 
 
-def select_samples(lake: Lake, run_id: str, pcfg: PretrainConfig):
+def select_samples(lake: Lake, run_id: str, pcfg: PretrainConfig, skip_reasons: Sequence[str] = ()):
     """(train dataset, held-out dataset, snapshot version): the first ``num_samples`` version-0
-    trajectories of ``run_id`` by arrival, read with Ray Data at one pinned snapshot; the newest
-    ``heldout_fraction`` held out. Ray must be initialised."""
+    trajectories of ``run_id`` by arrival whose termination reason is not in ``skip_reasons``, read with
+    Ray Data at one pinned snapshot; the newest ``heldout_fraction`` held out. Ray must be initialised."""
     import ray.data
 
     _quiet_ray_data()
@@ -215,6 +216,9 @@ def select_samples(lake: Lake, run_id: str, pcfg: PretrainConfig):
 
     def of_version_zero(batch: pa.Table) -> pa.Table:
         keep = pc.and_(pc.equal(batch["run_id"], run_id), pc.equal(batch["max_policy_version"], 0))
+        if skip_reasons:
+            passed = pc.is_in(batch["termination_reason"], value_set=pa.array(list(skip_reasons), pa.string()))
+            keep = pc.and_(keep, pc.invert(passed))
         return batch.filter(pc.fill_null(keep, False))
 
     chosen = (dataset.map_batches(of_version_zero, batch_format="pyarrow").sort("ingest_seq")
@@ -222,7 +226,7 @@ def select_samples(lake: Lake, run_id: str, pcfg: PretrainConfig):
     count = chosen.count()
     if count < 2:
         raise ValueError(f"value pretraining needs at least 2 trajectories sampled by version 0 in run {run_id!r} "
-                         f"(trajectories version {version}); found {count}")
+                         f"(trajectories version {version}, ends in {tuple(skip_reasons)} left out); found {count}")
     heldout = min(count - 1, max(1, round(count * pcfg.heldout_fraction)))
     train, held = chosen.split_at_indices([count - heldout])
     return train, held, version
@@ -323,7 +327,7 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
                          "and must run before the first step")
     lake = Lake.open(cfg.lake)
     data_run = pcfg.data_run_id or cfg.run_id
-    train, heldout, version = select_samples(lake, data_run, pcfg)
+    train, heldout, version = select_samples(lake, data_run, pcfg, cfg.update.skip_reasons)
     num_train = train.count()
     storage = storage_path or str(Path(cfg.checkpoint_root).resolve().parent / "ray_train")
     trainer = TorchTrainer(

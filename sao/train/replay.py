@@ -102,7 +102,7 @@ __all__ = [
     "what_if_steps",
 ]
 
-NOT_REPLAYED = ("time/", "batch/stale_skipped", "batch/no_action_skipped")
+NOT_REPLAYED = ("time/", "batch/stale_skipped", "batch/no_action_skipped", "batch/cut_short_skipped")
 """Metric name prefixes replay does not compare: timings, and what the reader skipped at the time."""
 
 

@@ -20,6 +20,7 @@ from sao.lake.store import LakeError
 from sao.lake.synthetic import make_trajectories
 from sao.lake.writer import TrajectoryWriter
 from schemas.trajectories import SegmentKind
+from schemas.vocabulary import TerminationReason
 from tests.lake.conftest import RUN
 
 MANUAL = WriterConfig(flush_rows=10_000, background_flush=False)
@@ -82,6 +83,28 @@ def test_staleness_is_trainer_version_minus_the_oldest_sampling_version(local_la
     ]
 
 
+def ended(record: TrajectoryRecord, reason: str) -> TrajectoryRecord:
+    return dataclasses.replace(record, termination_reason=TerminationReason(reason),
+                               error="ValueError: boom" if reason == "error" else None)
+
+
+def test_rows_of_the_reasons_passed_over_stay_stored_and_are_counted_once(local_lake):
+    records = make_trajectories(6, seed=21, num_tokens=16)
+    cut = [ended(records[1], "cancelled"), ended(records[3], "error"), ended(records[4], "timeout")]
+    write(local_lake, [records[0], cut[0], records[2], cut[1]])
+    reader = TrajectoryReader(local_lake, RUN, pass_over=("cancelled", "error"))
+    first = reader.next_micro_batch(0, 1, 1)
+    assert first.trajectory_ids == [records[0].trajectory_id] and first.skipped_passed_over == 2
+    write(local_lake, [cut[2], records[5]])
+    rest = reader.next_micro_batch(0, 1, 10)  # a budget end is trained on; counted rows are not again
+    assert rest.trajectory_ids == [records[2].trajectory_id, cut[2].trajectory_id, records[5].trajectory_id]
+    assert rest.skipped_passed_over == 0
+    stored = read_trajectories(local_lake, run_id=RUN, columns=["trajectory_id", "termination_reason"])
+    assert stored.num_rows == 6 and stored["termination_reason"].to_pylist().count("cancelled") == 1
+    every = TrajectoryReader(local_lake, RUN).next_micro_batch(0, 1, 10)  # passing over nothing: all six
+    assert len(every) == 6 and every.skipped_passed_over == 0
+
+
 def test_consumption_is_exactly_once_across_a_restart(lake):
     records = make_trajectories(12, seed=4, num_tokens=16)
     write(lake, records)
@@ -126,26 +149,26 @@ def test_pinned_snapshot_and_monotone_bounds(local_lake):
 
 
 def test_incremental_reader_equals_the_full_scan_reference(local_lake):
-    """Random appends, steps, staleness and batch sizes: the reader returns what the reference returns."""
+    """Random appends (some ending cancelled or in an error), steps, staleness and batch sizes: the
+    reader returns what the reference returns."""
     rng = random.Random(7)
-    reader = TrajectoryReader(local_lake, RUN, columns=["trajectory_id"])
+    pass_over = ("cancelled", "error")
+    reader = TrajectoryReader(local_lake, RUN, columns=["trajectory_id"], pass_over=pass_over)
     handed_out: list[str] = []
     trainer_version, step_number, seed = 0, 0, 100
     for _ in range(16):
         if rng.random() < 0.7:
             versions = (rng.choice([0, 1]),)
-            write(
-                local_lake,
-                make_trajectories(
-                    rng.randint(1, 8), seed=seed, num_tokens=12, policy_versions=versions
-                ),
-            )
+            made = make_trajectories(rng.randint(1, 8), seed=seed, num_tokens=12, policy_versions=versions)
+            write(local_lake, [ended(r, rng.choice(["stop", "stop", "length", "cancelled", "error"]))
+                               for r in made])
             seed += 1
         trainer_version = max(0, trainer_version + rng.choice([-1, 0, 1, 1]))
         staleness, rows = rng.choice([0, 1, 2]), rng.randint(1, 6)
         version = local_lake.version("trajectories")
         expected = select_unconsumed(
-            local_lake, RUN, trainer_version, staleness, rows, version=version, exclude=handed_out
+            local_lake, RUN, trainer_version, staleness, rows, version=version, exclude=handed_out,
+            pass_over=pass_over,
         )
         batch = reader.next_micro_batch(trainer_version, staleness, rows, version=version)
         assert batch.trajectory_ids == expected["trajectory_id"].to_pylist()

@@ -1,6 +1,7 @@
 """The training loop in-process: reads from Delta, commits steps, exactly-once across a killed trainer."""
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from sao.rollout.torch_engine import TorchEngine
 from sao.train.checkpoint import load_checkpoint, weights_hash
 from sao.train.config import TrainConfig, UpdateConfig
 from sao.train.loop import prepare_run, run_training
+from schemas.vocabulary import TerminationReason
 
 
 def make_config(tmp_path, policy_dir, **kw):
@@ -35,8 +37,9 @@ def make_config(tmp_path, policy_dir, **kw):
     return TrainConfig(**fields)
 
 
-def roll_out(policy_dir, tokenizer, lake, run_id, count, seed=0):
-    """``count`` real trajectories of the version-0 policy on math_tool, written to the lake."""
+def roll_out(policy_dir, tokenizer, lake, run_id, count, seed=0, ends=None):
+    """``count`` real trajectories of the version-0 policy on math_tool, written to the lake (with
+    ``ends``, their termination reasons replaced by these, in order, as if cut short there)."""
     engine = TorchEngine(load_policy(policy_dir))
     loop = AgentLoop(engine, tokenizer, lambda task: make_env(task.env), AgentConfig(max_tokens=24, max_turns=2))
     tasks = generate_tasks(MathToolConfig(num_train=count, num_heldout=0, seed=seed))
@@ -45,6 +48,10 @@ def roll_out(policy_dir, tokenizer, lake, run_id, count, seed=0):
         return await asyncio.gather(*[loop.run(t, run_id=run_id, seed=seed * 100 + i) for i, t in enumerate(tasks)])
 
     records = asyncio.run(many())
+    if ends is not None:
+        records = [dataclasses.replace(r, termination_reason=TerminationReason(end),
+                                       error="RuntimeError: replica died" if end == "error" else None)
+                   for r, end in zip(records, ends, strict=True)]
     engine.close()
     loop.close()
     with TrajectoryWriter(lake, WriterConfig(flush_rows=5, background_flush=False)) as writer:
@@ -99,6 +106,22 @@ def test_stale_trajectories_are_kept_and_reported_not_trained(cfg, policy_dir, t
     assert not set(old) & set(consumed_ids(lake, cfg.run_id).to_pylist())
 
 
+def test_cancelled_and_error_ends_are_stored_counted_and_not_trained_on_by_default(cfg, policy_dir, tokenizer):
+    """SAO.md section 2: an episode the system cut short (cancelled, error) is neither a natural end nor a
+    budget end; the trainer passes over it, counts it, and a step consumes it never."""
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    first = roll_out(policy_dir, tokenizer, lake, cfg.run_id, 4)
+    cut = roll_out(policy_dir, tokenizer, lake, cfg.run_id, 3, seed=1, ends=["cancelled", "error", "timeout"])
+    rest = roll_out(policy_dir, tokenizer, lake, cfg.run_id, 3, seed=2)
+    reports = run_training(cfg)
+    consumed = consumed_ids(lake, cfg.run_id).to_pylist()
+    assert sorted(consumed) == sorted(first + cut[2:] + rest)  # the timeout end is trained on (bootstrapped)
+    steps = lake.read("train_steps", predicate="run_id = 'run-a'").sort_by("step").to_pylist()
+    assert [dict(s["metrics"])["batch/cut_short_skipped"] for s in steps] == [2.0, 0.0]
+    assert len(reports) == 2 and lake.read("trajectories").num_rows == 10
+
+
 def test_rows_passed_over_are_reported_while_the_trainer_waits_so_their_batch_can_fill(cfg, policy_dir, tokenizer):
     """A row the trainer will never train on is reported the moment it is passed over, not after the
     step: the driver launches another in its place, and the batch that lacked it fills (before, a
@@ -122,8 +145,8 @@ def test_rows_passed_over_are_reported_while_the_trainer_waits_so_their_batch_ca
 
     strict = cfg.__class__(**{**cfg.__dict__, "wait_timeout_s": 20.0})
     reader = TrajectoryReader(lake, cfg.run_id, columns=["trajectory_id", "min_policy_version"])
-    _, table, stale, no_actions = _wait_for_batch(reader, strict, 0, _Broker(skipped=skipped))
-    assert reported == [1] and (stale, no_actions) == (0, 1)
+    _, table, stale, no_actions, cut_short = _wait_for_batch(reader, strict, 0, _Broker(skipped=skipped))
+    assert reported == [1] and (stale, no_actions, cut_short) == (0, 1, 0)
     assert table.num_rows == 4 and "e" * 32 not in table.column("trajectory_id").to_pylist()
 
 

@@ -30,6 +30,7 @@ from sao.train.pretrain import (
 )
 from sao.train.replay import replay_steps
 from sao.train.step import Learner
+from schemas.vocabulary import TerminationReason
 from tests.train.test_loop import make_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,8 +41,9 @@ def judged(task):
     return 1.0 if "How many" in task.prompt else 0.0
 
 
-def version_zero_rollouts(policy_dir, tokenizer, lake, run_id, count, seed=0):
-    """``count`` real rollouts of the version-0 policy, rewarded by :func:`judged`, written to the lake."""
+def version_zero_rollouts(policy_dir, tokenizer, lake, run_id, count, seed=0, ends=None):
+    """``count`` real rollouts of the version-0 policy, rewarded by :func:`judged`, written to the lake
+    (with ``ends``, their termination reasons replaced by these, in order)."""
     engine = TorchEngine(load_policy(policy_dir))
     loop = AgentLoop(engine, tokenizer, lambda task: make_env(task.env), AgentConfig(max_tokens=24, max_turns=2))
     tasks = generate_tasks(MathToolConfig(num_train=count, num_heldout=0, seed=seed))
@@ -50,6 +52,10 @@ def version_zero_rollouts(policy_dir, tokenizer, lake, run_id, count, seed=0):
         return await asyncio.gather(*[loop.run(t, run_id=run_id, seed=i) for i, t in enumerate(tasks)])
 
     records = [dataclasses.replace(r, reward=judged(t)) for r, t in zip(asyncio.run(many()), tasks, strict=True)]
+    if ends is not None:
+        records = [dataclasses.replace(r, termination_reason=TerminationReason(end),
+                                       error="RuntimeError: replica died" if end == "error" else None)
+                   for r, end in zip(records, ends, strict=True)]
     engine.close()
     loop.close()
     with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
@@ -113,10 +119,13 @@ def test_lambda_return_targets_use_the_critics_own_values(run):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_pretraining_through_ray_data_and_ray_train_becomes_the_version_zero_critic(run, ray_session):
+def test_pretraining_through_ray_data_and_ray_train_becomes_the_version_zero_critic(run, ray_session, policy_dir,
+                                                                                     tokenizer):
     cfg, lake = run
+    version_zero_rollouts(policy_dir, tokenizer, lake, cfg.run_id, 2, seed=3,
+                          ends=["cancelled", "error"])  # stored, left out as RL leaves them out
     old_critic = load_checkpoint(cfg.checkpoint_root, 0).critic
-    report = pretrain_value(cfg, PretrainConfig(num_samples=40, heldout_fraction=0.25, epochs=4, batch_size=8))
+    report = pretrain_value(cfg, PretrainConfig(num_samples=50, heldout_fraction=0.25, epochs=4, batch_size=8))
     assert (report.num_train, report.num_heldout, report.optimizer_steps) == (30, 10, 16)
     assert report.trajectories_version == lake.version("trajectories")
     assert report.loss_after < 0.5 * report.loss_before

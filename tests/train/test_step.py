@@ -274,6 +274,19 @@ def test_a_critic_algorithm_without_a_critic_is_refused():
         Learner(UpdateConfig(algorithm="sao"), tiny(), None)
 
 
+def test_the_default_ends_follow_sao_md_and_contradictions_are_refused():
+    """SAO.md section 2: budget ends bootstrap, cancelled and error ends are stored and not trained on."""
+    default = UpdateConfig()
+    assert default.bootstrap_reasons == ("length", "turns", "timeout")
+    assert default.skip_reasons == ("cancelled", "error")
+    trained = UpdateConfig(bootstrap_reasons=["length", "cancelled", "error"], skip_reasons=[])
+    assert trained.skip_reasons == () and "error" in trained.bootstrap_reasons
+    with pytest.raises(ValueError, match=r"\['error'\] are in both bootstrap_reasons and skip_reasons"):
+        UpdateConfig(bootstrap_reasons=["length", "error"])
+    with pytest.raises(ValueError, match=r"skip_reasons \['stop'\] are not among"):
+        UpdateConfig(skip_reasons=["stop"])
+
+
 # Routing replay (R3) ------------------------------------------------------------------------------
 
 
