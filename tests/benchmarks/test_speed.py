@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.speed import MemoryQueue, _steady, main
+from benchmarks.speed import MemoryQueue, _steady, main, over_rounds
 
 
 def _record(version):
@@ -42,6 +42,22 @@ def test_steady_rate_counts_steps_after_the_first():
     assert arm.trainer_busy == pytest.approx(4 / 6) and arm.startup_s == 10.0 and arm.step_s == [2.0, 4.0]
 
 
+def test_target_figures_are_taken_within_a_round_and_each_arm_is_its_median_round():
+    def round_(per_s, ratio):
+        arms = [{"name": name, "per_s": v} for name, v in zip(("rollouts", "async", "sync"), per_s, strict=True)]
+        return {"arms": arms, "rollout_capacity_per_s": per_s[0], "trainer_capacity_per_s": 9.0,
+                "roofline_per_s": per_s[0], "rollout_time_s": {"p50": ratio}, "async_over_sync": ratio,
+                "async_over_roofline": per_s[1] / per_s[0], "lake_cost": 0.1 * ratio}
+
+    rounds = [round_((10.0, 6.0, 2.0), 3.0), round_((8.0, 6.0, 3.0), 2.0), round_((12.0, 3.0, 1.0), 3.0)]
+    summary = over_rounds(rounds)
+    assert summary["async_over_sync"] == {"median": 3.0, "min": 2.0, "max": 3.0}
+    assert summary["async_over_roofline"] == {"median": 0.6, "min": 0.25, "max": 0.75}
+    assert summary["roofline_per_s"] == 10.0
+    assert [a["per_s"] for a in summary["arms"]] == [10.0, 6.0, 2.0]  # each arm's median round, not a mixture
+    assert summary["arms"][2]["per_s_runs"] == [2.0, 3.0, 1.0]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_quick_run_measures_every_arm(tmp_path, ray_session):
@@ -49,6 +65,8 @@ def test_quick_run_measures_every_arm(tmp_path, ray_session):
     assert main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(out),
                  "--results-md", str(tmp_path / "RESULTS.md")]) == 0
     data = json.loads((out / "speed.json").read_text())
+    assert data["runs"] == len(data["rounds"]) == 1
+    assert data["async_over_sync"]["median"] == data["rounds"][0]["async_over_sync"]
     names = [a["name"] for a in data["arms"]]
     assert names == ["rollout capacity", "trainer capacity (SAO)", "async SAO (lake)", "async SAO (in-memory queue)",
                      "sync GRPO"]
