@@ -173,7 +173,8 @@ def train(config: RunConfig = RunConfig(), sources: dict[str, str] | None = None
     after = evaluate(settings, trained["version"])
     summary = report(settings, [before, after], trained)
     result = {"run_id": run_id, "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
+              "stderr_before": before.stderr, "stderr_after": after.stderr, "eval_tasks": after.num_tasks,
               "steps": trained["steps"], "version": trained["version"], "trajectories": trained["trajectories"],
-              "summary": summary, "settings": settings.public()}
+              "train_wall_s": trained["wall_s"], "summary": summary, "settings": settings.public()}
     runs.record_finished(settings, result)
     return result

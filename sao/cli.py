@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, str] = {
     "update": "update_floor",
     "speed": "speed",
     "bias": "bias",
+    "demo": "demo",
     "gpu-check": "gpu_check",
 }
 

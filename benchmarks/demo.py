@@ -1,0 +1,120 @@
+"""Benchmark: the laptop demo as a newcomer runs it, timed, with its accuracy before and after.
+
+    sao bench demo [--workdir DIR] [--set KEY=VALUE ...] [--quick]
+
+Runs ``sao demo`` (``configs/demo.yaml``: SFT warm start, evaluation, value pretraining, SAO with Serve
+rollouts into a local Delta lake and Ray Train updates, evaluation again) as a child process in an empty
+working folder, so nothing of an earlier run is resumed, and reads the run's recorded result
+(``runs/demo/result.json``). With ``--set`` the same run goes through ``sao train --config
+configs/demo.yaml --set ...`` instead (a variant of the demo; its settings are recorded). The wall time
+is the command's, from start to exit, in an installed environment (a fresh clone adds the
+environment's creation, which ``make demo`` does first).
+
+Target (issue 24): held-out sampled accuracy above 0.8, a rise of at least +0.25, in under 10 minutes.
+Writes ``docs/results/demo.json`` and the ``demo`` section of ``docs/RESULTS.md`` (``--tag T``:
+``demo-T.json`` and section ``demo-T``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._report import machine, machine_line, publish
+
+TARGET_ACCURACY, TARGET_RISE, TARGET_WALL_S = 0.8, 0.25, 600.0
+DEFAULT_JSON, DEFAULT_RESULTS = Path("docs/results/demo.json"), Path("docs/RESULTS.md")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sao bench demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="the empty folder the demo runs in (default: a new temporary folder)")
+    parser.add_argument("--set", dest="sets", action="append", default=[],
+                        help="KEY=VALUE: a variant of the demo config (repeatable)")
+    parser.add_argument("--tag", default="", help="names a variant: demo-TAG.json and section demo-TAG")
+    parser.add_argument("--quick", action="store_true",
+                        help="two steps, few evaluation tasks and value samples (the test suite's)")
+    parser.add_argument("--out-json", type=Path, default=None,
+                        help=f"the JSON result (default {DEFAULT_JSON}; --quick writes only where told)")
+    parser.add_argument("--results-md", type=Path, default=None,
+                        help=f"the results file whose section is replaced (default {DEFAULT_RESULTS}; likewise)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sets = ["train.steps=2", "train.batch_size=8", "eval.tasks=8", "value_pretraining.samples=8",
+                     "sft.max_steps=4", *args.sets]
+    return args
+
+
+def run_demo(workdir: Path, sets: list[str]) -> tuple[dict[str, Any], float]:
+    """``sao demo`` (or, with ``sets``, ``sao train`` on the demo config with them) in ``workdir``; its
+    recorded result and wall seconds. Raises RuntimeError, with the output's tail, when it fails."""
+    from sao.config import DEMO_CONFIG
+
+    sao = str(Path(sys.executable).with_name("sao"))
+    command = [sao, "demo"] if not sets else [
+        sao, "train", "--config", str(DEMO_CONFIG), *[part for value in sets for part in ("--set", value)]]
+    workdir.mkdir(parents=True, exist_ok=True)
+    if any(workdir.iterdir()):
+        raise RuntimeError(f"{workdir} is not empty: the demo must start from nothing")
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=workdir, capture_output=True, text=True)
+    wall_s = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
+    result = json.loads((workdir / "runs" / "demo" / "result.json").read_text())
+    return result, wall_s
+
+
+def _markdown(record: dict[str, Any], name: str) -> str:
+    r = record["result"]
+    rise = r["accuracy_after"] - r["accuracy_before"]
+    tag = f" ({record['tag']})" if record.get("tag") else ""
+    met = {"accuracy": r["accuracy_after"] > TARGET_ACCURACY, "rise": rise >= TARGET_RISE,
+           "wall": record["wall_s"] < TARGET_WALL_S}
+    return "\n".join([
+        f"## The demo (`sao bench demo`){tag}",
+        "",
+        f"Command: `{record['command']}` (runs `{record['demo_command']}` in an empty folder). "
+        f"{machine_line(record['machine'])} Raw data: `{DEFAULT_JSON.with_name(name + '.json')}`.",
+        "",
+        f"One run of the demo config{' with ' + ', '.join(f'`{s}`' for s in record['sets']) if record['sets'] else ''}: "
+        f"{r['steps']} SAO steps, {r['trajectories']} trajectories generated; held-out sampled accuracy (T=1) on "
+        f"{r['eval_tasks']} tasks, with its standard error. The wall time is the command's, in an installed "
+        "environment (`make demo` on a fresh clone creates the environment first).",
+        "",
+        "| figure | measured | target | met |",
+        "|---|---:|---:|---|",
+        f"| held-out accuracy, version 0 (the SFT warm start) | {r['accuracy_before']:.3f} ± {r['stderr_before']:.3f} | | |",
+        f"| held-out accuracy after training | {r['accuracy_after']:.3f} ± {r['stderr_after']:.3f} | > {TARGET_ACCURACY} | "
+        f"{'yes' if met['accuracy'] else 'NO'} |",
+        f"| rise | {rise:+.3f} | >= +{TARGET_RISE} | {'yes' if met['rise'] else 'NO'} |",
+        f"| wall time of the command | {record['wall_s'] / 60:.1f} min | < {TARGET_WALL_S / 60:.0f} min | "
+        f"{'yes' if met['wall'] else 'NO'} |",
+        f"| of which the SAO training stage | {r['train_wall_s'] / 60:.1f} min | | |",
+    ])
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sao-bench-demo-"))
+    print(f"sao bench demo: running the demo in {workdir} (about 6-10 minutes on 2 cores) ...", file=sys.stderr)
+    result, wall_s = run_demo(workdir, args.sets)
+    result.pop("summary", None)
+    name = f"demo-{args.tag}" if args.tag else "demo"
+    record = {"machine": machine(), "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,
+              "demo_command": "sao demo" if not args.sets else "sao train --config configs/demo.yaml "
+              + " ".join(f"--set {s}" for s in args.sets), "sets": args.sets, "wall_s": wall_s, "result": result}
+    publish(name, record, _markdown(record, name), out=args.out_json, results_md=args.results_md, quick=args.quick,
+            default_json=DEFAULT_JSON.with_name(f"{name}.json"), default_results=DEFAULT_RESULTS)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
