@@ -234,6 +234,7 @@ def _findings(r: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     from benchmarks._settings import bench_config
     from sao import runs
     from sao.lake.store import Lake, sql_literal
@@ -272,7 +273,7 @@ def main(argv: list[str]) -> int:
     result = analyse(trajectories, sorted(steps, key=lambda s: s["step"]))
     update = config.train.update
     record: dict[str, Any] = {
-        "machine": machine(), "command": "sao bench bias " + " ".join(argv), "wall_s": time.monotonic() - started,
+        "machine": machine_info, "command": "sao bench bias " + " ".join(argv), "wall_s": time.monotonic() - started,
         "steps": args.steps, "batch": args.batch, "max_staleness": args.max_staleness, "in_flight": args.in_flight,
         "replicas": args.replicas, "lr_policy": args.lr_policy, "tool_median_s": args.tool_median_s,
         "tool_sigma": args.tool_sigma, "dis_interval": [1 - update.eps_low, 1 + update.eps_high], "result": result,

@@ -103,12 +103,13 @@ def _markdown(record: dict[str, Any], name: str) -> str:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sao-bench-demo-"))
     print(f"sao bench demo: running the demo in {workdir} (about 6-10 minutes on 2 cores) ...", file=sys.stderr)
     result, wall_s = run_demo(workdir, args.sets)
     result.pop("summary", None)
     name = f"demo-{args.tag}" if args.tag else "demo"
-    record = {"machine": machine(), "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,
+    record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,
               "demo_command": "sao demo" if not args.sets else "sao train --config configs/demo.yaml "
               + " ".join(f"--set {s}" for s in args.sets), "sets": args.sets, "wall_s": wall_s, "result": result}
     publish(name, record, _markdown(record, name), out=args.out_json, results_md=args.results_md, quick=args.quick,

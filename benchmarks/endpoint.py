@@ -275,6 +275,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     from sao.models.policy import build_policy, save_policy
     from sao.models.tokenizer import build_tokenizer
 
@@ -296,7 +297,7 @@ def main(argv: list[str]) -> int:
              [f"Target met at {', '.join(map(str, measured))}."] if measured else
              ["Concurrency 16 and 64 not measured (the target is judged there)."])
     command = "sao bench endpoint" + (" " + " ".join(argv) if argv else "")
-    result = {"machine": machine(), "command": command, "concurrency": args.concurrency, "window_s": args.window_s,
+    result = {"machine": machine_info, "command": command, "concurrency": args.concurrency, "window_s": args.window_s,
               "repeats": args.repeats, "levels": levels,
               "engine_cpus": list(args.engine_cpus) if args.engine_cpus is not None else None, "target_ratio": TARGET_RATIO, "notes": notes}
     publish("endpoint", result, _markdown(result), out=args.out_json, results_md=args.results_md, quick=args.quick,

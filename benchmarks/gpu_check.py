@@ -232,6 +232,7 @@ def _gpu_tests() -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     import torch
 
     from sao.models.policy import build_policy, save_policy
@@ -244,7 +245,7 @@ def main(argv: list[str]) -> int:
         return 2
     python = vllm_python() or sys.executable
     began = time.perf_counter()
-    result: dict[str, Any] = {"machine": machine(), "command": "sao bench gpu-check " + " ".join(argv),
+    result: dict[str, Any] = {"machine": machine_info, "command": "sao bench gpu-check " + " ".join(argv),
                               "device": args.device, "vllm_python": python,
                               "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}
     workdir = Path(tempfile.mkdtemp(prefix="sao-gpu-check-"))

@@ -383,6 +383,7 @@ def update_results_md(path: Path, section: str) -> None:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     quick = args.quick
     sizes = (
         [int(s) for s in args.sizes.split(",")]
@@ -412,7 +413,7 @@ def main(argv: list[str]) -> int:
     result = {
         "command": "sao bench lake" + (" " + " ".join(argv) if argv else ""),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_info,
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "ingest": ingest,

@@ -41,6 +41,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     from benchmarks._settings import bench_config, with_settings
     from sao import runs
     from sao.envs.base import Split
@@ -77,7 +78,7 @@ def main(argv: list[str]) -> int:
     evaluations = [runs.evaluate(settings, v) for v in versions]
     plots, _ = runs.summarize(settings, evaluations)
     record: dict[str, Any] = {
-        "machine": machine(), "command": "sao bench learning " + " ".join(argv),
+        "machine": machine_info, "command": "sao bench learning " + " ".join(argv),
         "settings": settings.public(), "aggregation": args.aggregation,
         "sft_s": sft_s, "train_s": result.train_s, "wall_s": time.monotonic() - started,
         "trajectories_generated": result.driver.records, "steps": result.steps,

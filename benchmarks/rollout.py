@@ -493,6 +493,7 @@ def summarise(rounds: list[dict[str, Any]], levels: list[int]) -> dict[str, Any]
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     import tempfile
 
     import torch
@@ -529,7 +530,7 @@ def main(argv: list[str]) -> int:
              f"**Target missed** at concurrency {', '.join(map(str, misses))}: serve / static = "
              + ", ".join(f"{served[c]:.2f}" for c in misses) + " (medians over the rounds)."]
     name = f"rollout-{args.tag}" if args.tag else "rollout"
-    result = {"machine": machine(), "command": command, "tag": args.tag, "runs": args.runs, "threads": args.threads,
+    result = {"machine": machine_info, "command": command, "tag": args.tag, "runs": args.runs, "threads": args.threads,
               "concurrency": args.concurrency,
               "engine_cpus": list(args.engine_cpus) if args.engine_cpus is not None else None,
               **summary, "publish": publish, "notes": notes,

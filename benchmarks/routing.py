@@ -153,6 +153,7 @@ def plot(arms: dict[str, list[dict[str, float]]], path: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     if args.quick:
         args.steps, args.batch, args.staleness = 3, 2, 1
     workdir = args.workdir
@@ -174,7 +175,7 @@ def main(argv: list[str]) -> int:
             "reward_last10": _mean(steps[-10:], "batch/reward_mean"),
         }
     figure = plot(arms, workdir / "routing-quick.png" if args.quick else args.out / "routing.png")
-    record = {"machine": machine(), "command": "sao bench routing " + " ".join(argv), "policy": str(policy_dir),
+    record = {"machine": machine_info, "command": "sao bench routing " + " ".join(argv), "policy": str(policy_dir),
               "steps": args.steps, "batch": args.batch, "staleness": args.staleness, "lr_policy": args.lr_policy,
               "wall_s": time.monotonic() - started, "summary": summary, "arms": arms}
     markdown = _markdown(record, figure)

@@ -516,6 +516,7 @@ def over_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    machine_info = machine()  # the commit and the load before the run, not after it
     from sao.runs import math_tasks
 
     started = time.monotonic()
@@ -527,7 +528,7 @@ def main(argv: list[str]) -> int:
         say(f"speed: round {index + 1} of {args.runs}")
         rounds.append(_round(args, policy, tasks, say))
     record: dict[str, Any] = {
-        "machine": machine(), "command": "sao bench speed " + " ".join(argv), "wall_s": time.monotonic() - started,
+        "machine": machine_info, "command": "sao bench speed " + " ".join(argv), "wall_s": time.monotonic() - started,
         "runs": args.runs, "batch": args.batch, "group": args.group, "in_flight": args.in_flight,
         "max_staleness": args.max_staleness,
         "tool": {"kind": "lognormal", "median_s": args.tool_median_s, "sigma": args.tool_sigma,
