@@ -18,6 +18,7 @@ Writes ``docs/results/demo.json`` and the ``demo`` section of ``docs/RESULTS.md`
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import subprocess
 import sys
@@ -64,10 +65,14 @@ def run_demo(workdir: Path, sets: list[str]) -> tuple[dict[str, Any], float]:
     if any(workdir.iterdir()):
         raise RuntimeError(f"{workdir} is not empty: the demo must start from nothing")
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=workdir, capture_output=True, text=True)
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    with subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+        for line in child.stdout:  # the demo's own progress, passed on as it comes
+            print(line, end="", file=sys.stderr, flush=True)
+            tail.append(line)
     wall_s = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
+    if child.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {child.returncode}:\n{''.join(tail)}")
     result = json.loads((workdir / "runs" / "demo" / "result.json").read_text())
     return result, wall_s
 

@@ -19,9 +19,9 @@ from benchmarks.scale_model.simulator import Simulation
 
 __all__ = ["DRIVER_LOAD_CORES", "calibrate", "here_scenario"]
 
-# Measured elsewhere on this machine and written down in docs/RESULTS.md ("Why the rollout target is
-# still missed"): the calling process's Serve router and the replica's request handling keep about 0.4
-# of a core busy while rollouts run.
+# A development estimate, no result file behind it: the calling process's Serve handle and router and the
+# replica's request handling keep about 0.4 of a core busy while rollouts run (docs/HISTORY.md, "How the
+# rollout target was met", has the per-thread profile it came from: 0.28 and 0.26 of a core at 64 requests).
 DRIVER_LOAD_CORES = 0.4
 
 
