@@ -6,6 +6,7 @@ Each benchmark owns one section of ``docs/RESULTS.md`` between ``<!-- NAME:begin
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -86,6 +87,15 @@ def update_section(path: Path, name: str, markdown: str) -> None:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, default_json: Path, default_results: Path) -> None:
+    """``--out-json`` and ``--results-md``: where the result file and the results section go (default
+    the committed ones; a ``--quick`` run writes only where these say: see :func:`publish`)."""
+    parser.add_argument("--out-json", type=Path, default=None,
+                        help=f"the JSON result (default {default_json}; --quick writes only where told)")
+    parser.add_argument("--results-md", type=Path, default=None,
+                        help=f"the results file whose section is replaced (default {default_results}; likewise)")
 
 
 def publish(name: str, result: dict[str, Any], markdown: str, *, out: Path | None, results_md: Path | None,

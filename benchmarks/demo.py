@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, publish
+from benchmarks._report import add_output_arguments, machine, machine_line, publish
 
 TARGET_ACCURACY, TARGET_RISE, TARGET_WALL_S = 0.8, 0.25, 600.0
 DEFAULT_JSON, DEFAULT_RESULTS = Path("docs/results/demo.json"), Path("docs/RESULTS.md")
@@ -42,10 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tag", default="", help="names a variant: demo-TAG.json and section demo-TAG")
     parser.add_argument("--quick", action="store_true",
                         help="two steps, few evaluation tasks and value samples (the test suite's)")
-    parser.add_argument("--out-json", type=Path, default=None,
-                        help=f"the JSON result (default {DEFAULT_JSON}; --quick writes only where told)")
-    parser.add_argument("--results-md", type=Path, default=None,
-                        help=f"the results file whose section is replaced (default {DEFAULT_RESULTS}; likewise)")
+    add_output_arguments(parser, DEFAULT_JSON, DEFAULT_RESULTS)
     args = parser.parse_args(argv)
     if args.quick:
         args.sets = ["train.steps=2", "train.batch_size=8", "eval.tasks=8", "value_pretraining.samples=8",

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, median_spread, publish
+from benchmarks._report import add_output_arguments, machine, machine_line, median_spread, publish
 from benchmarks.rollout import _engine_cpus
 
 TARGET_RATIO = 0.9
@@ -63,8 +63,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--engine-cpu", default=None,
                         help="the CPU the engine decodes on, the replica's side on the others (default: the last "
                              "CPU, as `sao bench rollout`); 'none' leaves placement to the OS")
-    parser.add_argument("--out-json", type=Path, default=None)
-    parser.add_argument("--results-md", type=Path, default=None)
+    add_output_arguments(parser, DEFAULT_JSON, DEFAULT_RESULTS)
     args = parser.parse_args(argv)
     args.concurrency = args.concurrency or ([4] if args.quick else [16, 64])
     args.window_s = args.window_s or (1.0 if args.quick else 8.0)

@@ -50,7 +50,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, median_spread, update_section, write_json
+from benchmarks._report import (
+    add_output_arguments,
+    machine,
+    machine_line,
+    median_spread,
+    update_section,
+    write_json,
+)
 
 TARGET_RATIO = 0.8
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
@@ -73,10 +80,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                              "on a machine with more than one; 'none': the OS places them)")
     parser.add_argument("--vllm", action="store_true",
                         help="add the vLLM engine, alone and through Serve (needs the vLLM environment: make vllm-env)")
-    parser.add_argument("--out-json", type=Path, default=None,
-                        help=f"the JSON result (default {DEFAULT_JSON}; --quick writes only where told)")
-    parser.add_argument("--results-md", type=Path, default=None,
-                        help=f"the results file whose section is replaced (default {DEFAULT_RESULTS}; likewise)")
+    add_output_arguments(parser, DEFAULT_JSON, DEFAULT_RESULTS)
     args = parser.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
