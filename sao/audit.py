@@ -2,8 +2,8 @@
 
 It sits above the lake and the trainer: it reads the lake's tables, asks the checkpoint module
 (:func:`sao.train.checkpoint.verify_registered`) about each registered version and the stored run
-configuration (:func:`sao.train.run_config.stored_max_staleness`) about the staleness bound; it knows
-neither layout.
+configuration (:func:`sao.train.run_config.stored_run_config`) about the staleness bound and the ends the
+trainer passes over (``UpdateConfig.skip_reasons``); it knows neither layout.
 
 :func:`check_run` (``sao lake check --run R``) reads the run's rows of every table and reports, as
 :class:`Finding` objects, each way in which the run lost, doubled or misused data:
@@ -28,7 +28,8 @@ Stored rows and consumption (``trajectories``, ``train_steps``):
                              min_policy_version``), or consumed without an action token;
     ``skipped``              never consumed, although a step took a later-arriving row of the run while
                              it was eligible (the reader hands rows out oldest ``ingest_seq`` first, so an
-                             eligible older row must have been taken first).
+                             eligible older row must have been taken first); a row whose end the run's
+                             ``skip_reasons`` names is never eligible.
 A what-if replay (``sao replay --set``) is a run whose steps read another run's trajectories
 (``train_steps.data_run_id``): its consumption is checked against that run's stored rows, and
     ``what_if_data``         a step that did not read what the parent's step of the same number read
@@ -58,7 +59,7 @@ import dataclasses
 import enum
 import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -66,7 +67,7 @@ import pyarrow.compute as pc
 from sao.lake.reader import read_trajectories
 from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
 from sao.train.checkpoint import RegisteredState, verify_registered
-from sao.train.run_config import RunConfigError, stored_max_staleness
+from sao.train.run_config import RunConfigError, stored_run_config
 from sao.train.step import LENGTH_BUCKETS
 from schemas import policy_versions, quarantine, rollout_tasks, train_steps, trajectories
 
@@ -283,17 +284,23 @@ def check_run(
     orphans = sorted(tid for tid, episode in parts_of.items() if episode not in episodes)
     findings.append(_finding(FindingKind.NOT_ISSUED, orphans,
                              "a later part of a split episode whose first part is not stored"))
-    limit = max_staleness if max_staleness is not None else _stored_max_staleness(versions, notes)
+    stored_limit, passed_over = _stored_settings(versions, notes)
+    limit = max_staleness if max_staleness is not None else stored_limit
+    if passed_over:
+        stored_over = sum(Counter(stored["termination_reason"].to_pylist())[r] for r in passed_over)
+        if stored_over:
+            notes.append(f"{stored_over} stored trajectories end in {', '.join(passed_over)}: kept, and passed over by "
+                         "the trainer as the run's skip_reasons say (not counted as skipped or as backlog)")
     parents = sorted({r for r in steps["data_run_id"].to_pylist() if r is not None and r != run_id})
     if parents:  # a what-if replay: it consumed its parent's rows
         notes.append(f"a what-if replay of run {', '.join(parents)}: its steps read that run's trajectories; "
                      "issued rollouts, skips and the stale backlog are accounted for by checking that run")
         read = _read_run(lake, trajectories.NAME, parents[0], ["trajectory_id", "termination_reason",
                                                                "min_policy_version", "ingest_seq"])
-        findings += _check_consumption(read, steps, limit, skips=False)
+        findings += _check_consumption(read, steps, limit, skips=False, passed_over=passed_over)
         findings.append(_check_what_if_steps(lake, parents, steps))
     else:
-        findings += _check_consumption(stored, steps, limit)
+        findings += _check_consumption(stored, steps, limit, passed_over=passed_over)
     verified = 0
     if verify_checkpoints:
         checkpoint_findings, verified = _check_checkpoints(versions, notes)
@@ -304,7 +311,7 @@ def check_run(
     newest = None if versions.num_rows == 0 else int(pc.max(versions["version"]).as_py())
     backlog = None
     if limit is not None and newest is not None and not parents:
-        backlog = stale_backlog(lake, run_id, stored, set(consumed), newest, limit)
+        backlog = stale_backlog(lake, run_id, stored, set(consumed), newest, limit, passed_over)
     return CheckReport(
         run_id=run_id,
         issued=issued.num_rows if issued.num_rows else None,
@@ -389,10 +396,12 @@ def _check_what_if_steps(lake: Lake, parents: list[str], steps: pa.Table) -> Fin
 
 
 def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None, *,
-                       skips: bool = True) -> list[Finding | None]:
+                       skips: bool = True, passed_over: Sequence[str] = ()) -> list[Finding | None]:
     rows = {
         r["trajectory_id"]: (r["min_policy_version"], r["ingest_seq"]) for r in stored.to_pylist()
     }
+    never_eligible = {r["trajectory_id"] for r in stored.select(["trajectory_id", "termination_reason"]).to_pylist()
+                      if r["termination_reason"] in passed_over}
     consumed: list[str] = []
     missing, stale = [], []
     steps_by_version: list[tuple[int, int]] = []
@@ -419,7 +428,7 @@ def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None, *,
     latest_taken = list(itertools.accumulate((seq for _, seq in steps_by_version), max))
     skipped = []
     for trajectory_id, (oldest, seq) in rows.items() if skips else ():
-        if trajectory_id in taken or oldest is None:
+        if trajectory_id in taken or oldest is None or trajectory_id in never_eligible:
             continue
         index = len(befores) if limit is None else bisect.bisect_right(befores, oldest + limit)
         if index and latest_taken[index - 1] > seq:
@@ -435,19 +444,20 @@ def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None, *,
     ]  # fmt: skip
 
 
-def _stored_max_staleness(versions: pa.Table, notes: list[str]) -> int | None:
-    """``max_staleness`` from the run configuration stored beside the run's registered checkpoints."""
+def _stored_settings(versions: pa.Table, notes: list[str]) -> tuple[int | None, tuple[str, ...]]:
+    """``max_staleness`` and ``UpdateConfig.skip_reasons`` from the run configuration stored beside the
+    run's registered checkpoints ((None, ()) without one)."""
     for uri in versions["checkpoint_uri"].to_pylist():
         try:
-            found = stored_max_staleness(uri)
+            found = stored_run_config(uri)
         except RunConfigError as error:
-            notes.append(f"cannot read max_staleness: {error}")
-            return None
+            notes.append(f"cannot read the run configuration: {error}")
+            return None, ()
         if found is not None:
-            return found
+            return found.max_staleness, found.update.skip_reasons
     notes.append("no run configuration beside the run's checkpoints and no --max-staleness: "
                  "staleness of consumed rows and the stale backlog are not checked")  # fmt: skip
-    return None
+    return None, ()
 
 
 def _check_checkpoints(versions: pa.Table, notes: list[str]) -> tuple[list[Finding | None], int]:
@@ -477,14 +487,17 @@ def stale_backlog(
     consumed: set[str],
     trainer_version: int,
     max_staleness: int,
+    passed_over: Sequence[str] = (),
 ) -> StaleBacklog:
-    """Unconsumed rows of ``stored`` (columns ``trajectory_id``, ``min_policy_version``) beyond
-    ``max_staleness`` at ``trainer_version``, counted by completion-length bucket (the lengths are read
-    for those rows only)."""
+    """Unconsumed rows of ``stored`` (columns ``trajectory_id``, ``min_policy_version``,
+    ``termination_reason``) beyond ``max_staleness`` at ``trainer_version``, counted by completion-length
+    bucket (the lengths are read for those rows only); rows ending for a reason in ``passed_over`` are
+    never trained on whatever their staleness, and are left out."""
     oldest_allowed = trainer_version - max_staleness
     stale_ids, eligible = [], 0
-    for row in stored.select(["trajectory_id", "min_policy_version"]).to_pylist():
-        if row["trajectory_id"] in consumed or row["min_policy_version"] is None:
+    for row in stored.select(["trajectory_id", "min_policy_version", "termination_reason"]).to_pylist():
+        if (row["trajectory_id"] in consumed or row["min_policy_version"] is None
+                or row["termination_reason"] in passed_over):
             continue
         if row["min_policy_version"] < oldest_allowed:
             stale_ids.append(row["trajectory_id"])

@@ -23,8 +23,8 @@ from sao.lake.synthetic import make_trajectories, make_trajectory
 from sao.lake.writer import TrajectoryWriter
 from sao.models.policy import load_policy
 from sao.train.checkpoint import checkpoint_dir, weights_hash
-from sao.train.config import TrainConfig
-from sao.train.run_config import write_run_config
+from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.run_config import run_config_path, write_run_config
 from schemas import train_steps, trajectories
 from tests.lake.validate.test_rules import CASES
 
@@ -210,6 +210,35 @@ def test_a_skipped_eligible_trajectory_is_found(clean):
     report = check_run(clean.lake, RUN, verify_checkpoints=False)
     (finding,) = report.findings
     assert finding.kind is FindingKind.SKIPPED and finding.examples == (clean.ids[4],)
+
+
+@pytest.mark.parametrize("passed_over", [True, False])
+def test_an_end_the_run_passes_over_is_never_eligible_so_never_skipped(clean, tmp_path, policy_dir, passed_over):
+    """A stored ``error`` end between consumed rows: with the run's default ``skip_reasons`` the trainer
+    passes over it by design (a note, no finding); a run that trains on such ends has skipped it."""
+    if not passed_over:
+        run_config_path(tmp_path / "ckpt").unlink()
+        write_run_config(TrainConfig(run_id=RUN, lake=LakeConfig(root=str(tmp_path / "lake")),
+                                     checkpoint_root=str(tmp_path / "ckpt"), policy_path=str(policy_dir),
+                                     max_staleness=1, update=UpdateConfig(skip_reasons=[])))
+    (cut,) = make_trajectories(1, seed=9, run_id=RUN, num_tokens=20, policy_versions=(1,))
+    cut = dataclasses.replace(cut, termination_reason="error", error="RuntimeError: replica died")
+    issue(clean.lake, [cut.trajectory_id])
+    with TrajectoryWriter(clean.lake, MANUAL) as writer:
+        writer.add_many([cut])
+    later = make_trajectories(2, seed=10, run_id=RUN, num_tokens=20, policy_versions=(2,))
+    issue(clean.lake, [r.trajectory_id for r in later])
+    with TrajectoryWriter(clean.lake, MANUAL) as writer:
+        writer.add_many(later)
+    step(clean.lake, 2, 2, [*clean.ids[4:7], *(r.trajectory_id for r in later)])
+    report = check_run(clean.lake, RUN, verify_checkpoints=False)
+    if passed_over:
+        assert report.ok, report.lines()
+        assert any("1 stored trajectories end in cancelled, error" in note for note in report.notes)
+        assert report.backlog.count == 0
+    else:
+        (finding,) = report.findings
+        assert finding.kind is FindingKind.SKIPPED and finding.examples == (cut.trajectory_id,)
 
 
 def test_deleting_trajectories_is_found(clean):

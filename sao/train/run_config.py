@@ -40,6 +40,7 @@ __all__ = [
     "read_run_config",
     "run_config_path",
     "stored_max_staleness",
+    "stored_run_config",
     "write_run_config",
 ]
 
@@ -57,8 +58,8 @@ def run_config_path(checkpoint_root: str | Path) -> Path:
     return Path(checkpoint_root) / RUN_CONFIG_FILE
 
 
-def stored_max_staleness(checkpoint_uri: str) -> int | None:
-    """The ``max_staleness`` stored for the run that registered ``checkpoint_uri`` (a version's
+def stored_run_config(checkpoint_uri: str) -> TrainConfig | None:
+    """The configuration stored for the run that registered ``checkpoint_uri`` (a version's
     checkpoint directory, :func:`sao.train.checkpoint.checkpoint_root_of`); None when that is not a
     local version directory of a run with a stored configuration (a bare SFT directory, a remote URI).
 
@@ -68,7 +69,22 @@ def stored_max_staleness(checkpoint_uri: str) -> int | None:
     root = checkpoint_root_of(checkpoint_uri)
     if root is None or not run_config_path(root).is_file():
         return None
-    return read_run_config(root).max_staleness
+    return read_run_config(root)
+
+
+def stored_max_staleness(checkpoint_uri: str) -> int | None:
+    """The ``max_staleness`` of :func:`stored_run_config` (None where that is None)."""
+    stored = stored_run_config(checkpoint_uri)
+    return None if stored is None else stored.max_staleness
+
+
+def _upgraded(train: dict[str, Any]) -> dict[str, Any]:
+    """A stored ``train`` section in this version's form: a run recorded before
+    ``UpdateConfig.skip_reasons`` existed trained on every end, so its passes over none."""
+    update = train.get("update")
+    if isinstance(update, dict) and "skip_reasons" not in update:
+        train = {**train, "update": {**update, "skip_reasons": []}}
+    return train
 
 
 def _jsonable(cfg: TrainConfig) -> dict[str, Any]:
@@ -87,7 +103,7 @@ def write_run_config(cfg: TrainConfig) -> Path:
     path = run_config_path(cfg.checkpoint_root)
     current = _jsonable(cfg)
     if path.exists():
-        stored = _read_json(path)["train"]
+        stored = _upgraded(_read_json(path)["train"])
         differ = [f"{name}: stored {stored.get(name)!r}, given {current[name]!r}"
                   for name in REPLAY_FIELDS if stored.get(name) != current[name]]
         if differ:
@@ -127,7 +143,7 @@ def read_run_config(checkpoint_root: str | Path) -> TrainConfig:
         raise RunConfigError(
             f"no run configuration at {path}: replay needs the settings the run trained with, which "
             "prepare_run writes there (runs prepared before it did cannot be replayed exactly)")
-    train = dict(_read_json(path)["train"])
+    train = dict(_upgraded(_read_json(path)["train"]))
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(train) - known)
     if unknown:

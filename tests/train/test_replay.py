@@ -13,9 +13,10 @@ from sao.cli import app
 from sao.lake.maintenance import compact, vacuum
 from sao.lake.store import Lake
 from sao.train.checkpoint import checkpoint_dir
+from sao.train.config import UpdateConfig
 from sao.train.loop import prepare_run, run_training
 from sao.train.replay import ReplayError, RowSource, compare_metrics, replay_steps, what_if_steps
-from sao.train.run_config import RunConfigError, read_run_config, run_config_path
+from sao.train.run_config import RunConfigError, read_run_config, run_config_path, write_run_config
 from schemas import train_steps
 from tests.train.test_loop import make_config, roll_out
 
@@ -138,6 +139,21 @@ def test_the_run_configuration_round_trips_and_refuses_a_changed_resume(trained)
         prepare_run(changed)
     # Settings that do not change an update may differ on resume.
     prepare_run(cfg.__class__(**{**cfg.__dict__, "total_steps": 9, "wait_timeout_s": 1.0}))
+
+
+def test_a_run_recorded_before_skip_reasons_existed_reads_as_passing_over_nothing(tmp_path, policy_dir):
+    """Such a run trained on every end (its bootstrap_reasons may hold cancelled and error, which the
+    new default passes over): it replays, and resumes with its recorded settings, as such."""
+    old_update = UpdateConfig(bootstrap_reasons=["length", "turns", "timeout", "cancelled", "error"], skip_reasons=[])
+    cfg = make_config(tmp_path, policy_dir, update=old_update)
+    path = write_run_config(cfg)
+    stored = json.loads(path.read_text())
+    del stored["train"]["update"]["skip_reasons"]
+    path.write_text(json.dumps(stored))
+    assert read_run_config(cfg.checkpoint_root).update == old_update
+    write_run_config(cfg)  # the recorded settings resume
+    with pytest.raises(RunConfigError, match="update"):  # the new defaults are other settings
+        write_run_config(cfg.__class__(**{**cfg.__dict__, "update": UpdateConfig()}))
 
 
 @pytest.mark.ray
