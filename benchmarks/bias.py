@@ -273,7 +273,7 @@ def main(argv: list[str]) -> int:
     result = analyse(trajectories, sorted(steps, key=lambda s: s["step"]))
     update = config.train.update
     record: dict[str, Any] = {
-        "machine": machine_info, "command": "sao bench bias " + " ".join(argv), "wall_s": time.monotonic() - started,
+        "machine": machine_info, "command": " ".join(["sao bench bias", *argv]), "wall_s": time.monotonic() - started,
         "steps": args.steps, "batch": args.batch, "max_staleness": args.max_staleness, "in_flight": args.in_flight,
         "replicas": args.replicas, "lr_policy": args.lr_policy, "tool_median_s": args.tool_median_s,
         "tool_sigma": args.tool_sigma, "dis_interval": [1 - update.eps_low, 1 + update.eps_high], "result": result,

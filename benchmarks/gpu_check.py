@@ -245,7 +245,7 @@ def main(argv: list[str]) -> int:
         return 2
     python = vllm_python() or sys.executable
     began = time.perf_counter()
-    result: dict[str, Any] = {"machine": machine_info, "command": "sao bench gpu-check " + " ".join(argv),
+    result: dict[str, Any] = {"machine": machine_info, "command": " ".join(["sao bench gpu-check", *argv]),
                               "device": args.device, "vllm_python": python,
                               "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}
     workdir = Path(tempfile.mkdtemp(prefix="sao-gpu-check-"))

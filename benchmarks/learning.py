@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     evaluations = [runs.evaluate(settings, v) for v in versions]
     plots, _ = runs.summarize(settings, evaluations)
     record: dict[str, Any] = {
-        "machine": machine_info, "command": "sao bench learning " + " ".join(argv),
+        "machine": machine_info, "command": " ".join(["sao bench learning", *argv]),
         "settings": settings.public(), "aggregation": args.aggregation,
         "sft_s": sft_s, "train_s": result.train_s, "wall_s": time.monotonic() - started,
         "trajectories_generated": result.driver.records, "steps": result.steps,

@@ -175,7 +175,7 @@ def main(argv: list[str]) -> int:
             "reward_last10": _mean(steps[-10:], "batch/reward_mean"),
         }
     figure = plot(arms, workdir / "routing-quick.png" if args.quick else args.out / "routing.png")
-    record = {"machine": machine_info, "command": "sao bench routing " + " ".join(argv), "policy": str(policy_dir),
+    record = {"machine": machine_info, "command": " ".join(["sao bench routing", *argv]), "policy": str(policy_dir),
               "steps": args.steps, "batch": args.batch, "staleness": args.staleness, "lr_policy": args.lr_policy,
               "wall_s": time.monotonic() - started, "summary": summary, "arms": arms}
     markdown = _markdown(record, figure)

@@ -528,7 +528,7 @@ def main(argv: list[str]) -> int:
         say(f"speed: round {index + 1} of {args.runs}")
         rounds.append(_round(args, policy, tasks, say))
     record: dict[str, Any] = {
-        "machine": machine_info, "command": "sao bench speed " + " ".join(argv), "wall_s": time.monotonic() - started,
+        "machine": machine_info, "command": " ".join(["sao bench speed", *argv]), "wall_s": time.monotonic() - started,
         "runs": args.runs, "batch": args.batch, "group": args.group, "in_flight": args.in_flight,
         "max_staleness": args.max_staleness,
         "tool": {"kind": "lognormal", "median_s": args.tool_median_s, "sigma": args.tool_sigma,
