@@ -24,6 +24,13 @@ def median_spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def spread_text(figure: dict[str, float], digits: str, unit: str = "", sep: str = "-") -> str:
+    """``median (min-max)`` of a :func:`median_spread` figure, each number formatted with ``digits``
+    and followed by ``unit``."""
+    median, low, high = (f"{figure[key]:{digits}}{unit}" for key in ("median", "min", "max"))
+    return f"{median} ({low}{sep}{high})"
+
+
 def git_commit() -> str:
     """The checkout's commit (short), with ``+changes`` when its tracked files differ from it; "unknown"
     outside a git checkout."""

@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import add_output_arguments, machine, machine_line, median_spread, publish
+from benchmarks._report import (
+    add_output_arguments,
+    machine,
+    machine_line,
+    median_spread,
+    publish,
+    spread_text,
+)
 
 TARGET_ACCURACY, TARGET_RISE, TARGET_WALL_S = 0.8, 0.25, 600.0
 DEFAULT_JSON, DEFAULT_RESULTS = Path("docs/results/demo.json"), Path("docs/RESULTS.md")
@@ -109,18 +116,13 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         "",
         "| target | median (min-max) | met |",
         "|---|---:|---|",
-        f"| held-out accuracy after training > {TARGET_ACCURACY} | {_spread(summary['accuracy_after'], '.3f')} | "
+        f"| held-out accuracy after training > {TARGET_ACCURACY} | {spread_text(summary['accuracy_after'], '.3f', sep=' to ')} | "
         f"{'yes' if met['accuracy'] else 'NO'} |",
-        f"| rise >= +{TARGET_RISE} | {_spread(summary['rise'], '+.3f')} | {'yes' if met['rise'] else 'NO'} |",
-        f"| wall time < {TARGET_WALL_S / 60:.0f} min | {_spread(summary['wall_s'], '.1f', scale=1 / 60)} min | "
+        f"| rise >= +{TARGET_RISE} | {spread_text(summary['rise'], '+.3f', sep=' to ')} | {'yes' if met['rise'] else 'NO'} |",
+        f"| wall time < {TARGET_WALL_S / 60:.0f} min | {spread_text({k: v / 60 for k, v in summary['wall_s'].items()}, '.1f', sep=' to ')} min | "
         f"{'yes' if met['wall'] else 'NO'} |",
     ]
     return "\n".join(lines)
-
-
-def _spread(figure: dict[str, float], fmt: str, scale: float = 1.0) -> str:
-    median, low, high = (format(figure[k] * scale, fmt) for k in ("median", "min", "max"))
-    return f"{median} ({low} to {high})"
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

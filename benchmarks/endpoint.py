@@ -45,7 +45,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import add_output_arguments, machine, machine_line, median_spread, publish
+from benchmarks._report import (
+    add_output_arguments,
+    machine,
+    machine_line,
+    median_spread,
+    publish,
+    spread_text,
+)
 from benchmarks.rollout import _engine_cpus
 
 TARGET_RATIO = 0.9
@@ -253,7 +260,7 @@ def _markdown(result: dict[str, Any]) -> str:
     ]
 
     def cell(spread: dict[str, float], digits: str = ",.0f") -> str:
-        return f"{spread['median']:{digits}} ({spread['min']:{digits}}-{spread['max']:{digits}})"
+        return spread_text(spread, digits)
 
     for c in result["concurrency"]:
         point = result["levels"][str(c)]

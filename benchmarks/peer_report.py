@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine_line
+from benchmarks._report import machine_line, spread_text
 
 __all__ = ["ARMS", "COMPONENTS", "CPU_TARGET", "RATIOS", "SPLIT_PARTS", "THREAD_GROUPS", "markdown"]
 
@@ -126,7 +126,7 @@ def _over_runs(record: dict[str, Any]) -> list[str]:
              "| arm | trained completions/s | CPU ms per trained completion |", "|---|---:|---:|"]
     for name in [n for n in ARMS if n in over["trained_per_s"]]:  # (a record read back has sorted keys)
         v, cpu = over["trained_per_s"][name], over["cpu_ms_per_completion"][name]
-        lines.append(f"| {name} | {_spread(v, '.1f')} | {_spread(cpu, '.1f')} |")
+        lines.append(f"| {name} | {spread_text(v, '.1f')} | {spread_text(cpu, '.1f')} |")
     if over["ratios"]:
         lines += ["", "| ratio (within each round) | measured | target | met |", "|---|---:|---:|---|"]
         labels = [label for label in RATIOS if label in over["ratios"]]
@@ -134,12 +134,10 @@ def _over_runs(record: dict[str, Any]) -> list[str]:
             v = over["ratios"][label]
             bound = "<=" if v.get("at_most") else ">="
             met = v["median"] <= v["target"] if v.get("at_most") else v["median"] >= v["target"]
-            lines.append(f"| {label} | {_spread(v, '.2f')} | {bound} {v['target']:g} | {'yes' if met else '**no**'} |")
+            lines.append(f"| {label} | {spread_text(v, '.2f')} | {bound} {v['target']:g} | {'yes' if met else '**no**'} |")
     return lines
 
 
-def _spread(v: dict[str, Any], digits: str) -> str:
-    return f"{v['median']:{digits}} ({v['min']:{digits}}-{v['max']:{digits}})"
 
 
 def _row(name: str, r: dict[str, Any], s: dict[str, Any]) -> str:

@@ -55,6 +55,7 @@ from benchmarks._report import (
     machine,
     machine_line,
     median_spread,
+    spread_text,
     update_section,
     write_json,
 )
@@ -359,10 +360,6 @@ def bench_publish(policy_dir: Path, repeats: int) -> dict[str, Any]:
             "versions": repeats}
 
 
-def _ratio(figure: dict[str, float]) -> str:
-    return f"{figure['median']:.2f} ({figure['min']:.2f}-{figure['max']:.2f})"
-
-
 def _markdown(result: dict[str, Any], command: str, name: str = "rollout") -> str:
     runs = result["runs"]
     tag = f" ({result['tag']})" if result.get("tag") else ""
@@ -398,8 +395,8 @@ def _markdown(result: dict[str, Any], command: str, name: str = "rollout") -> st
     for c in result["concurrency"]:
         engine, served, ratios = (result[k][str(c)] for k in ("engine", "serve", "ratios"))
         lines.append(f"| {c} | {result['static_hf'][str(c)]:,.0f} | {result['static_kernel'][str(c)]:,.0f} | "
-                     f"{engine['tokens_s']:,.0f} | {served['tokens_s']:,.0f} | {_ratio(ratios['engine/static'])} | "
-                     f"{_ratio(ratios['serve/static'])} | {served['mean_batch']:.1f} | {served['busy_fraction']:.0%} | "
+                     f"{engine['tokens_s']:,.0f} | {served['tokens_s']:,.0f} | {spread_text(ratios['engine/static'], '.2f')} | "
+                     f"{spread_text(ratios['serve/static'], '.2f')} | {served['mean_batch']:.1f} | {served['busy_fraction']:.0%} | "
                      f"{served['requests_per_prefill']:.1f} |")
     pub = result["publish"]
     lines += [

@@ -49,7 +49,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, median_spread, update_section, write_json
+from benchmarks._report import (
+    machine,
+    machine_line,
+    median_spread,
+    spread_text,
+    update_section,
+    write_json,
+)
 
 DEFAULT_SFT = Path("runs/bench/bench-learning/sft")
 
@@ -441,10 +448,6 @@ def _markdown(record: dict[str, Any], plot: Path | None) -> str:
     speedup, roof, lake_cost = (record[name] for name in RATIOS)
     fixed = record["fixed_trajectories"]
 
-    def spread(figure: dict[str, float], fmt: str, unit: str = "") -> str:
-        return (f"{format(figure['median'], fmt)}{unit} ({format(figure['min'], fmt)}{unit}-"
-                f"{format(figure['max'], fmt)}{unit})")
-
     lines += [
         "",
         f"Wall time to {fixed} trained trajectories (steady rate, start-up excluded): async "
@@ -452,12 +455,12 @@ def _markdown(record: dict[str, Any], plot: Path | None) -> str:
         f"{statistics.fmean(sync['step_s']):.1f} s (the slowest rollout of the batch, then the update).", "",
         f"Targets: each figure computed within a round, median (min-max) over {record['runs']} round(s).", "",
         "| target | measured | met |", "|---|---:|---|",
-        f"| async / sync >= 3x (AReaL 2.77x, ROLL Flash 2.72x, verl fully-async 2.67x) | {spread(speedup, '.2f', 'x')} | "
+        f"| async / sync >= 3x (AReaL 2.77x, ROLL Flash 2.72x, verl fully-async 2.67x) | {spread_text(speedup, '.2f', 'x')} | "
         f"{'yes' if speedup['median'] >= 3 else 'NO'} |",
         f"| async >= 90% of the roofline (min of rollout capacity {record['rollout_capacity_per_s']:.2f}/s and "
-        f"SAO trainer capacity {record['trainer_capacity_per_s']:.2f}/s, medians) | {spread(roof, '.0%')} | "
+        f"SAO trainer capacity {record['trainer_capacity_per_s']:.2f}/s, medians) | {spread_text(roof, '.0%')} | "
         f"{'yes' if roof['median'] >= 0.9 else 'NO'} |",
-        f"| lake cost: throughput lost to Delta vs the in-memory queue < 5% | {spread(lake_cost, '.1%')} | "
+        f"| lake cost: throughput lost to Delta vs the in-memory queue < 5% | {spread_text(lake_cost, '.1%')} | "
         f"{'yes' if lake_cost['median'] < 0.05 else 'NO'} |",
     ]
     if record.get("notes"):

@@ -286,8 +286,9 @@ def check_run(
                              "a later part of a split episode whose first part is not stored"))
     stored_limit, passed_over = _stored_settings(versions, notes)
     limit = max_staleness if max_staleness is not None else stored_limit
+    by_reason = Counter(stored["termination_reason"].to_pylist())
     if passed_over:
-        stored_over = sum(Counter(stored["termination_reason"].to_pylist())[r] for r in passed_over)
+        stored_over = sum(by_reason[r] for r in passed_over)
         if stored_over:
             notes.append(f"{stored_over} stored trajectories end in {', '.join(passed_over)}: kept, and passed over by "
                          "the trainer as the run's skip_reasons say (not counted as skipped or as backlog)")
@@ -318,7 +319,7 @@ def check_run(
         stored=len(stored_ids),
         episode_splits=len(parts_of),
         abandoned=len(set(abandoned)),
-        by_reason=dict(Counter(stored["termination_reason"].to_pylist())),
+        by_reason=dict(by_reason),
         quarantined=bad.num_rows,
         quarantined_by_rule=dict(Counter(bad["reason"].to_pylist())),
         steps=steps.num_rows,
@@ -397,11 +398,9 @@ def _check_what_if_steps(lake: Lake, parents: list[str], steps: pa.Table) -> Fin
 
 def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None, *,
                        skips: bool = True, passed_over: Sequence[str] = ()) -> list[Finding | None]:
-    rows = {
-        r["trajectory_id"]: (r["min_policy_version"], r["ingest_seq"]) for r in stored.to_pylist()
-    }
-    never_eligible = {r["trajectory_id"] for r in stored.select(["trajectory_id", "termination_reason"]).to_pylist()
-                      if r["termination_reason"] in passed_over}
+    listed = stored.to_pylist()
+    rows = {r["trajectory_id"]: (r["min_policy_version"], r["ingest_seq"]) for r in listed}
+    never_eligible = {r["trajectory_id"] for r in listed if r["termination_reason"] in passed_over}
     consumed: list[str] = []
     missing, stale = [], []
     steps_by_version: list[tuple[int, int]] = []

@@ -180,8 +180,9 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
         stale += micro.skipped_stale
         no_actions += micro.skipped_no_actions
         cut_short += micro.skipped_passed_over
-        if micro.skipped_stale + micro.skipped_no_actions + micro.skipped_passed_over:
-            broker.skipped(micro.skipped_stale + micro.skipped_no_actions + micro.skipped_passed_over)
+        passed = micro.skipped_stale + micro.skipped_no_actions + micro.skipped_passed_over
+        if passed:
+            broker.skipped(passed)
         if len(micro):
             held.append(micro.data)
         snapshot = micro.snapshot_version
