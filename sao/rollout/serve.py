@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from sao.envs import make_env, takes_trainer_step
 from sao.envs.base import Environment, Task
@@ -50,6 +51,7 @@ from sao.rollout.cpus import keep_process_off
 from sao.rollout.engine import Engine, Generation, SamplingParams
 from sao.rollout.engine_process import TorchEngineProcess
 from sao.rollout.env_agent import environment_agent
+from sao.rollout.routing import ROUTER_PATH
 from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from sao.rollout.user_agent import UserAgentRunner
 from sao.rollout.vllm_engine import VLLMEngineConfig
@@ -91,6 +93,9 @@ class RolloutConfig:
             second its cost is measurable, and the lake records every rollout anyway).
         python: the Python executable the replicas run in (Ray's ``py_executable``): an environment with
             vLLM and this project for the vLLM engine (``make vllm-env``). None: the driver's own.
+        request_router: the Serve request router every handle of the app routes with (an import path):
+            by default :class:`~sao.rollout.routing.LeastOutstandingRouter`, which splits a burst of
+            rollouts evenly over the replicas; None: Serve's default (power of two choices).
     """
 
     policy_path: str
@@ -110,6 +115,7 @@ class RolloutConfig:
     engine_process: bool = True
     access_log: bool = False
     python: str | None = None
+    request_router: str | None = ROUTER_PATH
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -248,6 +254,8 @@ def deployment_options(config: RolloutConfig) -> dict:
         "health_check_period_s": 5,
         "logging_config": {"enable_access_log": config.access_log},
     }
+    if config.request_router is not None:
+        options["request_router_config"] = RequestRouterConfig(request_router_class=config.request_router)
     if config.python is not None:
         options["ray_actor_options"]["runtime_env"] = {"py_executable": config.python}
     return options
