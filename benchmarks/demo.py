@@ -103,15 +103,16 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         "command's, in an installed environment (`make demo` on a fresh clone creates the environment first). "
         "Targets (issue 24) judged on the median over the runs.",
         "",
-        "| run | version 0 | after training | rise | wall time (min) | of which SAO training (min) | trajectories |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| run | version 0 | after training | rise | wall time (min) | of which SAO training (min) | trajectories "
+        "| failed after training: tool call / answer / structure |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for index, run in enumerate(runs):
         r = run["result"]
         lines.append(f"| {index + 1} | {r['accuracy_before']:.3f} ± {r['stderr_before']:.3f} | "
                      f"{r['accuracy_after']:.3f} ± {r['stderr_after']:.3f} | "
                      f"{r['accuracy_after'] - r['accuracy_before']:+.3f} | {run['wall_s'] / 60:.1f} | "
-                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} |")
+                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} |")
     lines += [
         "",
         "| target | median (min-max) | met |",
@@ -123,6 +124,15 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         f"{'yes' if met['wall'] else 'NO'} |",
     ]
     return "\n".join(lines)
+
+
+def _failures(result: dict[str, Any]) -> str:
+    """The failed held-out episodes after training by class (:func:`sao.envs.math_tool.failure_class`),
+    as a share of the tasks; a run recorded before they were counted has none."""
+    failures = result.get("failures_after") or {}
+    if not failures:
+        return "not recorded"
+    return " / ".join(f"{failures[kind] / result['eval_tasks']:.1%}" for kind in ("tool_call", "answer", "structure"))
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -174,6 +174,7 @@ def train(config: RunConfig = RunConfig(), sources: dict[str, str] | None = None
     summary = report(settings, [before, after], trained)
     result = {"run_id": run_id, "accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
               "stderr_before": before.stderr, "stderr_after": after.stderr, "eval_tasks": after.num_tasks,
+              "failures_before": before.failures, "failures_after": after.failures,
               "steps": trained["steps"], "version": trained["version"], "trajectories": trained["trajectories"],
               "train_wall_s": trained["wall_s"], "summary": summary, "settings": settings.public()}
     runs.record_finished(settings, result)

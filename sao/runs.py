@@ -38,7 +38,7 @@ from sao.train.loop import StepReport, prepare_run
 from sao.train.pretrain import PretrainReport
 from sao.train.run_config import ReplayContext
 
-__all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "finished", "math_tasks", "pipeline_config",
+__all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "failure_counts", "finished", "math_tasks", "pipeline_config",
            "import_paths", "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
            "record_finished", "summarize", "train_async", "value_data_run", "warm_start"]
 
@@ -434,10 +434,15 @@ def train_async(config: RunConfig, policy_path: str | Path,
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
+    """A version's sampled accuracy on held-out tasks; ``failures``: the failed math_tool episodes by
+    :func:`sao.envs.math_tool.failure_class` (empty for other environments, and for an evaluation
+    kept by a version of this code that did not count them)."""
+
     version: int
     accuracy: float
     stderr: float
     num_tasks: int
+    failures: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def policy_dir(config: RunConfig, version: int) -> Path:
@@ -468,13 +473,35 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
 
         return make_env(task.env, **options.get(task.env, {}))
 
-    result = evaluate_math(load_policy(path), load_tokenizer(path), run_tasks(config, Split.HELDOUT),
+    tokenizer = load_tokenizer(path)
+    tasks = run_tasks(config, Split.HELDOUT)
+    result = evaluate_math(load_policy(path), tokenizer, tasks,
                            EvalConfig(num_tasks=config.eval.tasks, seed=config.seed,
                                       max_turns=config.rollout.max_turns),
                            env_factory=environment)
-    evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks)
+    evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks,
+                            failure_counts(result.episodes, {t.task_id: t for t in tasks}, tokenizer))
     _write_json(kept, dataclasses.asdict(evaluation))
     return evaluation
+
+
+def failure_counts(episodes, tasks: dict[str, Task], tokenizer) -> dict[str, int]:
+    """The failed math_tool ``episodes`` (:class:`sao.train.evaluate.Episode`) counted by
+    :func:`sao.envs.math_tool.failure_class`, every class present (zeros included) when any episode is
+    a math_tool one."""
+    from sao.envs.math_tool import ENV_NAME, FAILURE_CLASSES, failure_class
+    from sao.train.evaluate import action_segments
+
+    counts: dict[str, int] = {}
+    for episode in episodes:
+        task = tasks[episode.task_id]
+        if task.env != ENV_NAME:
+            continue
+        counts = counts or dict.fromkeys(FAILURE_CLASSES, 0)
+        kind = failure_class(task, action_segments(episode, tokenizer))
+        if kind is not None:
+            counts[kind] += 1
+    return counts
 
 
 def finished(config: RunConfig) -> dict | None:

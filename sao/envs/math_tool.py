@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 from sao.envs.base import Split, StepResult, Task, Termination, ensure_tasks
@@ -35,11 +36,13 @@ from sao.models.chat import FinalAnswer, Message, ToolCall, parse_action, tool_c
 
 __all__ = [
     "ENV_NAME",
+    "FAILURE_CLASSES",
     "TEMPLATES",
     "MathToolConfig",
     "MathToolEnv",
     "check_answer",
     "demonstration",
+    "failure_class",
     "ensure_dataset",
     "generate_tasks",
 ]
@@ -160,6 +163,37 @@ def check_answer(given: str, expected: str) -> bool:
         return int(given) == int(expected)
     except ValueError:
         return given != "" and given == expected
+
+
+FAILURE_CLASSES = ("tool_call", "answer", "structure")
+
+
+def failure_class(task: Task, actions: Sequence[str]) -> str | None:
+    """Why an episode of ``task`` failed, from its action segments as sampled (special tokens kept);
+    None if its final answer is right:
+
+    - ``tool_call``: it called the tool, never with the task's expression (a digit or an operator
+      copied wrongly from the prompt);
+    - ``answer``: it called the tool with the task's expression and then answered something else than
+      the tool printed (the answer copied wrongly);
+    - ``structure``: it never called the tool, or never answered after a right call (a reply without
+      tags, a run to the token or turn budget).
+    """
+    parsed = [parse_action(text) for text in actions]
+    final = parsed[-1] if parsed else None
+    if isinstance(final, FinalAnswer) and check_answer(final.answer, task.answer):
+        return None
+    calls = [action.code for action in parsed if isinstance(action, ToolCall)]
+    if not calls:
+        return "structure"
+    solution = _code(task.solution or "")
+    if all(_code(code) != solution for code in calls):
+        return "tool_call"
+    return "answer" if isinstance(final, FinalAnswer) else "structure"
+
+
+def _code(code: str) -> str:
+    return "".join(code.split())
 
 
 def demonstration(task: Task) -> list[Message]:

@@ -25,7 +25,8 @@ from sao.envs.base import StepResult, Task, Termination
 from sao.envs.math_tool import MathToolConfig, MathToolEnv
 from sao.models.chat import ChatTokens, observation_ids, prompt_ids
 
-__all__ = ["EvalConfig", "EvalResult", "Episode", "evaluate_math", "run_math_episodes", "sample_segments"]
+__all__ = ["EvalConfig", "EvalResult", "Episode", "action_segments", "evaluate_math", "run_math_episodes",
+           "sample_segments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,20 @@ class EvalResult:
     terminations: dict[str, int]
     wall_s: float
     episodes: tuple[Episode, ...]
+
+
+def action_segments(episode: Episode, tokenizer) -> list[str]:
+    """The episode's action segments (each run of sampled tokens), decoded with special tokens kept, as
+    the environment read them."""
+    segments: list[list[int]] = []
+    previous = 0
+    for token, sampled in zip(episode.token_ids, episode.action_mask, strict=True):
+        if sampled:
+            if not previous:
+                segments.append([])
+            segments[-1].append(token)
+        previous = sampled
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in segments]
 
 
 def sample_segments(

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.demo import main, run_demo, summarise
+from benchmarks.demo import _failures, main, run_demo, summarise
 
 
 def test_a_folder_that_is_not_empty_is_refused(tmp_path):
@@ -23,6 +23,12 @@ def test_the_targets_figures_are_medians_over_the_runs():
     assert summary["accuracy_after"] == {"median": 0.7, "min": 0.7, "max": 0.75}
     assert summary["rise"] == pytest.approx({"median": 0.3, "min": 0.2, "max": 0.3})
     assert summary["wall_s"] == {"median": 330.0, "min": 300.0, "max": 360.0}
+
+
+def test_failures_are_shown_as_shares_of_the_tasks_and_their_absence_said():
+    result = {"eval_tasks": 200, "failures_after": {"tool_call": 30, "answer": 5, "structure": 1}}
+    assert _failures(result) == "15.0% / 2.5% / 0.5%"
+    assert _failures({"eval_tasks": 200}) == "not recorded"
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from sao.envs.math_tool import (
     check_answer,
     demonstration,
     ensure_dataset,
+    failure_class,
     generate_tasks,
 )
 from sao.envs.sandbox import run_python
@@ -101,6 +102,27 @@ def test_check_answer(given, expected, correct):
 
 def _task() -> Task:
     return Task("t-1", ENV_NAME, "What is 483 * 27 + 915?", "13956", Split.TRAIN, "print(483*27+915)")
+
+
+RIGHT_CALL, WRONG_CALL = "<tool_call>print(483*27+915)</tool_call>", "<tool_call>print(438*27+915)</tool_call>"
+
+
+@pytest.mark.parametrize(("actions", "expected"), [
+    ([RIGHT_CALL, "<answer>13956</answer><|im_end|>"], None),
+    (["<answer>13,956</answer><|im_end|>"], None),  # right without the tool is still right
+    ([WRONG_CALL, RIGHT_CALL, "<answer>13956</answer><|im_end|>"], None),
+    ([WRONG_CALL, "<answer>12741</answer><|im_end|>"], "tool_call"),  # 438*27+915, copied from the tool
+    ([WRONG_CALL, WRONG_CALL, WRONG_CALL], "tool_call"),
+    (["<tool_call>print(483 * 27 + 915)</tool_call>", "<answer>13965</answer><|im_end|>"], "answer"),
+    ([WRONG_CALL, RIGHT_CALL, "<answer>13965</answer><|im_end|>"], "answer"),
+    (["<answer>13957</answer><|im_end|>"], "structure"),  # guessed without the tool
+    (["I do not know<|im_end|>"], "structure"),
+    ([RIGHT_CALL, "The answer is 13956<|im_end|>"], "structure"),
+    ([RIGHT_CALL, "<answer>1395"], "structure"),  # ran out of tokens
+    ([], "structure"),
+])
+def test_failure_class_of_an_episode(actions, expected):
+    assert failure_class(_task(), actions) == expected
 
 
 def test_a_correct_episode_through_the_tool_earns_reward_one():

@@ -29,6 +29,10 @@ def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_sessio
     assert result["version"] == 2
     assert 0.0 <= result["accuracy_before"] <= 1.0 and 0.0 <= result["accuracy_after"] <= 1.0
     assert result["stderr_after"] >= 0.0 and result["eval_tasks"] > 0 and result["train_wall_s"] > 0
+    for when in ("before", "after"):  # every failed held-out episode has its class
+        failures = result[f"failures_{when}"]
+        assert set(failures) == {"tool_call", "answer", "structure"}
+        assert sum(failures.values()) == round((1 - result[f"accuracy_{when}"]) * result["eval_tasks"])
     lake = Lake.open(str(tmp_path / "lake"))
     assert lake.read("train_steps").num_rows == 2
     assert lake.read("trajectories", predicate="run_id = 'tiny'").num_rows >= 8

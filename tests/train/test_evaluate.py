@@ -12,7 +12,13 @@ from sao.envs.math_tool import MathToolConfig, generate_tasks
 from sao.models.chat import ChatTokens, observation_ids, parse_chat, prompt_ids
 from sao.models.policy import build_policy
 from sao.models.tokenizer import build_tokenizer
-from sao.train.evaluate import EvalConfig, evaluate_math, run_math_episodes, sample_segments
+from sao.train.evaluate import (
+    EvalConfig,
+    action_segments,
+    evaluate_math,
+    run_math_episodes,
+    sample_segments,
+)
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +131,19 @@ def test_config_errors():
         EvalConfig(temperature=0.0)
     with pytest.raises(ValueError, match="batch_size"):
         EvalConfig(batch_size=0)
+
+
+def test_action_segments_are_the_sampled_runs_decoded(tokenizer, tasks):
+    episode = run_math_episodes(OracleLM(tokenizer, tasks), tokenizer, tasks[:1], EvalConfig())[0]
+    assert action_segments(episode, tokenizer) == [f"<tool_call>{tasks[0].solution}</tool_call>",
+                                                   f"<answer>{tasks[0].answer}</answer>"]
+
+
+@pytest.mark.parametrize(("offset", "expected"), [(0, {"tool_call": 0, "answer": 0, "structure": 0}),
+                                                  (1, {"tool_call": 0, "answer": 6, "structure": 0})])
+def test_failures_are_counted_by_class(tokenizer, tasks, offset, expected):
+    """The oracle calls the tool right; with ``offset`` it then answers the tool's output plus one."""
+    from sao.runs import failure_counts
+
+    result = evaluate_math(OracleLM(tokenizer, tasks, offset=offset), tokenizer, tasks, EvalConfig(num_tasks=6))
+    assert failure_counts(result.episodes, {t.task_id: t for t in tasks}, tokenizer) == expected
