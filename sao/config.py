@@ -47,6 +47,7 @@ from pydantic import (
 
 from sao.envs.dataset import DatasetEnvConfig
 from sao.lake.config import LakeConfig
+from sao.models.critic import CriticConfig
 from sao.pipeline import PipelineConfig
 from sao.rollout.agent import AgentConfig
 from sao.rollout.driver import DriverConfig
@@ -162,6 +163,9 @@ AlgorithmSection = derived_section(
     renamed={"name": "algorithm"})
 RetentionSection = derived_section(
     RetentionConfig, "RetentionSection", "Which old checkpoint parts are pruned as the run goes.")
+CriticSection = derived_section(
+    CriticConfig, "CriticSection", "The critic built from the policy at the start of a run: which of its parts "
+    "train (SAO.md freezes attention only), how its value head starts.")
 
 
 class ModelSection(Section):
@@ -396,6 +400,7 @@ class RunConfig(Section):
     lake: LakeSection = LakeSection()
     ray: RaySection = RaySection()
     retention: RetentionSection = RetentionSection()  # type: ignore[valid-type]
+    critic: CriticSection = CriticSection()  # type: ignore[valid-type]
 
     @field_validator("run_id")
     @classmethod
@@ -480,6 +485,9 @@ class RunConfig(Section):
     def retention_config(self) -> RetentionConfig:
         return self.retention.build()
 
+    def critic_config(self) -> CriticConfig:
+        return self.critic.build()
+
     def with_values(self, values: Mapping[str, Any]) -> RunConfig:
         """A copy with dotted keys set (``{"train.steps": 10}``), validated like a file."""
         data = self.public()
@@ -529,6 +537,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "ray.address": ((RayConfig, "address"),),
     "ray.num_cpus": ((RayConfig, "num_cpus"),),
     **{f"retention.{f.name}": ((RetentionConfig, f.name),) for f in dataclasses.fields(RetentionConfig)},
+    **{f"critic.{f.name}": ((CriticConfig, f.name),) for f in dataclasses.fields(CriticConfig)},
 }
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 

@@ -375,6 +375,7 @@ def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tu
         rollout=ReplayContext(tasks_path=str(tasks_path(config).resolve()), env_options=options,
                               max_turns=config.agent().max_turns),
         retention=config.retention_config(),
+        critic=config.critic_config(),
     )
     return PipelineConfig(train=train, ray=config.ray_config(), num_replicas=config.rollout.num_replicas,
                           resources_per_replica=dict(config.rollout.resources), gpus_per_replica=config.rollout.gpus,

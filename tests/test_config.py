@@ -99,7 +99,7 @@ def test_set_values_are_read_as_yaml():
 
 @pytest.mark.parametrize(("sets", "expected"), [
     (["train.stepz=3"], "train.stepz: unknown key; train has: batch_size, bf16, device, gpus_per_worker, max_staleness, resources, steps"),
-    (["trian.steps=3"], "trian: unknown key; the top level has: algorithm, data, env, eval,"),
+    (["trian.steps=3"], "trian: unknown key; the top level has: algorithm, critic, data, env, eval,"),
     (["train.batch_size=many"], "train.batch_size: Input should be a valid integer"),
     (["train.steps=-1"], "train.steps: Input should be greater than or equal to 0 (got -1) [from --set train.steps=-1]"),
     (["algorithm.name=ppo"], "algorithm.name: Input should be 'sao', 'grpo', 'grpo_dis', 'ppo_async' or"),

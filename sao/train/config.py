@@ -28,6 +28,7 @@ from sao.algos.dis import check_interval
 from sao.algos.masked import LossAggregation
 from sao.lake.config import LakeConfig
 from sao.lake.store import is_valid_run_id
+from sao.models.critic import CriticConfig
 from sao.train.batch import BOOTSTRAP_REASONS, END_REASONS, SKIP_REASONS
 from sao.train.device import DeviceSetting, check_settings
 from sao.train.retention import RetentionConfig
@@ -217,6 +218,8 @@ class TrainConfig:
         checkpoint_root: where every version's checkpoint goes.
         policy_path: the version-0 policy (SFT warm start) directory.
         critic_path: a pretrained critic directory; None builds one from the policy.
+        critic: how a critic built from the policy is set up (which of its parts train); a critic loaded
+            from a directory or a checkpoint keeps the setup it was saved with.
         update: the algorithm and its settings.
         batch_size: trajectories per actor update.
         max_staleness: most versions a trajectory may lag when trained on.
@@ -257,6 +260,7 @@ class TrainConfig:
     checkpoint_root: str
     policy_path: str
     critic_path: str | None = None
+    critic: CriticConfig = CriticConfig()
     update: UpdateConfig = UpdateConfig()
     batch_size: int = 16
     max_staleness: int = 4

@@ -130,7 +130,7 @@ def _load_models(cfg: TrainConfig, version: int, device: torch.device = CPU):
         policy, state = load_policy(cfg.policy_path), None
         critic = None
         if cfg.update.uses_critic:
-            critic = load_critic(cfg.critic_path) if cfg.critic_path else Critic.from_policy(policy)
+            critic = load_critic(cfg.critic_path) if cfg.critic_path else Critic.from_policy(policy, cfg.critic)
     return policy.to(device), None if critic is None else critic.to(device), state
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sao.lake.config import LakeConfig
+from sao.models.critic import CriticConfig
 from sao.train.checkpoint import checkpoint_root_of
 from sao.train.config import ReplayContext, TrainConfig, UpdateConfig
 from sao.train.retention import RetentionConfig
@@ -154,6 +155,8 @@ def read_run_config(checkpoint_root: str | Path) -> TrainConfig:
         train["rollout"] = ReplayContext(**train.get("rollout") or {})
         if train.get("retention") is not None:
             train["retention"] = RetentionConfig(**train["retention"])
+        if train.get("critic") is not None:  # absent: recorded before it was a setting, the default setup
+            train["critic"] = CriticConfig(**train["critic"])
         return TrainConfig(**train)
     except (KeyError, TypeError, ValueError) as error:
         raise RunConfigError(f"{path} does not hold a valid TrainConfig: {error}") from None

@@ -1,9 +1,11 @@
 """The critic's frozen attention through real SAO updates: attention unchanged, experts and head trained."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from sao.models.critic import Critic
+from sao.models.critic import Critic, CriticConfig
 from sao.models.policy import build_policy
 from sao.train.batch import collate
 from sao.train.config import UpdateConfig
@@ -47,3 +49,23 @@ def test_training_steps_leave_critic_attention_unchanged_and_move_its_experts():
     # The frozen tensors have no optimiser state: freezing cuts trainable state.
     optimised = {id(p) for group in learner.critic_optimizer.param_groups for p in group["params"]}
     assert not any(id(critic.get_parameter(n)) in optimised for n in attention)
+
+
+@pytest.mark.parametrize("setup", [CriticConfig(), CriticConfig(freeze_attention=False, train_embeddings=True,
+                                                                  train_norms=True)])
+def test_the_run_config_critic_section_sets_up_the_critic_a_run_starts_with(tmp_path, policy_dir, setup):
+    from sao.config import RunConfig
+    from sao.lake.config import LakeConfig
+    from sao.train.config import TrainConfig
+    from sao.train.loop import _load_models
+
+    keys = {f"critic.{name}": value for name, value in dataclasses.asdict(setup).items()}
+    assert RunConfig().with_values(keys).critic_config() == setup
+    cfg = TrainConfig(run_id="c", lake=LakeConfig(root=str(tmp_path / "lake")), checkpoint_root=str(tmp_path / "ckpt"),
+                      policy_path=str(policy_dir), critic=setup)
+    _, critic, _ = _load_models(cfg, 0)
+    trains = {name: p.requires_grad for name, p in critic.backbone.named_parameters()}
+    assert {n: t for n, t in trains.items() if ".self_attn." in n} and all(
+        t != setup.freeze_attention for n, t in trains.items() if ".self_attn." in n)
+    assert all(t == setup.train_embeddings for n, t in trains.items() if "embed_tokens" in n)
+    assert all(t == setup.train_norms for n, t in trains.items() if n.endswith("norm.weight") and ".self_attn." not in n)

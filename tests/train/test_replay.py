@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from sao.cli import app
 from sao.lake.maintenance import compact, vacuum
 from sao.lake.store import Lake
+from sao.models.critic import CriticConfig
 from sao.train.checkpoint import checkpoint_dir
 from sao.train.config import UpdateConfig
 from sao.train.loop import prepare_run, run_training
@@ -154,6 +155,16 @@ def test_a_run_recorded_before_skip_reasons_existed_reads_as_passing_over_nothin
     write_run_config(cfg)  # the recorded settings resume
     with pytest.raises(RunConfigError, match="update"):  # the new defaults are other settings
         write_run_config(cfg.__class__(**{**cfg.__dict__, "update": UpdateConfig()}))
+
+
+def test_the_critic_setup_round_trips_and_a_run_recorded_before_it_reads_as_the_default(tmp_path, policy_dir):
+    cfg = make_config(tmp_path, policy_dir, critic=CriticConfig(freeze_attention=False, train_norms=True))
+    path = write_run_config(cfg)
+    assert read_run_config(cfg.checkpoint_root) == cfg
+    stored = json.loads(path.read_text())
+    del stored["train"]["critic"]
+    path.write_text(json.dumps(stored))
+    assert read_run_config(cfg.checkpoint_root).critic == CriticConfig()
 
 
 @pytest.mark.ray
