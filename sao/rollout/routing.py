@@ -81,9 +81,3 @@ class LeastOutstandingRouter(FIFOMixin, RequestRouter):
         super().on_request_completed(replica_id, internal_request_id)
         if self._sent[replica_id] > 0:
             self._sent[replica_id] -= 1
-
-    def outstanding(self) -> dict[str, int]:
-        """This handle's unfinished requests by replica id, counting choices not yet sent (tests and
-        diagnostics)."""
-        now = time.monotonic()
-        return {replica.unique_id: self._load(replica, now) for replica in set(self._sent) | set(self._chosen)}
