@@ -1,6 +1,6 @@
 """Benchmark: the laptop demo as a newcomer runs it, timed, with its accuracy before and after.
 
-    sao bench demo [--runs 3] [--workdir DIR] [--set KEY=VALUE ...] [--tag NAME] [--quick]
+    sao bench demo [--runs 3 | --seeds 0,1,2] [--workdir DIR] [--set KEY=VALUE ...] [--tag NAME] [--quick]
 
 Runs ``sao demo`` (``configs/demo.yaml``: SFT warm start, evaluation, value pretraining, SAO with Serve
 rollouts into a local Delta lake and Ray Train updates, evaluation again) as a child process in an empty
@@ -9,6 +9,13 @@ earlier run is resumed, and reads each run's recorded result (``runs/demo/result
 configs/demo.yaml --set ...`` instead (a variant of the demo; its settings are recorded). The wall time
 is the command's, from start to exit, in an installed environment (a fresh clone adds the
 environment's creation, which ``make demo`` does first).
+
+``--runs`` repeats the demo with its one seed (the spread is the system's: asynchronous timing). With
+``--seeds`` each run has a seed of its own instead, for the warm start and the run alike (``seed`` and
+``sft.seed``), and every run is evaluated with the same sampling seed (``eval.seed``,
+:data:`EVAL_SEED`), so two variants run with the same seeds compare seed by seed: ``--against FILE``
+(another seeded run's result file) adds each seed's difference in held-out accuracy after training,
+their mean and its standard error over the seeds.
 
 Target (issue 24): held-out sampled accuracy above 0.8, a rise of at least +0.25, in under 10 minutes.
 Writes ``docs/results/demo.json`` and the ``demo`` section of ``docs/RESULTS.md`` (``--tag T``:
@@ -20,6 +27,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +47,8 @@ from benchmarks._report import (
 
 TARGET_ACCURACY, TARGET_RISE, TARGET_WALL_S = 0.8, 0.25, 600.0
 DEFAULT_JSON, DEFAULT_RESULTS = Path("docs/results/demo.json"), Path("docs/RESULTS.md")
+EVAL_SEED = 0
+"""The evaluation's sampling seed of every run of ``--seeds``."""
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -48,17 +59,52 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="KEY=VALUE: a variant of the demo config (repeatable)")
     parser.add_argument("--tag", default="", help="names a variant: demo-TAG.json and section demo-TAG")
     parser.add_argument("--runs", type=int, default=3, help="runs of the demo, one after another (median, min, max)")
+    parser.add_argument("--seeds", default=None,
+                        help="0,1,2: one run per seed instead of --runs repeats (seed and sft.seed; eval.seed fixed)")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a result file of the same seeds (e.g. docs/results/demo-seeds.json): seed-by-seed differences")
     parser.add_argument("--quick", action="store_true",
                         help="two steps, few evaluation tasks and value samples (the test suite's)")
     add_output_arguments(parser, DEFAULT_JSON, DEFAULT_RESULTS)
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
+    if args.seeds is not None:
+        try:
+            args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            parser.error(f"--seeds takes integers separated by commas (0,1,2), got {args.seeds!r}")
+        if not args.seeds:
+            parser.error("--seeds names no seed")
+        if len(set(args.seeds)) != len(args.seeds):
+            parser.error(f"--seeds must differ, got {args.seeds}")
+        seeded = [s for s in args.sets if s.partition("=")[0].strip() in SEED_KEYS]
+        if seeded:
+            parser.error(f"--seeds sets {', '.join(SEED_KEYS)} itself; drop {seeded}")
+    if args.against is not None:
+        if args.seeds is None:
+            parser.error("--against compares seed by seed: give --seeds")
+        if not args.against.is_file():
+            parser.error(f"--against {args.against}: no such file")
+        recorded = {run.get("seed") for run in json.loads(args.against.read_text())["runs"]}
+        if missing := sorted(set(args.seeds) - recorded):
+            parser.error(f"--against {args.against} has no run of seed(s) {missing}")
     if args.quick:
         args.runs = 1
+        args.seeds = args.seeds[:1] if args.seeds else None
         args.sets = ["train.steps=2", "train.batch_size=8", "eval.tasks=8", "value_pretraining.samples=8",
                      "sft.max_steps=4", *args.sets]
     return args
+
+
+SEED_KEYS = ("seed", "sft.seed", "eval.seed")
+
+
+def run_sets(sets: list[str], seed: int | str | None) -> list[str]:
+    """The ``--set`` values of one run: the variant's, and with ``seed`` the run's seeds."""
+    if seed is None:
+        return list(sets)
+    return [*sets, f"seed={seed}", f"sft.seed={seed}", f"eval.seed={EVAL_SEED}"]
 
 
 def run_demo(workdir: Path, sets: list[str]) -> tuple[dict[str, Any], float]:
@@ -98,7 +144,8 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         f"Command: `{record['command']}` (runs `{record['demo_command']}` in an empty folder each time). "
         f"{machine_line(record['machine'])} Raw data: `{DEFAULT_JSON.with_name(name + '.json')}`.",
         "",
-        f"{len(runs)} run(s) of the demo config{sets}, one after another: {first['steps']} SAO steps each; held-out "
+        f"{len(runs)} run(s) of the demo config{sets}{_seeds_text(record)}, one after another: {first['steps']} SAO "
+        "steps each; held-out "
         f"sampled accuracy (T=1) on {first['eval_tasks']} tasks, with its standard error. The wall time is the "
         "command's, in an installed environment (`make demo` on a fresh clone creates the environment first). "
         "Targets (issue 24) judged on the median over the runs.",
@@ -109,7 +156,8 @@ def _markdown(record: dict[str, Any], name: str) -> str:
     ]
     for index, run in enumerate(runs):
         r = run["result"]
-        lines.append(f"| {index + 1} | {r['accuracy_before']:.3f} ± {r['stderr_before']:.3f} | "
+        label = index + 1 if run.get("seed") is None else f"seed {run['seed']}"
+        lines.append(f"| {label} | {r['accuracy_before']:.3f} ± {r['stderr_before']:.3f} | "
                      f"{r['accuracy_after']:.3f} ± {r['stderr_after']:.3f} | "
                      f"{r['accuracy_after'] - r['accuracy_before']:+.3f} | {run['wall_s'] / 60:.1f} | "
                      f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} |")
@@ -123,7 +171,24 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         f"| wall time < {TARGET_WALL_S / 60:.0f} min | {spread_text({k: v / 60 for k, v in summary['wall_s'].items()}, '.1f', sep=' to ')} min | "
         f"{'yes' if met['wall'] else 'NO'} |",
     ]
+    if record.get("against"):
+        against = record["against"]
+        error = "" if against["stderr"] is None else f" ± {against['stderr']:.3f} (standard error over the seeds)"
+        lines += [
+            "",
+            f"Against `{against['file']}`, seed by seed (held-out accuracy after training, the same tasks and "
+            f"evaluation seed): " + ", ".join(f"seed {p['seed']} {p['arm']:.3f} vs {p['base']:.3f} ({p['diff']:+.3f})"
+                                              for p in against["pairs"])
+            + f"; mean difference {against['mean_diff']:+.3f}{error}.",
+        ]
     return "\n".join(lines)
+
+
+def _seeds_text(record: dict[str, Any]) -> str:
+    if not record.get("seeds"):
+        return " (repeats of one seed)"
+    return (f", one per seed ({', '.join(map(str, record['seeds']))}: `seed` and `sft.seed`; every run evaluated "
+            f"with `eval.seed={EVAL_SEED}`)")
 
 
 def _failures(result: dict[str, Any]) -> str:
@@ -133,6 +198,33 @@ def _failures(result: dict[str, Any]) -> str:
     if not failures:
         return "not recorded"
     return " / ".join(f"{failures[kind] / result['eval_tasks']:.1%}" for kind in ("tool_call", "answer", "structure"))
+
+
+def paired(base: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seed by seed, the held-out accuracy after training of ``runs`` minus that of the same seed in
+    ``base`` (another record of seeded runs, evaluated with the same ``eval.seed``): the differences,
+    their mean and the standard error of the mean over the seeds (None below two seeds).
+
+    Raises:
+        ValueError: ``base`` has no run of some seed of ``runs``, or its runs were evaluated on other
+            tasks or with another evaluation seed.
+    """
+    by_seed = {run.get("seed"): run["result"] for run in base["runs"]}
+    pairs = []
+    for run in runs:
+        seed, ours = run["seed"], run["result"]
+        theirs = by_seed.get(seed)
+        if seed is None or theirs is None:
+            raise ValueError(f"the base record has no run of seed {seed} (its seeds: {sorted(map(str, by_seed))})")
+        evaluated = [(r["eval_tasks"], r["settings"]["eval"].get("seed")) for r in (theirs, ours)]
+        if evaluated[0] != evaluated[1]:
+            raise ValueError(f"seed {seed}: evaluated as (tasks, eval.seed) {evaluated[1]} here but {evaluated[0]} "
+                             "in the base record: the accuracies do not pair")
+        pairs.append({"seed": seed, "base": theirs["accuracy_after"], "arm": ours["accuracy_after"],
+                      "diff": ours["accuracy_after"] - theirs["accuracy_after"]})
+    diffs = [pair["diff"] for pair in pairs]
+    stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return {"pairs": pairs, "mean_diff": statistics.fmean(diffs), "stderr": stderr}
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -148,19 +240,24 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     machine_info = machine()  # the commit and the load before the run, not after it
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sao-bench-demo-"))
+    seeds = args.seeds or [None] * args.runs
     runs = []
-    for index in range(args.runs):
+    for index, seed in enumerate(seeds):
         folder = workdir / f"run-{index + 1}"
-        print(f"sao bench demo: run {index + 1} of {args.runs} in {folder} (about 6-10 minutes on 2 cores) ...",
-              file=sys.stderr)
-        result, wall_s = run_demo(folder, args.sets)
+        print(f"sao bench demo: run {index + 1} of {len(seeds)}{'' if seed is None else f' (seed {seed})'} in "
+              f"{folder} (about 6-10 minutes on 2 cores) ...", file=sys.stderr)
+        result, wall_s = run_demo(folder, run_sets(args.sets, seed))
         result.pop("summary", None)
-        runs.append({"wall_s": wall_s, "result": result})
+        runs.append({"wall_s": wall_s, "seed": seed, "result": result})
     name = f"demo-{args.tag}" if args.tag else "demo"
+    shown = run_sets(args.sets, None if args.seeds is None else "S")
     record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,
-              "demo_command": "sao demo" if not args.sets else "sao train --config configs/demo.yaml "
-              + " ".join(f"--set {s}" for s in args.sets), "sets": args.sets, "runs": runs,
+              "demo_command": "sao demo" if not shown else "sao train --config configs/demo.yaml "
+              + " ".join(f"--set {s}" for s in shown), "sets": args.sets, "seeds": args.seeds, "runs": runs,
               "summary": summarise(runs)}
+    if args.against is not None:
+        record["against"] = {"file": str(args.against),
+                             **paired(json.loads(args.against.read_text()), runs)}
     publish(name, record, _markdown(record, name), out=args.out_json, results_md=args.results_md, quick=args.quick,
             default_json=DEFAULT_JSON.with_name(f"{name}.json"), default_results=DEFAULT_RESULTS)
     return 0

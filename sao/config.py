@@ -69,7 +69,7 @@ __all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "RUN_OWN", "ConfigError", "Ru
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 """The laptop demo's config (``sao demo``, ``make demo``), in the source checkout."""
 
-RESUME_SAFE = ("train.steps", "eval.tasks", "ray.address", "ray.num_cpus", "rollout.num_replicas",
+RESUME_SAFE = ("train.steps", "eval.tasks", "eval.seed", "ray.address", "ray.num_cpus", "rollout.num_replicas",
                "rollout.resources", "rollout.max_in_flight", "rollout.gpus", "rollout.engine", "rollout.python",
                *(f"rollout.vllm.{key}" for key in ("max_num_seqs", "gpu_memory_utilization", "kv_cache_memory_bytes",
                                                    "enforce_eager", "startup_timeout_s")),
@@ -358,6 +358,9 @@ class EvalSection(Section):
 
     tasks: int = Field(default_of(EvalConfig, "num_tasks"), ge=1)
     """Held-out tasks evaluated (sampled at temperature 1)."""
+    seed: int | None = None
+    """Seed of the evaluation's sampling; None: the run's seed. Fixed, runs of different seeds are
+    evaluated on the same draws, so their accuracies compare pairwise."""
 
 
 class LakeSection(Section):
@@ -470,6 +473,11 @@ class RunConfig(Section):
     def update(self) -> UpdateConfig:
         return self.algorithm.build()
 
+    @property
+    def eval_seed(self) -> int:
+        """The evaluation's sampling seed: ``eval.seed``, or the run's seed."""
+        return self.seed if self.eval.seed is None else self.eval.seed
+
     def agent(self) -> AgentConfig:
         r = self.rollout
         return AgentConfig(max_tokens=r.max_tokens, max_turns=r.max_turns, timeout_s=r.timeout_s,
@@ -541,7 +549,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
 }
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 
-RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction",
+RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction", "eval.seed",
            "env.verifiers", "rollout.engine", "rollout.python", "train.threads")
 """Settings of the run itself, which no component config has, or whose default the run works out
 (``train.threads``: :func:`sao.runs.trainer_threads`)."""

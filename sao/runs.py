@@ -463,7 +463,7 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     from sao.models.tokenizer import load_tokenizer
     from sao.train.evaluate import EvalConfig, evaluate_math
 
-    kept = config.run_dir / "evaluations" / f"v{version:06d}-tasks{config.eval.tasks}-seed{config.seed}.json"
+    kept = config.run_dir / "evaluations" / f"v{version:06d}-tasks{config.eval.tasks}-seed{config.eval_seed}.json"
     if kept.exists():
         return Evaluation(**json.loads(kept.read_text()))
     path = policy_dir(config, version)
@@ -477,7 +477,7 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     tokenizer = load_tokenizer(path)
     tasks = run_tasks(config, Split.HELDOUT)
     result = evaluate_math(load_policy(path), tokenizer, tasks,
-                           EvalConfig(num_tasks=config.eval.tasks, seed=config.seed,
+                           EvalConfig(num_tasks=config.eval.tasks, seed=config.eval_seed,
                                       max_turns=config.rollout.max_turns),
                            env_factory=environment)
     evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks,

@@ -48,13 +48,22 @@ def test_no_default_is_written_out_twice_in_the_config_module():
 
     import sao.config as module
 
-    source = inspect.getsource(module)
+    def lines(cls):
+        if issubclass(cls, module.DerivedSection):  # generated from its dataclass: no source of its own
+            return []
+        return [line.strip() for line in inspect.getsource(cls).splitlines()]
+
+    checked = 0
     for key in BUILDS:
-        name = key.rpartition(".")[2]
-        for line in source.splitlines():
-            stripped = line.strip()
+        *path, name = key.split(".")
+        owner = RunConfig
+        for part in path:  # the section (or nested section) that holds the setting
+            owner = owner.model_fields[part].annotation
+        for stripped in lines(owner):
             if stripped.startswith(f"{name}: ") and "=" in stripped and "Section" not in stripped:
                 assert "default_of(" in stripped, f"{key}: its default is written out: {stripped}"
+                checked += 1
+    assert checked >= 20  # the hand-written sections' settings were found and checked
 
 
 def test_generated_sections_follow_their_dataclasses():

@@ -62,3 +62,26 @@ def test_a_warm_start_stopped_half_way_is_redone_not_reused(tmp_path, monkeypatc
     assert runs.warm_start(settings) == settings.sft_dir and (settings.sft_dir / "config.json").exists()
     assert calls[0] == calls[1] != settings.sft_dir
     assert runs.warm_start(settings) == settings.sft_dir and len(calls) == 2  # reused now
+
+
+def test_the_evaluation_samples_with_eval_seed_and_else_with_the_runs_seed(tmp_path, monkeypatch):
+    """Runs of different seeds evaluated with one eval.seed draw the same samples, so they compare
+    pairwise; each seed's evaluation is kept under its own name."""
+    import sao.models.policy as policy
+    import sao.models.tokenizer as tokenizer
+    import sao.train.evaluate as evaluate
+    from sao.train.evaluate import EvalResult
+
+    seen = []
+    monkeypatch.setattr(policy, "load_policy", lambda path: None)
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(runs, "run_tasks", lambda config, split: [])
+    monkeypatch.setattr(evaluate, "evaluate_math", lambda model, tok, tasks, config, env_factory: seen.append(
+        config.seed) or EvalResult(accuracy=0.5, stderr=0.1, num_tasks=4, mean_tool_calls=1.0, terminations={},
+                                 wall_s=0.0, episodes=()))
+    for seed, eval_seed in ((7, None), (8, 3), (9, 3)):
+        settings = RunConfig(run_id="e", workdir=str(tmp_path / str(seed)), seed=seed, eval={"seed": eval_seed})
+        assert runs.evaluate(settings, 0).accuracy == 0.5
+        expected = seed if eval_seed is None else eval_seed
+        assert (settings.run_dir / "evaluations" / f"v000000-tasks{settings.eval.tasks}-seed{expected}.json").exists()
+    assert seen == [7, 3, 3]

@@ -81,8 +81,14 @@ class UpdateConfig:
         critic_updates: K critic optimiser steps per actor step (paper 2).
         lr_policy, lr_critic: AdamW learning rates.
         warmup_steps_critic, warmup_steps_policy: linear warm-up of the learning rate, in optimiser steps.
+        cosine_steps_policy: after its warm-up, the policy's learning rate follows a cosine from
+            ``lr_policy`` down to ``lr_policy * lr_final_ratio`` over this many optimiser steps and stays
+            there (0: constant after the warm-up).
+        lr_final_ratio: the end of ``cosine_steps_policy``'s decay, as a fraction of ``lr_policy``.
         weight_decay: AdamW weight decay for both models.
         adam_eps: AdamW epsilon for both models.
+        adam_beta2: AdamW's second-moment decay for both models (0.95 forgets old gradient scales
+            faster than the default 0.999).
         max_grad_norm: gradient clipping (None = off).
         value_clip: PPO-style value clipping range (None = off).
         whiten_advantages: normalise policy advantages over the batch's action tokens.
@@ -128,8 +134,11 @@ class UpdateConfig:
     lr_critic: float = 5e-4
     warmup_steps_critic: int = 10
     warmup_steps_policy: int = 0
+    cosine_steps_policy: int = 0
+    lr_final_ratio: float = 0.1
     weight_decay: float = 0.0
     adam_eps: float = 1e-8
+    adam_beta2: float = 0.999
     max_grad_norm: float | None = 1.0
     value_clip: float | None = None
     whiten_advantages: bool = False
@@ -165,6 +174,13 @@ class UpdateConfig:
             raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}")
         if not 0.0 <= self.lam_critic <= 1.0:
             raise ValueError(f"lam_critic must lie in [0, 1], got {self.lam_critic}")
+        for name in ("warmup_steps_policy", "warmup_steps_critic", "cosine_steps_policy"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.lr_final_ratio <= 1.0:
+            raise ValueError(f"lr_final_ratio must lie in [0, 1], got {self.lr_final_ratio}")
+        if not 0.0 <= self.adam_beta2 < 1.0:
+            raise ValueError(f"adam_beta2 must lie in [0, 1), got {self.adam_beta2}")
         if self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
         if self.routing_compare_every < 0:

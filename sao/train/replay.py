@@ -470,7 +470,8 @@ WHAT_IF_METRICS = ("actor/kept_frac", "actor/pg_loss", "actor/grad_norm", "actor
                    "critic/grad_norm", "batch/reward_mean")
 """The metrics a what-if replay prints side by side (its JSON report has every one)."""
 
-FIXED_IN_WHAT_IF = ("warmup_steps_policy", "warmup_steps_critic", "running_mean_window", "token_budget")
+FIXED_IN_WHAT_IF = ("warmup_steps_policy", "warmup_steps_critic", "cosine_steps_policy", "lr_final_ratio",
+                    "running_mean_window", "token_budget")
 """Settings a what-if replay cannot change mid-run: they shape the optimiser schedules, the baseline's
 window and the recorded micro-batch split that the loaded checkpoint state was built with."""
 
@@ -526,7 +527,7 @@ def _distance(a: torch.nn.Module, b: torch.nn.Module) -> float:
 def _apply_settings(learner: Learner, update: UpdateConfig) -> None:
     """Switch ``learner`` to ``update``: the loss and estimator settings are read from its config each
     step; learning rates, weight decay and Adam's epsilon are set on the optimisers (the warm-up
-    schedule's position is kept)."""
+    schedule's position is kept); Adam's beta2 too (its moments so far are kept)."""
     learner.config = update
     pairs = [(learner.policy_optimizer, learner.policy_scheduler, update.lr_policy)]
     if learner.critic_optimizer is not None:
@@ -535,7 +536,8 @@ def _apply_settings(learner: Learner, update: UpdateConfig) -> None:
         scheduler.base_lrs = [lr for _ in optimizer.param_groups]
         factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
         for group in optimizer.param_groups:
-            group.update(lr=lr * factor, initial_lr=lr, weight_decay=update.weight_decay, eps=update.adam_eps)
+            group.update(lr=lr * factor, initial_lr=lr, weight_decay=update.weight_decay, eps=update.adam_eps,
+                         betas=(group["betas"][0], update.adam_beta2))
 
 
 def what_if_steps(lake: Lake, run_id: str, first: int, last: int, overrides: Mapping[str, object], *,

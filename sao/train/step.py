@@ -55,7 +55,7 @@ from sao.train.batch import TrainBatch, completion_positions, split_by_token_bud
 from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
 from sao.train.device import autocast
 
-__all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_values", "critic_returns",
+__all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_values", "critic_returns", "lr_factor",
            "policy_logprobs", "scoring_logits"]
 
 FILTERED_LOGPROB = -1.0e4
@@ -142,8 +142,22 @@ def _sum_gradients_across_workers(module: torch.nn.Module) -> None:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
 
-def _warmup(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(steps, 1)))
+def lr_factor(step: int, warmup_steps: int, cosine_steps: int = 0, final_ratio: float = 1.0) -> float:
+    """The learning rate of optimiser step ``step`` (from 0) as a fraction of the peak: a linear
+    warm-up over ``warmup_steps`` (step ``s`` below it gets ``(s + 1) / warmup_steps``), then, with
+    ``cosine_steps``, a cosine from 1 down to ``final_ratio`` over that many steps, held at the end."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if cosine_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / cosine_steps)
+    return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, cosine_steps: int = 0,
+              final_ratio: float = 1.0) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, warmup_steps, cosine_steps, final_ratio))
 
 
 @dataclasses.dataclass
@@ -173,15 +187,17 @@ class Learner:
             raise ValueError(f"the policy is on {self.device} but the critic on {_device_of(self.critic)}: "
                              "place both on the training device before making the Learner")
         autocast(self.device, self.bf16)  # bf16 on a CPU is refused here, before any step
+        betas = (0.9, cfg.adam_beta2)
         self.policy_optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=cfg.lr_policy,
-            weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-        self.policy_scheduler = _warmup(self.policy_optimizer, cfg.warmup_steps_policy)
+            weight_decay=cfg.weight_decay, eps=cfg.adam_eps, betas=betas)
+        self.policy_scheduler = _schedule(self.policy_optimizer, cfg.warmup_steps_policy, cfg.cosine_steps_policy,
+                                          cfg.lr_final_ratio)
         if self.critic is not None:
             self.critic_optimizer = torch.optim.AdamW(
                 [p for p in self.critic.parameters() if p.requires_grad], lr=cfg.lr_critic,
-                weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-            self.critic_scheduler = _warmup(self.critic_optimizer, cfg.warmup_steps_critic)
+                weight_decay=cfg.weight_decay, eps=cfg.adam_eps, betas=betas)
+            self.critic_scheduler = _schedule(self.critic_optimizer, cfg.warmup_steps_critic)
         self.running_mean = RunningMeanBaseline(cfg.running_mean_window)
         self.has_routers = bool(moe_routers(self.policy))
         self.critic_steps = 0

@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from benchmarks.demo import _failures, main, run_demo, summarise
+from benchmarks.demo import (
+    EVAL_SEED,
+    _failures,
+    _parse,
+    main,
+    paired,
+    run_demo,
+    run_sets,
+    summarise,
+)
 
 
 def test_a_folder_that_is_not_empty_is_refused(tmp_path):
@@ -31,6 +40,25 @@ def test_failures_are_shown_as_shares_of_the_tasks_and_their_absence_said():
     assert _failures({"eval_tasks": 200}) == "not recorded"
 
 
+def test_each_seeded_run_sets_its_own_seeds_and_the_shared_evaluation_seed():
+    args = _parse(["--seeds", "3,7", "--set", "algorithm.alpha=2"])
+    assert args.seeds == [3, 7]
+    assert run_sets(args.sets, 7) == ["algorithm.alpha=2", "seed=7", "sft.seed=7", f"eval.seed={EVAL_SEED}"]
+    assert run_sets(args.sets, None) == ["algorithm.alpha=2"]  # repeats (--runs) keep the config's seed
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seeds", "1,1"], "must differ"),
+    (["--seeds", "1,x"], "integers separated by commas"),
+    (["--seeds", ","], "names no seed"),
+    (["--seeds", "1,2", "--set", "sft.seed=4"], "drop ['sft.seed=4']"),
+])
+def test_seeds_that_cannot_be_run_as_asked_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _parse(argv)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_quick_run_reports_the_demo_runs_recorded_result(tmp_path):
@@ -45,3 +73,40 @@ def test_quick_run_reports_the_demo_runs_recorded_result(tmp_path):
     assert data["summary"]["accuracy_after"]["median"] == result["accuracy_after"]
     assert data["demo_command"].startswith("sao train --config configs/demo.yaml --set train.steps=2")
     assert "| held-out accuracy after training > 0.8 |" in md.read_text()
+
+
+def _seeded(seed, accuracy, eval_seed=EVAL_SEED, tasks=300):
+    return {"seed": seed, "result": {"accuracy_after": accuracy, "eval_tasks": tasks,
+                                     "settings": {"eval": {"seed": eval_seed}}}}
+
+
+def test_an_arm_is_compared_with_its_base_seed_by_seed():
+    base = {"runs": [_seeded(1, 0.70), _seeded(2, 0.75), _seeded(3, 0.60)]}
+    result = paired(base, [_seeded(2, 0.80), _seeded(1, 0.72), _seeded(3, 0.68)])
+    assert [p["seed"] for p in result["pairs"]] == [2, 1, 3]
+    assert [p["diff"] for p in result["pairs"]] == pytest.approx([0.05, 0.02, 0.08])
+    # mean 0.05; deviations -0.03, 0, 0.03: std 0.03, over sqrt(3)
+    assert result["mean_diff"] == pytest.approx(0.05)
+    assert result["stderr"] == pytest.approx(0.03 / 3 ** 0.5)
+
+
+@pytest.mark.parametrize(("arm", "message"), [
+    (_seeded(4, 0.7), "no run of seed 4"),
+    (_seeded(1, 0.7, eval_seed=5), "do not pair"),
+    (_seeded(1, 0.7, tasks=1000), "do not pair"),
+])
+def test_runs_that_do_not_pair_are_refused(arm, message):
+    with pytest.raises(ValueError, match=message):
+        paired({"runs": [_seeded(1, 0.70)]}, [arm])
+
+
+def test_against_needs_seeds_and_a_file_with_each_of_them(tmp_path, capsys):
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"runs": [_seeded(1, 0.7), _seeded(2, 0.7)]}))
+    assert _parse(["--seeds", "1,2", "--against", str(base)]).against == base
+    for argv, message in ((["--against", str(base)], "give --seeds"),
+                          (["--seeds", "1,3", "--against", str(base)], "no run of seed(s) [3]"),
+                          (["--seeds", "1", "--against", str(tmp_path / "none.json")], "no such file")):
+        with pytest.raises(SystemExit):
+            _parse(argv)
+        assert message in capsys.readouterr().err

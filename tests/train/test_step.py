@@ -383,3 +383,37 @@ def test_steps_between_routing_comparisons_report_only_their_own_routing():
     assert "routing/kept_frac_live" not in second  # no extra forward on this step
     assert second["routing/kept_frac_replay"] == second["actor/kept_frac"]
     assert "routing/disagree_frac" in second  # from the replayed forward itself
+
+
+@pytest.mark.parametrize(("step", "expected"), [
+    (0, 0.25), (2, 0.75), (3, 1.0),  # warm-up over 4 steps: (s + 1) / 4
+    (4, 1.0), (5, 0.55 + 0.45 * math.cos(math.pi / 10)),  # then a cosine from 1 to 0.1 over 10 steps
+    (9, 0.55), (14, 0.1), (50, 0.1),  # halfway (0.1 + 0.9 / 2); the end; held there
+])
+def test_the_learning_rate_warms_up_then_follows_a_cosine_to_its_final_ratio(step, expected):
+    assert step_module.lr_factor(step, warmup_steps=4, cosine_steps=10, final_ratio=0.1) == pytest.approx(expected)
+
+
+def test_without_cosine_steps_the_learning_rate_stays_at_its_peak_after_the_warm_up():
+    assert [step_module.lr_factor(s, 0) for s in (0, 1, 100)] == [1.0, 1.0, 1.0]
+    assert [step_module.lr_factor(s, 2) for s in (0, 1, 2, 100)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_the_policy_optimiser_follows_the_cosine_and_both_take_adams_beta2():
+    policy = tiny()
+    rows = hand_built_rows(policy)
+    cfg = dataclasses.replace(CFG, lr_policy=1e-3, cosine_steps_policy=2, lr_final_ratio=0.2, adam_beta2=0.95)
+    learner = Learner(cfg, policy, ValueModel(tiny(1)))
+    for optimizer in (learner.policy_optimizer, learner.critic_optimizer):
+        assert all(group["betas"] == (0.9, 0.95) for group in optimizer.param_groups)
+    lrs = [learner.update(collate(rows, trainer_version=5))["actor/lr"] for _ in range(3)]
+    # the rate after each step: halfway down the cosine (0.2 + 0.8 / 2), its end, held
+    assert lrs == pytest.approx([1e-3 * 0.6, 1e-3 * 0.2, 1e-3 * 0.2])
+    assert learner.critic_optimizer.param_groups[0]["lr"] == pytest.approx(cfg.lr_critic)  # warm-up done, constant
+
+
+@pytest.mark.parametrize("bad", [{"cosine_steps_policy": -1}, {"warmup_steps_critic": -2}, {"lr_final_ratio": 1.5},
+                                 {"adam_beta2": 1.0}])
+def test_schedule_settings_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        UpdateConfig(**bad)
