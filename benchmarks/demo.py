@@ -131,6 +131,30 @@ def run_demo(workdir: Path, sets: list[str]) -> tuple[dict[str, Any], float]:
     return result, wall_s
 
 
+PRETRAINING_KEYS = ("num_train", "num_heldout", "optimizer_steps", "explained_variance_before",
+                    "explained_variance_after", "loss_before", "loss_after", "seconds")
+
+
+def value_pretraining(workdir: Path) -> dict[str, Any] | None:
+    """What value pretraining reported in the run of ``workdir`` (its rollouts, the critic's explained
+    variance on held-out ones before and after, the seconds it took); None: the run had none."""
+    from sao.train.pretrain import REPORT_FILE
+
+    reports = sorted((workdir / "runs").glob(f"**/{REPORT_FILE}"))
+    if not reports:
+        return None
+    report = json.loads(reports[0].read_text())
+    return {key: report[key] for key in PRETRAINING_KEYS}
+
+
+def _pretraining(run: dict[str, Any]) -> str:
+    report = run.get("value_pretraining")
+    if not report:
+        return "none"
+    explained = report["explained_variance_after"]
+    return f"{report['num_train'] + report['num_heldout']} / {'-' if explained is None else f'{explained:.3f}'}"
+
+
 def _markdown(record: dict[str, Any], name: str) -> str:
     runs, summary = record["runs"], record["summary"]
     first = runs[0]["result"]
@@ -151,8 +175,9 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         "Targets (issue 24) judged on the median over the runs.",
         "",
         "| run | version 0 | after training | rise | wall time (min) | of which SAO training (min) | trajectories "
-        "| failed after training: tool call / answer / structure |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| failed after training: tool call / answer / structure | value pretraining: rollouts / held-out explained "
+        "variance |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for index, run in enumerate(runs):
         r = run["result"]
@@ -160,7 +185,7 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         lines.append(f"| {label} | {r['accuracy_before']:.3f} ± {r['stderr_before']:.3f} | "
                      f"{r['accuracy_after']:.3f} ± {r['stderr_after']:.3f} | "
                      f"{r['accuracy_after'] - r['accuracy_before']:+.3f} | {run['wall_s'] / 60:.1f} | "
-                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} |")
+                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} | {_pretraining(run)} |")
     lines += [
         "",
         "| target | median (min-max) | met |",
@@ -248,7 +273,7 @@ def main(argv: list[str]) -> int:
               f"{folder} (about 6-10 minutes on 2 cores) ...", file=sys.stderr)
         result, wall_s = run_demo(folder, run_sets(args.sets, seed))
         result.pop("summary", None)
-        runs.append({"wall_s": wall_s, "seed": seed, "result": result})
+        runs.append({"wall_s": wall_s, "seed": seed, "result": result, "value_pretraining": value_pretraining(folder)})
     name = f"demo-{args.tag}" if args.tag else "demo"
     shown = run_sets(args.sets, None if args.seeds is None else "S")
     record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,

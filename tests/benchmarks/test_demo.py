@@ -9,13 +9,16 @@ import pytest
 
 from benchmarks.demo import (
     EVAL_SEED,
+    PRETRAINING_KEYS,
     _failures,
     _parse,
+    _pretraining,
     main,
     paired,
     run_demo,
     run_sets,
     summarise,
+    value_pretraining,
 )
 
 
@@ -70,6 +73,7 @@ def test_quick_run_reports_the_demo_runs_recorded_result(tmp_path):
     result = run["result"]
     assert result["steps"] == 2 and result["eval_tasks"] == 8 and result["settings"]["train"]["steps"] == 2
     assert 0.0 <= result["accuracy_after"] <= 1.0 and run["wall_s"] > result["train_wall_s"] > 0
+    assert run["value_pretraining"]["num_train"] + run["value_pretraining"]["num_heldout"] == 8
     assert data["summary"]["accuracy_after"]["median"] == result["accuracy_after"]
     assert data["demo_command"].startswith("sao train --config configs/demo.yaml --set train.steps=2")
     assert "| held-out accuracy after training > 0.8 |" in md.read_text()
@@ -110,3 +114,19 @@ def test_against_needs_seeds_and_a_file_with_each_of_them(tmp_path, capsys):
         with pytest.raises(SystemExit):
             _parse(argv)
         assert message in capsys.readouterr().err
+
+
+def test_value_pretraining_is_read_from_the_runs_report_and_shown_with_its_explained_variance(tmp_path):
+    from sao.train.pretrain import REPORT_FILE
+
+    assert value_pretraining(tmp_path) is None
+    folder = tmp_path / "runs" / "demo" / "checkpoints" / "v000000" / "critic"
+    folder.mkdir(parents=True)
+    report = dict.fromkeys(PRETRAINING_KEYS, 1.0) | {"num_train": 230, "num_heldout": 26,
+                                                      "explained_variance_after": 0.0412, "critic_path": "x"}
+    (folder / REPORT_FILE).write_text(json.dumps(report))
+    read = value_pretraining(tmp_path)
+    assert set(read) == set(PRETRAINING_KEYS)  # the report's figures, not where the critic was written
+    assert _pretraining({"value_pretraining": read}) == "256 / 0.041"
+    assert _pretraining({"value_pretraining": read | {"explained_variance_after": None}}) == "256 / -"
+    assert _pretraining({}) == "none"
