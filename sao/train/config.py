@@ -105,6 +105,10 @@ class UpdateConfig:
             ``batch/cut_short_skipped``. SAO.md: ``cancelled`` and ``error`` ends, cut short by the
             system rather than by a budget the policy spent. Empty (with these reasons in
             ``bootstrap_reasons``) trains on them, bootstrapped.
+        oracle_values: a diagnostic of the critic (:mod:`sao.train.oracle`, built-in math_tool tasks
+            only): the policy's advantages use the values the tasks' demonstrations give (the chance
+            that the current policy completes the demonstration from a state on its path, 0 off it)
+            in place of the critic's, which is still trained and reported.
         token_budget: most (sequences x padded length) tokens in one micro-batch.
         routing_replay: R3 (:mod:`sao.models.routing`): the actor's forward routes every token the
             rollout recorded a routing for to the recorded experts (weights from the live router, which
@@ -147,6 +151,7 @@ class UpdateConfig:
     reward_range: tuple[float, float] = (0.0, 1.0)
     bootstrap_reasons: tuple[str, ...] = BOOTSTRAP_REASONS
     skip_reasons: tuple[str, ...] = SKIP_REASONS
+    oracle_values: bool = False
     token_budget: int = 8192
     routing_replay: bool | None = None
     routing_metrics: bool = True
@@ -183,6 +188,8 @@ class UpdateConfig:
             raise ValueError(f"adam_beta2 must lie in [0, 1), got {self.adam_beta2}")
         if self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+        if self.oracle_values and self.advantage_estimator is not AdvantageEstimator.CRITIC_GAE:
+            raise ValueError(f"oracle_values replaces a critic's values; algorithm {self.algorithm.value!r} has none")
         if self.routing_compare_every < 0:
             raise ValueError(f"routing_compare_every must be >= 0 (0: never), got {self.routing_compare_every}")
 

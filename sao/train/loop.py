@@ -65,6 +65,7 @@ from sao.train.checkpoint import (
 )
 from sao.train.config import TrainConfig
 from sao.train.device import CPU, configure_torch, resolve_device
+from sao.train.oracle import attach_oracle
 from sao.train.retention import apply_retention
 from sao.train.run_config import write_run_config
 from sao.train.step import Learner
@@ -205,7 +206,12 @@ def compute_update(learner: Learner, rows: Sequence[Mapping], version: int, rank
     sequence_advantages = learner.sequence_advantages(full.scalar_rewards, full.group_ids)
     shard = list(range(rank, len(rows), world))
     batch = full.select(shard)
-    return learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard])
+    policy_values = None
+    if learner.config.oracle_values:
+        if learner.policy_values is None:
+            raise ValueError("algorithm.oracle_values is on but the learner has no oracle (sao.train.oracle.attach_oracle)")
+        policy_values = learner.policy_values([rows[i] for i in shard], batch.to(learner.device))
+    return learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard], policy_values)
 
 
 @dataclasses.dataclass
@@ -307,7 +313,9 @@ def _start_worker(cfg: TrainConfig, device: torch.device) -> _Worker:
     learner = Learner(cfg.update, policy, critic, bf16=cfg.bf16)
     if trainer_state is not None:
         learner.load_state_dict(trainer_state)
-    worker = _Worker(cfg, rank, world, lake, learner, load_tokenizer(cfg.policy_path),
+    tokenizer = load_tokenizer(cfg.policy_path)
+    attach_oracle(learner, tokenizer)
+    worker = _Worker(cfg, rank, world, lake, learner, tokenizer,
                      broker=_broker_calls(cfg) if rank == 0 else _Broker(),
                      reader=TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS,
                                              pass_over=cfg.update.skip_reasons) if rank == 0 else None,

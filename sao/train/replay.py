@@ -71,15 +71,18 @@ from sao.lake.ledger import record_train_step, register_policy_version
 from sao.lake.reader import read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
+from sao.models.tokenizer import load_tokenizer
 from sao.train.checkpoint import (
     CheckpointPrunedError,
     has_full_state,
     load_checkpoint,
+    policy_dir,
     save_checkpoint,
     weights_hash,
 )
 from sao.train.config import TrainConfig, UpdateConfig
 from sao.train.loop import TRAIN_COLUMNS, compute_update
+from sao.train.oracle import attach_oracle
 from sao.train.run_config import RunConfigError, read_run_config, write_run_config
 from sao.train.step import Learner
 from schemas import policy_versions, train_steps, trajectories
@@ -426,6 +429,7 @@ def replay_steps(lake: Lake, run_id: str, first: int, last: int | None = None, *
     except (FileNotFoundError, CheckpointPrunedError) as error:
         raise ReplayError(str(error)) from None
     learner = Learner(cfg.update, checkpoint.policy, checkpoint.critic)
+    attach_oracle(learner, policy_dir(root, start_version))
     if checkpoint.trainer_state is not None:
         learner.load_state_dict(checkpoint.trainer_state)
     start_hash = weights_hash(checkpoint.policy)
@@ -590,6 +594,7 @@ def what_if_steps(lake: Lake, run_id: str, first: int, last: int, overrides: Map
     except (FileNotFoundError, CheckpointPrunedError) as error:
         raise ReplayError(str(error)) from None
     learner = Learner(cfg.update, checkpoint.policy, checkpoint.critic)
+    attach_oracle(learner, policy_dir(root, start_version))
     if checkpoint.trainer_state is not None:
         learner.load_state_dict(checkpoint.trainer_state)
     load_s = time.perf_counter() - started
@@ -598,6 +603,7 @@ def what_if_steps(lake: Lake, run_id: str, first: int, last: int, overrides: Map
         for step in lead_in:  # the recorded settings, to reach the first requested step's start
             _replay_one(learner, step, lambda s: _lake_rows(lake, s), versions, 0.0, cfg.seed, lead_in=True)
         _apply_settings(learner, update)
+        attach_oracle(learner, policy_dir(root, start_version))  # what if the critic were the oracle
         recorder = None if record_as is None else _WhatIfRun(
             lake, record_as, record_root or _what_if_root(root, run_id, record_as),
             dataclasses.replace(cfg, run_id=record_as, update=update), learner, requested[0].policy_version_before)
@@ -632,7 +638,6 @@ class _WhatIfRun:
     checkpoint, ``train_steps`` row and ``policy_versions`` row per re-run step."""
 
     def __init__(self, lake: Lake, run_id: str, root: Path, cfg: TrainConfig, learner: Learner, version: int) -> None:
-        from sao.models.tokenizer import load_tokenizer
 
         self.lake, self.run_id, self.root, self.learner = lake, run_id, root, learner
         self.cfg = dataclasses.replace(cfg, checkpoint_root=str(root))

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -178,6 +178,10 @@ class Learner:
     policy_optimizer: torch.optim.Optimizer = dataclasses.field(init=False)
     critic_optimizer: torch.optim.Optimizer | None = dataclasses.field(init=False, default=None)
     running_mean: RunningMeanBaseline = dataclasses.field(init=False)
+    policy_values: Callable[[Sequence[Mapping], TrainBatch], tuple[torch.Tensor, torch.Tensor]] | None = (
+        dataclasses.field(init=False, default=None))
+    """``UpdateConfig.oracle_values``: ``(rows, batch) -> (values (B, T), v_end (B,))`` that the policy's
+    advantages use in place of the critic's (:class:`sao.train.oracle.DemonstrationOracle`)."""
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -276,27 +280,34 @@ class Learner:
     @torch.no_grad()
     def _advantages_from(self, batch: TrainBatch, values: tuple[torch.Tensor, torch.Tensor] | None,
                          sequence_advantages: torch.Tensor | None,
+                         policy_values: tuple[torch.Tensor, torch.Tensor] | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """:meth:`advantages` given the critic's ``(values (B, T), v_end (B,))`` before the update
-        (the critic estimator) or None (the others)."""
+        (the critic estimator) or None (the others); ``policy_values``: the values the policy's
+        advantages use instead (the critic's returns still come from its own)."""
         cfg = self.config
         metrics: dict[str, float] = {}
         estimator = cfg.advantage_estimator
         if estimator is AdvantageEstimator.CRITIC_GAE:
             values, v_end = values
             returns = critic_returns(batch, values, v_end, cfg)
-            bootstrap = torch.where(batch.bootstrap, v_end, torch.zeros_like(v_end))
-            lam_policy = length_adaptive_lambda(batch.num_action_tokens, cfg.alpha)
-            advantages, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, cfg.gamma,
-                                                 lam_policy)
-            low, high = cfg.reward_range
             action = batch.action_mask
+            low, high = cfg.reward_range
             metrics |= {
                 "critic/value_mean_before": float(masked_mean(values, action)),
                 "critic/frac_outside_reward_range": float((action & ((values < low) | (values > high))).sum())
                 / max(int(action.sum()), 1),
                 "critic/bootstrap_frac": float(batch.bootstrap.float().mean()),
             }
+            if policy_values is not None:  # the oracle's values for the policy; the critic's error from them
+                oracle, v_end = policy_values
+                metrics |= {"oracle/value_mean": float(masked_mean(oracle, action)),
+                            "oracle/critic_abs_error": float(masked_mean((values - oracle).abs(), action))}
+                values = oracle
+            bootstrap = torch.where(batch.bootstrap, v_end, torch.zeros_like(v_end))
+            lam_policy = length_adaptive_lambda(batch.num_action_tokens, cfg.alpha)
+            advantages, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, cfg.gamma,
+                                                 lam_policy)
         else:
             returns = None
             if sequence_advantages is not None:
@@ -322,22 +333,26 @@ class Learner:
             return self.running_mean.advantages(scalar_rewards)
         return None
 
-    def update(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None) -> dict[str, float]:
+    def update(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None,
+               policy_values: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
         """One actor step and K critic steps on ``batch`` (this worker's shard of it), on :attr:`device`.
 
         With a critic and K >= 1 the first critic step's forward passes give the values the advantages
         use: that step runs first, on the critic as it was before the update, and its forward with
         gradients gives the same values as a separate no-gradient forward would (tested), so the
         separate forward is not run. The actor step does not depend on the critic's steps, so the order
-        changes no result."""
+        changes no result. ``policy_values`` (``oracle_values``): the values the policy's advantages
+        use instead of the critic's; the critic's own targets still come from its values."""
         started = time.perf_counter()
         batch = batch.to(self.device)
         critic_metrics: dict[str, float] = {}
         if self.config.advantage_estimator is AdvantageEstimator.CRITIC_GAE and self.config.critic_updates > 0:
             critic_metrics, values = self._critic_step(batch, None)
-            advantages, returns, metrics = self._advantages_from(batch, values, sequence_advantages)
+            advantages, returns, metrics = self._advantages_from(batch, values, sequence_advantages, policy_values)
             remaining = self.config.critic_updates - 1
         else:
+            if policy_values is not None:
+                raise ValueError("policy_values replace the values of a critic's first update; this update has none")
             advantages, returns, metrics = self.advantages(batch, sequence_advantages)
             remaining = self.config.critic_updates if returns is not None else 0
         critic_s = time.perf_counter() - started
