@@ -57,7 +57,7 @@ from sao.train.checkpoint import critic_dir, load_checkpoint, replace_critic
 from sao.train.config import TrainConfig, UpdateConfig
 from sao.train.device import configure_torch, use_gpu, worker_device
 from sao.train.loop import TRAIN_COLUMNS, prepare_run
-from sao.train.step import Learner, critic_values
+from sao.train.step import Learner, critic_values, explained_variance
 from schemas import trajectories
 
 __all__ = [
@@ -179,9 +179,7 @@ def value_metrics(critic: torch.nn.Module, rows: Sequence[Mapping], update: Upda
     mask = batch.action_mask
     target, predicted = returns[mask], values[mask]
     loss = float(0.5 * (predicted - target).square().mean())
-    spread = float(target.var(unbiased=False))
-    explained = None if spread <= 1e-12 else 1.0 - float((target - predicted).var(unbiased=False)) / spread
-    return loss, explained
+    return loss, explained_variance(target, predicted)
 
 
 def fit_critic(learner: Learner, batches: Callable[[int], Iterable[Sequence[Mapping]]], epochs: int,

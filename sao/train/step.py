@@ -55,7 +55,7 @@ from sao.train.batch import TrainBatch, completion_positions, split_by_token_bud
 from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
 from sao.train.device import autocast
 
-__all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_values", "critic_returns", "lr_factor",
+__all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_values", "critic_returns", "explained_variance", "lr_factor",
            "policy_logprobs", "scoring_logits"]
 
 FILTERED_LOGPROB = -1.0e4
@@ -113,6 +113,14 @@ def critic_values(critic: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Ten
 
 
 @torch.no_grad()
+def explained_variance(target: torch.Tensor, predicted: torch.Tensor) -> float | None:
+    """``1 - Var(target - predicted) / Var(target)`` over the given elements (float64; None when the
+    targets do not vary): 1 for a perfect prediction, 0 for the targets' mean, below 0 for worse."""
+    target, predicted = target.double(), predicted.double()
+    spread = float(target.var(unbiased=False))
+    return None if spread <= 1e-12 else 1.0 - float((target - predicted).var(unbiased=False)) / spread
+
+
 def critic_returns(batch: TrainBatch, values: torch.Tensor, v_end: torch.Tensor, config: UpdateConfig) -> torch.Tensor:
     """(B, T) the critic's targets: skip-observation GAE returns with ``lam_critic``, bootstrapped with
     ``v_end`` where the row's end bootstraps. Each row's returns depend on its own values only."""
@@ -299,11 +307,15 @@ class Learner:
                 / max(int(action.sum()), 1),
                 "critic/bootstrap_frac": float(batch.bootstrap.float().mean()),
             }
+            # how much of the targets' spread the values explain (absent when the targets do not vary)
+            explained = {"critic/explained_variance": explained_variance(returns[action], values[action])}
             if policy_values is not None:  # the oracle's values for the policy; the critic's error from them
                 oracle, v_end = policy_values
                 metrics |= {"oracle/value_mean": float(masked_mean(oracle, action)),
                             "oracle/critic_abs_error": float(masked_mean((values - oracle).abs(), action))}
+                explained["oracle/explained_variance"] = explained_variance(returns[action], oracle[action])
                 values = oracle
+            metrics |= {name: value for name, value in explained.items() if value is not None}
             bootstrap = torch.where(batch.bootstrap, v_end, torch.zeros_like(v_end))
             lam_policy = length_adaptive_lambda(batch.num_action_tokens, cfg.alpha)
             advantages, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, cfg.gamma,

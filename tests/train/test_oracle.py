@@ -144,6 +144,7 @@ def test_with_oracle_values_the_update_takes_the_oracles_values(tokenizer, tasks
     assert metrics["oracle/value_mean"] == pytest.approx(float(expected[action].mean()), rel=1e-5)
     assert 0.0 < metrics["oracle/value_mean"] < 1.0
     assert metrics["oracle/critic_abs_error"] > 0.0
+    assert {"oracle/explained_variance", "critic/explained_variance"} <= set(metrics)
     critics = compute_update(plain, rows, version=0)  # the critic's values instead: another actor loss
     assert abs(metrics["actor/advantage_mean"] - critics["actor/advantage_mean"]) > 0.01
     assert all(torch.equal(a, b) for a, b in zip(learner.critic.parameters(), plain.critic.parameters(), strict=True))

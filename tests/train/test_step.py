@@ -417,3 +417,24 @@ def test_the_policy_optimiser_follows_the_cosine_and_both_take_adams_beta2():
 def test_schedule_settings_out_of_range_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         UpdateConfig(**bad)
+
+
+def test_explained_variance_is_worked_by_hand():
+    target = torch.tensor([0.0, 1.0, 1.0, 0.0])  # variance 0.25
+    assert step_module.explained_variance(target, target) == 1.0
+    assert step_module.explained_variance(target, torch.full((4,), 0.5)) == 0.0  # the mean explains nothing
+    # residuals (0, 0.5, 0.5, 0): variance 0.0625, a quarter of the targets'
+    assert step_module.explained_variance(target, torch.tensor([0.0, 0.5, 0.5, 0.0])) == pytest.approx(0.75)
+    assert step_module.explained_variance(torch.ones(3), torch.zeros(3)) is None  # targets that do not vary
+
+
+def test_each_update_reports_its_critics_explained_variance_on_its_targets():
+    policy = tiny()
+    learner = Learner(CFG, policy, ValueModel(tiny(1)))
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    with torch.no_grad():
+        values, v_end = step_module.critic_values(copy.deepcopy(learner.critic), batch)
+    returns = step_module.critic_returns(batch, values, v_end, CFG)  # t1's length end bootstraps
+    metrics = learner.update(batch)
+    expected = step_module.explained_variance(returns[batch.action_mask], values[batch.action_mask])
+    assert metrics["critic/explained_variance"] == pytest.approx(expected, abs=1e-6)
