@@ -1,6 +1,8 @@
 """Benchmark: the laptop demo as a newcomer runs it, timed, with its accuracy before and after.
 
-    sao bench demo [--runs 3 | --seeds 0,1,2] [--workdir DIR] [--set KEY=VALUE ...] [--tag NAME] [--quick]
+    sao bench demo [--runs 3 | --seeds 0,1,2 [--against FILE]] [--workdir DIR] [--set KEY=VALUE ...] [--tag NAME]
+                   [--quick]
+    sao bench demo --reread RECORD.json --workdir DIR
 
 Runs ``sao demo`` (``configs/demo.yaml``: SFT warm start, evaluation, value pretraining, SAO with Serve
 rollouts into a local Delta lake and Ray Train updates, evaluation again) as a child process in an empty
@@ -16,6 +18,11 @@ environment's creation, which ``make demo`` does first).
 :data:`EVAL_SEED`), so two variants run with the same seeds compare seed by seed: ``--against FILE``
 (another seeded run's result file) adds each seed's difference in held-out accuracy after training,
 their mean and its standard error over the seeds.
+
+Beside each run: its value pretraining (rollouts, the critic's explained variance on held-out ones) and
+the critic's explained variance on its targets in training, early and late (with
+``algorithm.oracle_values``, the oracle's beside it). ``--reread RECORD.json --workdir DIR`` adds these
+to a record written before they were recorded, from the folders its runs ran in.
 
 Target (issue 24): held-out sampled accuracy above 0.8, a rise of at least +0.25, in under 10 minutes.
 Writes ``docs/results/demo.json`` and the ``demo`` section of ``docs/RESULTS.md`` (``--tag T``:
@@ -63,6 +70,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="0,1,2: one run per seed instead of --runs repeats (seed and sft.seed; eval.seed fixed)")
     parser.add_argument("--against", type=Path, default=None,
                         help="a result file of the same seeds (e.g. docs/results/demo-seeds.json): seed-by-seed differences")
+    parser.add_argument("--reread", type=Path, default=None,
+                        help="RECORD.json: add what its runs' folders (--workdir) hold to a record written without it")
     parser.add_argument("--quick", action="store_true",
                         help="two steps, few evaluation tasks and value samples (the test suite's)")
     add_output_arguments(parser, DEFAULT_JSON, DEFAULT_RESULTS)
@@ -81,6 +90,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         seeded = [s for s in args.sets if s.partition("=")[0].strip() in SEED_KEYS]
         if seeded:
             parser.error(f"--seeds sets {', '.join(SEED_KEYS)} itself; drop {seeded}")
+    if args.reread is not None and (args.workdir is None or not args.reread.is_file()):
+        parser.error("--reread RECORD.json needs the record and --workdir, the folder its runs ran in")
     if args.against is not None:
         if args.seeds is None:
             parser.error("--against compares seed by seed: give --seeds")
@@ -147,6 +158,37 @@ def value_pretraining(workdir: Path) -> dict[str, Any] | None:
     return {key: report[key] for key in PRETRAINING_KEYS}
 
 
+FIT_METRICS = ("critic/explained_variance", "oracle/explained_variance")
+FIT_STEPS = 25
+"""The critic's fit is the mean of each of :data:`FIT_METRICS` over a run's first and last this many steps."""
+
+
+def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
+    """Of the run of ``workdir`` (its lake's ``train_steps``), each of :data:`FIT_METRICS` it recorded:
+    the mean over the first and the last :data:`FIT_STEPS` steps that have it (``{"first", "last"}``)."""
+    from sao.lake.store import Lake
+
+    rows = Lake.open(str(workdir / "lake")).read("train_steps", columns=["step", "metrics"]).to_pylist()
+    metrics = [dict(row["metrics"]) for row in sorted(rows, key=lambda row: row["step"])]
+    fit = {}
+    for name in FIT_METRICS:
+        values = [m[name] for m in metrics if name in m]
+        if values:
+            fit[name] = {"first": statistics.fmean(values[:FIT_STEPS]), "last": statistics.fmean(values[-FIT_STEPS:])}
+    return fit
+
+
+def _fit(run: dict[str, Any]) -> str:
+    """The critic's fit, and the oracle's beside it; "not recorded" for a run whose steps did not report it."""
+    fit = run.get("critic_fit") or {}
+    if "critic/explained_variance" not in fit:
+        return "not recorded"
+    text = "{first:.2f} / {last:.2f}".format(**fit["critic/explained_variance"])
+    if "oracle/explained_variance" in fit:
+        text += " (oracle's {first:.2f} / {last:.2f})".format(**fit["oracle/explained_variance"])
+    return text
+
+
 def _pretraining(run: dict[str, Any]) -> str:
     report = run.get("value_pretraining")
     if not report:
@@ -176,8 +218,8 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         "",
         "| run | version 0 | after training | rise | wall time (min) | of which SAO training (min) | trajectories "
         "| failed after training: tool call / answer / structure | value pretraining: rollouts / held-out explained "
-        "variance |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        f"variance | critic's explained variance in training, first / last {FIT_STEPS} steps |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for index, run in enumerate(runs):
         r = run["result"]
@@ -185,7 +227,7 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         lines.append(f"| {label} | {r['accuracy_before']:.3f} ± {r['stderr_before']:.3f} | "
                      f"{r['accuracy_after']:.3f} ± {r['stderr_after']:.3f} | "
                      f"{r['accuracy_after'] - r['accuracy_before']:+.3f} | {run['wall_s'] / 60:.1f} | "
-                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} | {_pretraining(run)} |")
+                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} | {_pretraining(run)} | {_fit(run)} |")
     lines += [
         "",
         "| target | median (min-max) | met |",
@@ -261,8 +303,30 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     }
 
 
+def reread(record_path: Path, workdir: Path, argv: list[str]) -> dict[str, Any]:
+    """``record_path``'s record with what its runs' folders under ``workdir`` (``run-1``, ...) hold added
+    where it is missing (value pretraining, the critic's fit), for a record written before they were."""
+    record = json.loads(record_path.read_text())
+    for index, run in enumerate(record["runs"]):
+        folder = workdir / f"run-{index + 1}"
+        if not (folder / "runs").is_dir():
+            raise FileNotFoundError(f"{folder} holds no run: --reread needs the folder the record's runs ran in")
+        if run.get("value_pretraining") is None:
+            run["value_pretraining"] = value_pretraining(folder)
+        if run.get("critic_fit") is None:
+            run["critic_fit"] = critic_fit(folder)
+    record["reread"] = {"command": " ".join(["sao bench demo", *argv]), "machine": machine()}
+    return record
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    if args.reread is not None:
+        record = reread(args.reread, args.workdir, argv)
+        name = f"demo-{record['tag']}" if record.get("tag") else "demo"
+        publish(name, record, _markdown(record, name), out=args.out_json or args.reread, results_md=args.results_md,
+                quick=False, default_json=args.reread, default_results=DEFAULT_RESULTS)
+        return 0
     machine_info = machine()  # the commit and the load before the run, not after it
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sao-bench-demo-"))
     seeds = args.seeds or [None] * args.runs
@@ -273,7 +337,8 @@ def main(argv: list[str]) -> int:
               f"{folder} (about 6-10 minutes on 2 cores) ...", file=sys.stderr)
         result, wall_s = run_demo(folder, run_sets(args.sets, seed))
         result.pop("summary", None)
-        runs.append({"wall_s": wall_s, "seed": seed, "result": result, "value_pretraining": value_pretraining(folder)})
+        runs.append({"wall_s": wall_s, "seed": seed, "result": result, "value_pretraining": value_pretraining(folder),
+                     "critic_fit": critic_fit(folder)})
     name = f"demo-{args.tag}" if args.tag else "demo"
     shown = run_sets(args.sets, None if args.seeds is None else "S")
     record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,

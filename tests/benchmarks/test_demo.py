@@ -4,6 +4,7 @@ recorded result read back and reported; nothing written under docs/."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,10 +12,13 @@ from benchmarks.demo import (
     EVAL_SEED,
     PRETRAINING_KEYS,
     _failures,
+    _fit,
     _parse,
     _pretraining,
+    critic_fit,
     main,
     paired,
+    reread,
     run_demo,
     run_sets,
     summarise,
@@ -74,6 +78,7 @@ def test_quick_run_reports_the_demo_runs_recorded_result(tmp_path):
     assert result["steps"] == 2 and result["eval_tasks"] == 8 and result["settings"]["train"]["steps"] == 2
     assert 0.0 <= result["accuracy_after"] <= 1.0 and run["wall_s"] > result["train_wall_s"] > 0
     assert run["value_pretraining"]["num_train"] + run["value_pretraining"]["num_heldout"] == 8
+    assert isinstance(run["critic_fit"], dict)  # empty when every return was alike (no variance to explain)
     assert data["summary"]["accuracy_after"]["median"] == result["accuracy_after"]
     assert data["demo_command"].startswith("sao train --config configs/demo.yaml --set train.steps=2")
     assert "| held-out accuracy after training > 0.8 |" in md.read_text()
@@ -130,3 +135,44 @@ def test_value_pretraining_is_read_from_the_runs_report_and_shown_with_its_expla
     assert _pretraining({"value_pretraining": read}) == "256 / 0.041"
     assert _pretraining({"value_pretraining": read | {"explained_variance_after": None}}) == "256 / -"
     assert _pretraining({}) == "none"
+
+
+class _Steps:
+    """What ``Lake.read("train_steps", ...)`` gives, as rows: maps come back as (key, value) pairs."""
+
+    def __init__(self, metrics):
+        self.rows = [{"step": step, "metrics": list(m.items())} for step, m in enumerate(metrics)]
+
+    def to_pylist(self):
+        return list(reversed(self.rows))  # in no particular order: the fit sorts by step
+
+
+def test_the_critics_fit_is_its_explained_variance_early_and_late(tmp_path, monkeypatch):
+    import sao.lake.store as store
+
+    steps = [{"critic/explained_variance": 0.0 if step < 40 else 0.5} for step in range(60)]
+    steps += [{"critic/explained_variance": 0.5, "oracle/explained_variance": 0.9} for _ in range(10)]
+    monkeypatch.setattr(store.Lake, "open", classmethod(lambda cls, root: SimpleNamespace(
+        read=lambda name, columns: _Steps(steps))))
+    fit = critic_fit(tmp_path)
+    assert fit["critic/explained_variance"] == {"first": 0.0, "last": 0.5}
+    assert fit["oracle/explained_variance"] == {"first": 0.9, "last": 0.9}  # only the steps that have it
+    assert _fit({"critic_fit": fit}) == "0.00 / 0.50 (oracle's 0.90 / 0.90)"
+    assert _fit({"critic_fit": {}}) == _fit({}) == "not recorded"
+
+
+def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replaced(tmp_path, monkeypatch):
+    import benchmarks.demo as demo
+
+    record = {"tag": "x", "runs": [{"seed": 1, "value_pretraining": {"num_train": 1}}, {"seed": 2}]}
+    path = tmp_path / "demo-x.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(FileNotFoundError, match="run-1 holds no run"):
+        reread(path, tmp_path / "work", [])
+    for index in (1, 2):
+        (tmp_path / "work" / f"run-{index}" / "runs").mkdir(parents=True)
+    monkeypatch.setattr(demo, "critic_fit", lambda folder: {"critic/explained_variance": {"first": 0.1, "last": 0.2}})
+    monkeypatch.setattr(demo, "value_pretraining", lambda folder: {"num_train": folder.name})
+    runs = reread(path, tmp_path / "work", ["--reread", str(path)])["runs"]
+    assert [run["value_pretraining"] for run in runs] == [{"num_train": 1}, {"num_train": "run-2"}]
+    assert all(run["critic_fit"]["critic/explained_variance"]["last"] == 0.2 for run in runs)
