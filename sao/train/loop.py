@@ -209,7 +209,8 @@ def compute_update(learner: Learner, rows: Sequence[Mapping], version: int, rank
     policy_values = None
     if learner.config.oracle_values:
         if learner.policy_values is None:
-            raise ValueError("algorithm.oracle_values is on but the learner has no oracle (sao.train.oracle.attach_oracle)")
+            raise ValueError("algorithm.oracle_values is on but the learner has no oracle "
+                             "(sao.train.oracle.attach_oracle)")
         policy_values = learner.policy_values([rows[i] for i in shard], batch.to(learner.device))
     return learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard], policy_values)
 

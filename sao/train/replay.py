@@ -638,7 +638,6 @@ class _WhatIfRun:
     checkpoint, ``train_steps`` row and ``policy_versions`` row per re-run step."""
 
     def __init__(self, lake: Lake, run_id: str, root: Path, cfg: TrainConfig, learner: Learner, version: int) -> None:
-
         self.lake, self.run_id, self.root, self.learner = lake, run_id, root, learner
         self.cfg = dataclasses.replace(cfg, checkpoint_root=str(root))
         self.tokenizer = load_tokenizer(cfg.policy_path)

@@ -55,8 +55,8 @@ from sao.train.batch import TrainBatch, completion_positions, split_by_token_bud
 from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
 from sao.train.device import autocast
 
-__all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_values", "critic_returns", "explained_variance", "lr_factor",
-           "policy_logprobs", "scoring_logits"]
+__all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_returns", "critic_values",
+           "explained_variance", "lr_factor", "policy_logprobs", "scoring_logits"]
 
 FILTERED_LOGPROB = -1.0e4
 # Upper bounds (action tokens) of the length buckets the kept fraction is reported by.
@@ -121,6 +121,7 @@ def explained_variance(target: torch.Tensor, predicted: torch.Tensor) -> float |
     return None if spread <= 1e-12 else 1.0 - float((target - predicted).var(unbiased=False)) / spread
 
 
+@torch.no_grad()
 def critic_returns(batch: TrainBatch, values: torch.Tensor, v_end: torch.Tensor, config: UpdateConfig) -> torch.Tensor:
     """(B, T) the critic's targets: skip-observation GAE returns with ``lam_critic``, bootstrapped with
     ``v_end`` where the row's end bootstraps. Each row's returns depend on its own values only."""
