@@ -97,7 +97,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             parser.error("--against compares seed by seed: give --seeds")
         if not args.against.is_file():
             parser.error(f"--against {args.against}: no such file")
-        recorded = {run.get("seed") for run in json.loads(args.against.read_text())["runs"]}
+        args.base = json.loads(args.against.read_text())
+        recorded = {run.get("seed") for run in args.base["runs"]}
         if missing := sorted(set(args.seeds) - recorded):
             parser.error(f"--against {args.against} has no run of seed(s) {missing}")
     if args.quick:
@@ -116,6 +117,13 @@ def run_sets(sets: list[str], seed: int | str | None) -> list[str]:
     if seed is None:
         return list(sets)
     return [*sets, f"seed={seed}", f"sft.seed={seed}", f"eval.seed={EVAL_SEED}"]
+
+
+def _demo_run(workdir: Path):
+    """Where the demo config's run (run id ``demo``, folder ``runs``) keeps its files in ``workdir``."""
+    from sao.config import RunConfig
+
+    return RunConfig(run_id="demo", workdir=str(workdir / "runs"))
 
 
 def run_demo(workdir: Path, sets: list[str]) -> tuple[dict[str, Any], float]:
@@ -138,7 +146,7 @@ def run_demo(workdir: Path, sets: list[str]) -> tuple[dict[str, Any], float]:
     wall_s = time.perf_counter() - started
     if child.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {child.returncode}:\n{''.join(tail)}")
-    result = json.loads((workdir / "runs" / "demo" / "result.json").read_text())
+    result = json.loads((_demo_run(workdir).run_dir / "result.json").read_text())
     return result, wall_s
 
 
@@ -149,12 +157,13 @@ PRETRAINING_KEYS = ("num_train", "num_heldout", "optimizer_steps", "explained_va
 def value_pretraining(workdir: Path) -> dict[str, Any] | None:
     """What value pretraining reported in the run of ``workdir`` (its rollouts, the critic's explained
     variance on held-out ones before and after, the seconds it took); None: the run had none."""
+    from sao.train.checkpoint import critic_dir
     from sao.train.pretrain import REPORT_FILE
 
-    reports = sorted((workdir / "runs").glob(f"**/{REPORT_FILE}"))
-    if not reports:
+    path = critic_dir(_demo_run(workdir).checkpoint_root, 0) / REPORT_FILE
+    if not path.exists():
         return None
-    report = json.loads(reports[0].read_text())
+    report = json.loads(path.read_text())
     return {key: report[key] for key in PRETRAINING_KEYS}
 
 
@@ -324,8 +333,8 @@ def main(argv: list[str]) -> int:
     if args.reread is not None:
         record = reread(args.reread, args.workdir, argv)
         name = f"demo-{record['tag']}" if record.get("tag") else "demo"
-        publish(name, record, _markdown(record, name), out=args.out_json or args.reread, results_md=args.results_md,
-                quick=False, default_json=args.reread, default_results=DEFAULT_RESULTS)
+        publish(name, record, _markdown(record, name), out=args.out_json, results_md=args.results_md, quick=False,
+                default_json=args.reread, default_results=DEFAULT_RESULTS)
         return 0
     machine_info = machine()  # the commit and the load before the run, not after it
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sao-bench-demo-"))
@@ -346,8 +355,7 @@ def main(argv: list[str]) -> int:
               + " ".join(f"--set {s}" for s in shown), "sets": args.sets, "seeds": args.seeds, "runs": runs,
               "summary": summarise(runs)}
     if args.against is not None:
-        record["against"] = {"file": str(args.against),
-                             **paired(json.loads(args.against.read_text()), runs)}
+        record["against"] = {"file": str(args.against), **paired(args.base, runs)}
     publish(name, record, _markdown(record, name), out=args.out_json, results_md=args.results_md, quick=args.quick,
             default_json=DEFAULT_JSON.with_name(f"{name}.json"), default_results=DEFAULT_RESULTS)
     return 0

@@ -266,6 +266,7 @@ class Learner:
 
     @torch.no_grad()
     def advantages(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None,
+                   policy_values: tuple[torch.Tensor, torch.Tensor] | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """Policy advantages (B, T), critic returns (B, T) or None, and value metrics.
 
@@ -284,7 +285,7 @@ class Learner:
                 values[rows, : mb_values.shape[1]] = mb_values.float()
                 v_end[rows] = mb_end.float()
             values = (values, v_end)
-        return self._advantages_from(batch, values, sequence_advantages)
+        return self._advantages_from(batch, values, sequence_advantages, policy_values)
 
     @torch.no_grad()
     def _advantages_from(self, batch: TrainBatch, values: tuple[torch.Tensor, torch.Tensor] | None,
@@ -297,6 +298,8 @@ class Learner:
         cfg = self.config
         metrics: dict[str, float] = {}
         estimator = cfg.advantage_estimator
+        if policy_values is not None and estimator is not AdvantageEstimator.CRITIC_GAE:
+            raise ValueError(f"policy_values replace a critic's values; estimator {estimator.value!r} has none")
         if estimator is AdvantageEstimator.CRITIC_GAE:
             values, v_end = values
             returns = critic_returns(batch, values, v_end, cfg)
@@ -364,9 +367,7 @@ class Learner:
             advantages, returns, metrics = self._advantages_from(batch, values, sequence_advantages, policy_values)
             remaining = self.config.critic_updates - 1
         else:
-            if policy_values is not None:
-                raise ValueError("policy_values replace the values of a critic's first update; this update has none")
-            advantages, returns, metrics = self.advantages(batch, sequence_advantages)
+            advantages, returns, metrics = self.advantages(batch, sequence_advantages, policy_values)
             remaining = self.config.critic_updates if returns is not None else 0
         critic_s = time.perf_counter() - started
         actor_started = time.perf_counter()
