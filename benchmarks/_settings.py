@@ -8,7 +8,11 @@ from typing import Any
 
 from sao.config import RunConfig, demo_config
 
-__all__ = ["KEYS", "bench_config", "with_settings"]
+__all__ = ["HEAVY_TAIL", "KEYS", "bench_config", "with_settings"]
+
+HEAVY_TAIL: dict[str, float] = {"median_s": 1.0, "sigma": 1.0, "max_s": 30.0}
+"""The heavy-tailed tool latency of ``sao bench speed`` and ``sao bench quality`` (log-normal per tool
+call, :class:`sao.envs.latency.LatencyConfig` fields): p50 about 1 s, p99 about 10 s of a rollout."""
 
 KEYS: dict[str, str] = {
     "run_id": "run_id", "workdir": "workdir", "seed": "seed", "lake_root": "lake.root", "ray_address": "ray.address",

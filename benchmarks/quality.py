@@ -1,9 +1,15 @@
-"""Benchmark: learning quality on math_tool, SAO against synchronous GRPO, GRPO + DIS and asynchronous
-PPO clipping, from one SFT checkpoint, several seeds each, at equal trained trajectories and equal wall time.
+"""Benchmark: learning quality on math_tool, SAO against synchronous GRPO (and optionally GRPO + DIS and
+asynchronous PPO clipping), from one SFT checkpoint, seed by seed, compared by the area under accuracy
+against wall time and against trajectories, with paired bootstrap intervals.
 
-    sao bench quality [--steps 40] [--batch 32] [--group 8] [--seeds 0,1,2] [--eval-every 10] [--quick]
+    sao bench quality [--setting heavy|fast] [--seeds 0] [--steps 150] [--arms sao,grpo] [--lr ARM=LR,...]
+                      [--quick]
+    sao bench quality --merge [--setting heavy|fast]
 
-The four arms (same batch size in trajectories, same policy learning rate, same SFT version 0):
+Settings: ``heavy`` (the default, the regime the paper is about) gives every tool call the heavy-tailed
+log-normal latency of ``sao bench speed`` (:data:`benchmarks._settings.HEAVY_TAIL`); ``fast`` has none.
+
+The arms (same batch size in trajectories, same SFT version 0):
 
 =============  ==========  ======  ==============  =================================================
 arm            algorithm   group   staleness       rollouts
@@ -15,33 +21,36 @@ arm            algorithm   group   staleness       rollouts
 =============  ==========  ======  ==============  =================================================
 
 Every run goes through the real pipeline (Serve rollouts -> Delta -> trainer -> weights), with the trainer
-in this process for all arms alike (``PipelineConfig.use_ray_train=False``: no Ray Train start-up per run).
-The critic arms (``sao``, ``ppo_async``) start from one pretrained critic: value pretraining
-(:func:`sao.runs.pretrain_value`) runs once, on ``--value-samples`` version-0 rollouts of its own run, and
-its critic is every critic run's version-0 critic (``TrainConfig.critic_path``); all arms share version 0.
+in this process for all arms alike (``PipelineConfig.use_ray_train=False``). The critic arms start from a
+critic fitted by value pretraining (:func:`sao.runs.pretrain_value`, ``--value-samples`` version-0
+rollouts under the same tool latency), once per seed, and that cost is counted: its time (from its first
+rollout's dispatch to the fitted critic) and its rollouts come before the critic arms' first step on
+both axes.
 
-Accuracy is held-out sampled accuracy (temperature 1, :func:`sao.runs.evaluate`, the same ``--eval-tasks``
-tasks and sampler seed for every arm of a seed) every ``--eval-every`` versions. "Equal trajectories" is
-the last version (every run trains ``--steps`` steps of ``--batch`` trajectories). "Equal wall time" is
-the version each run had committed (``train_steps.finished_at``) by T, the shortest run's time to its last
-step; a run's clock starts at its first rollout's dispatch (``timings.created_at``), so Serve start-up
-(the same for every arm) is left out and reported apart. Runs go seed by seed, the four arms in turn, so
-load from other jobs falls on every arm alike.
+Accuracy is held-out sampled accuracy (temperature 1, :func:`sao.runs.evaluate`) on the same
+``--eval-tasks`` held-out tasks for every run, with the seed's sampler seed, every ``--eval-every``
+versions. Areas: each run's curve over [0, H] (straight lines between evaluated versions, the last held
+after the run ends), H the longest run's end, divided by H: the mean accuracy over the run's time
+(:mod:`benchmarks.quality_stats`). Differences are paired by task and seed; intervals resample seeds and
+tasks (2,000 draws, 95%).
 
-For the PPO arm, which records no ratio statistics of its own (its ``actor/kept_frac`` is 1 by
-construction), each step's importance ratios rho = pi_v / pi_behave are recomputed from the checkpoint the
-step started from and the rows it read (no gradient, no update): the share of action tokens outside PPO's
-clip range and outside the DIS interval, by staleness.
+Learning rates: ``--lr ARM=LR`` sets an arm's; otherwise the arm's pick in the setting's tuning record
+(``--tune-lrs``: each arm at each rate for ``--tune-steps`` steps, judged on ``--validation-tasks``
+train-split tasks that no run of this benchmark trains on), else the demo config's ``algorithm.lr_policy``.
 
-Writes ``docs/results/quality.json``, ``docs/results/quality.png`` and the ``quality`` section of
-``docs/RESULTS.md`` (``--quick``: under ``--workdir`` unless ``--out`` / ``--results-md`` are given).
+Each seed's runs are written as a part, ``quality-SETTING-seedS.json``, as soon as the seed is done; then
+every part of the setting in the output folder whose design matches this invocation's (steps, batch,
+rates, evaluation, latency, ...) is merged into ``quality-SETTING.json``, ``quality-SETTING.png`` and the
+``quality-SETTING`` section of ``docs/RESULTS.md``. Seeds can so run in separate invocations (each of the
+default size fits in 40 minutes on 2 cores) and accumulate; ``--merge`` only merges. ``--quick``
+writes under ``--workdir`` only.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
+import json
 import shutil
 import statistics
 import sys
@@ -50,9 +59,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks._report import machine, machine_line, update_section, write_json
+from benchmarks.quality_stats import (
+    area_weights,
+    decode_rewards,
+    encode_rewards,
+    paired_bootstrap,
+    point_weights,
+)
 
 PREFIX = "quality"
+SETTINGS = ("heavy", "fast")
+KEPT_METRICS = ("batch/reward_mean", "batch/staleness_mean", "batch/staleness_max", "actor/kept_frac",
+                "batch/flat_group_frac", "critic/explained_variance")
+"""The step metrics a result file keeps of each step (the lake keeps them all)."""
+MEASURES = {"auc_time": "area under accuracy vs wall time", "auc_trajectories": "area under accuracy vs trajectories",
+            "final": "accuracy at equal trained trajectories (last version)", "at_t": "accuracy at equal wall time T"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +90,10 @@ class Arm:
     max_staleness: int
     label: str
 
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm in ("sao", "ppo_async")
+
 
 def arms(args: argparse.Namespace) -> tuple[Arm, ...]:
     return (
@@ -78,40 +106,114 @@ def arms(args: argparse.Namespace) -> tuple[Arm, ...]:
     )
 
 
+def _floats(text: str, flag: str, parser: argparse.ArgumentParser) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated numbers, got {text!r}")
+        raise
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
+    from benchmarks._settings import HEAVY_TAIL
+
     parser = argparse.ArgumentParser(prog="sao bench quality", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="actor updates per run")
+    parser.add_argument("--setting", choices=SETTINGS, default="heavy",
+                        help="heavy: the heavy-tailed tool latency of sao bench speed; fast: none")
+    parser.add_argument("--tool-median-s", type=float, default=HEAVY_TAIL["median_s"])
+    parser.add_argument("--tool-sigma", type=float, default=HEAVY_TAIL["sigma"])
+    parser.add_argument("--tool-max-s", type=float, default=HEAVY_TAIL["max_s"])
+    parser.add_argument("--steps", type=int, default=150, help="actor updates per run (the demo's plateau)")
     parser.add_argument("--batch", type=int, default=32, help="trajectories per update (every arm)")
     parser.add_argument("--group", type=int, default=8, help="GRPO rollouts per prompt")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--seeds", default="0", help="seeds of this invocation (parts of other seeds are merged)")
     parser.add_argument("--staleness", type=int, default=2, help="max staleness of SAO and GRPO + DIS")
     parser.add_argument("--ppo-staleness", type=int, default=6, help="max staleness of asynchronous PPO")
-    parser.add_argument("--lr-policy", type=float, default=None, help="default: the demo config's algorithm.lr_policy")
-    parser.add_argument("--eval-every", type=int, default=10, help="versions between evaluations")
-    parser.add_argument("--eval-tasks", type=int, default=300, help="held-out tasks per evaluation")
+    parser.add_argument("--lr", default="", help="ARM=LR,...: an arm's policy learning rate (else the tuned one)")
+    parser.add_argument("--tune-lrs", default="", help="tune instead: each arm at each of these rates, "
+                        "judged on the validation tasks; writes quality-SETTING-lr.json")
+    parser.add_argument("--tune-steps", type=int, default=60, help="steps of each tuning run")
+    parser.add_argument("--validation-tasks", type=int, default=500,
+                        help="the last N train-split tasks: the tuning's judge, never trained on")
+    parser.add_argument("--eval-every", type=int, default=25, help="versions between evaluations")
+    parser.add_argument("--eval-tasks", type=int, default=1000, help="held-out tasks per evaluation")
     parser.add_argument("--value-samples", type=int, default=256,
                         help="version-0 rollouts for value pretraining (0: none)")
-    parser.add_argument("--arms", default="sao,grpo,grpo_dis,ppo_async", help="subset, for tuning")
+    parser.add_argument("--arms", default="sao,grpo", help="of sao, grpo, grpo_dis, ppo_async")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap draws of each interval")
+    parser.add_argument("--merge", action="store_true", help="merge the parts in --out only, run nothing")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="runs and the SFT warm start (default runs/bench/quality; --quick: runs/bench/quality-quick)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny run for the tests (random policy, 2 steps of 4, one seed, groups of 2, "
-                        "no value pretraining)")
+                        help="tiny run for the tests (random policy, 2 steps of 4, groups of 2, 8 tasks)")
     parser.add_argument("--out", type=Path, default=None, help="JSON and figure folder (default docs/results)")
     parser.add_argument("--results-md", type=Path, default=None, help="default docs/RESULTS.md")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.batch, args.group, args.seeds = 2, 4, 2, "0"
-        args.eval_every, args.eval_tasks, args.value_samples = 1, 8, 0
+        args.steps, args.batch, args.group, args.tune_steps = 2, 4, 2, 1
+        args.eval_every, args.eval_tasks, args.value_samples, args.validation_tasks = 1, 8, 8, 8
+        args.tool_median_s, args.tool_max_s, args.bootstrap = 0.02, 0.2, 200
     args.workdir = args.workdir or Path("runs/bench/quality-quick" if args.quick else "runs/bench/quality")
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    default_out = args.workdir if args.quick else Path("docs/results")
-    args.out = args.out or default_out
+    unknown = set(args.arms) - {arm.name for arm in arms(args)}
+    if unknown:
+        parser.error(f"--arms: unknown {sorted(unknown)}; known: sao, grpo, grpo_dis, ppo_async")
+    args.lr_given = {}
+    for item in (x for x in args.lr.split(",") if x.strip()):
+        name, _, value = item.partition("=")
+        if name.strip() not in {arm.name for arm in arms(args)} or not value:
+            parser.error(f"--lr: expected ARM=LR with ARM one of sao, grpo, grpo_dis, ppo_async; got {item!r}")
+        args.lr_given[name.strip()] = _floats(value, "--lr", parser)[0]
+    args.tune_lrs = _floats(args.tune_lrs, "--tune-lrs", parser)
+    args.out = args.out or (args.workdir if args.quick else Path("docs/results"))
     args.results_md = args.results_md or (args.workdir / "RESULTS.md" if args.quick else Path("docs/RESULTS.md"))
     if args.batch % args.group:
         parser.error(f"--batch {args.batch} must be a multiple of --group {args.group}")
+    if args.steps < 1 or args.eval_every < 1 or args.eval_tasks < 1:
+        parser.error("--steps, --eval-every and --eval-tasks must be at least 1")
     return args
+
+
+def name_of(args: argparse.Namespace) -> str:
+    """The files' and the results section's name: ``quality-heavy``, ``quality-fast`` (``--quick``:
+    ``quality-quick-heavy``, ...)."""
+    return f"{PREFIX}-{'quick-' if args.quick else ''}{args.setting}"
+
+
+def design(args: argparse.Namespace) -> dict[str, Any]:
+    """What parts must share to be merged (the seeds, arms and learning rates are checked apart)."""
+    return {"setting": args.setting, "latency": _latency(args), "steps": args.steps, "batch": args.batch,
+            "group": args.group, "staleness": args.staleness, "ppo_staleness": args.ppo_staleness,
+            "eval_every": args.eval_every, "eval_tasks": args.eval_tasks, "value_samples": args.value_samples,
+            "validation_tasks": args.validation_tasks, "quick": args.quick}
+
+
+def _latency(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.setting == "fast":
+        return None
+    return {"kind": "lognormal", "median_s": args.tool_median_s, "sigma": args.tool_sigma, "max_s": args.tool_max_s}
+
+
+def _env_options(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    latency = _latency(args)
+    return {} if latency is None else {"math_tool": {"latency": latency | {"seed": seed}}}
+
+
+def learning_rates(args: argparse.Namespace, base) -> dict[str, dict[str, Any]]:
+    """Each arm's policy learning rate and where it came from: ``--lr``, the setting's tuning record,
+    or the run config."""
+    tuned_path = args.out / f"{name_of(args)}-lr.json"
+    tuned = json.loads(tuned_path.read_text())["picked"] if tuned_path.exists() else {}
+    out = {}
+    for arm in args.arms:
+        if arm in args.lr_given:
+            out[arm] = {"lr": args.lr_given[arm], "source": "--lr"}
+        elif arm in tuned:
+            out[arm] = {"lr": tuned[arm], "source": f"tuned on the validation tasks ({tuned_path.name})"}
+        else:
+            out[arm] = {"lr": base.algorithm.lr_policy, "source": "the demo config's algorithm.lr_policy"}
+    return out
 
 
 # ----- the runs ------------------------------------------------------------------------------------
@@ -123,8 +225,8 @@ def _base_settings(args: argparse.Namespace):
     base = bench_config()
     return with_settings(
         base, run_id=PREFIX, workdir=str(args.workdir), lake_root=str(args.workdir / "lake"), steps=args.steps,
-        batch_size=args.batch, lr_policy=args.lr_policy or base.algorithm.lr_policy, eval_tasks=args.eval_tasks,
-        value_samples=args.value_samples, num_replicas=1 if args.quick else base.rollout.num_replicas,
+        batch_size=args.batch, eval_tasks=args.eval_tasks, value_samples=args.value_samples,
+        num_replicas=1 if args.quick else base.rollout.num_replicas,
         max_in_flight=8 if args.quick else base.rollout.max_in_flight)
 
 
@@ -148,34 +250,63 @@ def _version_zero(args: argparse.Namespace, base) -> Path:
     return runs.warm_start(base)
 
 
-def _pretrained_critic(args: argparse.Namespace, base, sft: Path) -> tuple[Path | None, dict[str, Any] | None]:
-    """Value pretraining once, in run ``quality-critic``; its version-0 critic is every critic arm's."""
+def split_tasks(args: argparse.Namespace, base) -> tuple[list, list]:
+    """(the training pool, the validation tasks): the train split's last ``--validation-tasks`` tasks
+    are kept out of every run's training pool."""
+    from sao import runs
+    from sao.envs.base import Split
+
+    train = runs.math_tasks(Split.TRAIN, runs.tasks_path(base))
+    if not 0 < args.validation_tasks < len(train):
+        raise SystemExit(f"sao bench quality: --validation-tasks {args.validation_tasks} must be between 1 and "
+                         f"{len(train) - 1} (the train split has {len(train)} tasks)")
+    return train[: -args.validation_tasks], train[-args.validation_tasks:]
+
+
+def _first_dispatch(settings, run_id: str) -> float:
+    """When run ``run_id``'s first rollout was dispatched (epoch seconds), from the lake."""
+    from sao.lake.store import Lake, sql_literal
+
+    lake = Lake.open(settings.lake_config())
+    rows = lake.read("trajectories", columns=["timings"], predicate=f"run_id = {sql_literal(run_id)}")
+    return min(t["created_at"] for t in rows.column("timings").to_pylist()).timestamp()
+
+
+def pretrained_critic(args: argparse.Namespace, base, sft: Path, seed: int) -> dict[str, Any] | None:
+    """Value pretraining for seed ``seed`` (run ``quality-critic-sS``) under the setting's latency: its
+    critic, report and cost (seconds from its first rollout's dispatch to the fitted critic; rollouts)."""
     from benchmarks._settings import with_settings
     from sao import runs
     from sao.train.checkpoint import checkpoint_dir
 
     if args.value_samples == 0:
-        return None, None
-    settings = with_settings(base, run_id=f"{PREFIX}-critic", algorithm="sao")
-    report = runs.pretrain_value(settings, sft)
-    path = checkpoint_dir(settings.checkpoint_root, 0) / "critic"
-    return path.resolve(), None if report is None else dataclasses.asdict(report)
+        return None
+    settings = with_settings(base, run_id=f"{PREFIX}-critic-s{seed}", algorithm="sao", seed=seed)
+    print(f"--- value pretraining, seed {seed}: {args.value_samples} rollouts", file=sys.stderr, flush=True)
+    report = runs.pretrain_value(settings, sft, env_options=_env_options(args, seed))
+    done = time.time()
+    return {"path": str((checkpoint_dir(settings.checkpoint_root, 0) / "critic").resolve()),
+            "report": None if report is None else dataclasses.asdict(report),
+            "seconds": done - _first_dispatch(settings, runs.value_data_run(settings)),
+            "trajectories": args.value_samples}
 
 
-def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base, sft: Path, critic: Path | None) -> dict[str, Any]:
-    """One run of ``arm``; its timeline, step metrics and stats (evaluations come later)."""
+def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base, sft: Path, critic: dict[str, Any] | None,
+            lr: float, tasks: list, *, steps: int | None = None, tag: str = "") -> dict[str, Any]:
+    """One run of ``arm``; its timeline and step metrics (evaluations come later)."""
     from benchmarks._settings import with_settings
     from sao import runs
-    from sao.envs.base import Split
     from sao.pipeline import run_pipeline
 
     settings = with_settings(
-        base, run_id=f"{PREFIX}-{arm.name.replace('_', '-')}-s{seed}", algorithm=arm.algorithm,
-        group_size=arm.group_size, synchronous=arm.synchronous, max_staleness=arm.max_staleness, seed=seed)
+        base, run_id=f"{PREFIX}-{tag}{arm.name.replace('_', '-')}-s{seed}", algorithm=arm.algorithm,
+        group_size=arm.group_size, synchronous=arm.synchronous, max_staleness=arm.max_staleness, seed=seed,
+        lr_policy=lr, steps=steps or args.steps)
     config = runs.pipeline_config(settings, sft)
-    train = dataclasses.replace(config.train, critic_path=str(critic) if critic and settings.update().uses_critic
-                                else None)
-    config = dataclasses.replace(config, train=train, use_ray_train=False, app_name=f"{PREFIX}-rollout")
+    counted = critic if critic is not None and settings.update().uses_critic else None
+    train = dataclasses.replace(config.train, critic_path=counted["path"] if counted else None)
+    config = dataclasses.replace(config, train=train, use_ray_train=False, app_name=f"{PREFIX}-rollout",
+                                 env_options=_env_options(args, seed))
 
     def show(report) -> None:
         m = report.metrics
@@ -183,35 +314,34 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base, sft: Path, crit
               f"staleness {m.get('batch/staleness_mean', 0):.2f} kept {m.get('actor/kept_frac', 0):.3f}",
               file=sys.stderr, flush=True)
 
-    print(f"--- {arm.name}, seed {seed} ({settings.run_id})", file=sys.stderr, flush=True)
+    print(f"--- {arm.name}, seed {seed}, lr {lr:g} ({settings.run_id})", file=sys.stderr, flush=True)
     started = time.time()
-    result = run_pipeline(config, runs.math_tasks(Split.TRAIN, train.rollout.tasks_path), on_step=show)
-    timeline = _timeline(settings, started)
-    return {"arm": arm.name, "seed": seed, "run_id": settings.run_id, "settings": settings, "steps": result.steps,
-            "pipeline_wall_s": result.wall_s, "train_s": result.train_s,
-            "trajectories_generated": result.driver.records, **timeline}
+    result = run_pipeline(config, tasks, on_step=show)
+    return {"arm": arm.name, "seed": seed, "run_id": settings.run_id, "settings": settings, "lr_policy": lr,
+            "steps": result.steps, "pipeline_wall_s": result.wall_s, "train_s": result.train_s,
+            "trajectories_generated": result.driver.records,
+            "critic_path": train.critic_path, "offset_s": counted["seconds"] if counted else 0.0,
+            "offset_trajectories": counted["trajectories"] if counted else 0, **_timeline(settings, started)}
 
 
 def _timeline(settings, started: float) -> dict[str, Any]:
     """From the lake: when each version was committed (seconds since the run's first rollout was
-    dispatched), each step's metrics and timings, and the run's trajectory counts."""
+    dispatched), each step's metrics, and the run's trajectory counts."""
     from sao.lake.store import Lake, sql_literal
 
     lake = Lake.open(settings.lake_config())
     predicate = f"run_id = {sql_literal(settings.run_id)}"
     steps = sorted(lake.read("train_steps", predicate=predicate).to_pylist(), key=lambda r: r["step"])
-    rollouts = lake.read("trajectories", columns=["timings", "min_policy_version"], predicate=predicate)
-    dispatched = min(t["created_at"] for t in rollouts.column("timings").to_pylist()).timestamp()
-    steps_out = []
-    for row in steps:
-        steps_out.append({
-            "step": row["step"], "version_before": row["policy_version_before"],
-            "version": row["policy_version_after"], "trajectories_version": row["trajectories_version"],
-            "trajectory_ids": list(row["trajectory_ids"]),
-            "elapsed_s": row["finished_at"].timestamp() - dispatched,
-            "metrics": dict(row["metrics"]), "timings": dict(row["timings"])})
+    stored = lake.read("trajectories", columns=["trajectory_id"], predicate=predicate).num_rows
+    dispatched = _first_dispatch(settings, settings.run_id)
+    steps_out = [{"step": row["step"], "version_before": row["policy_version_before"],
+                  "version": row["policy_version_after"], "trajectories_version": row["trajectories_version"],
+                  "trajectory_ids": list(row["trajectory_ids"]),
+                  "elapsed_s": row["finished_at"].timestamp() - dispatched,
+                  "metrics": {k: v for k, v in dict(row["metrics"]).items() if k in KEPT_METRICS}}
+                 for row in steps]
     return {"startup_s": dispatched - started, "wall_s": steps_out[-1]["elapsed_s"] if steps_out else 0.0,
-            "trajectories_stored": rollouts.num_rows, "step_rows": steps_out}
+            "trajectories_stored": stored, "step_rows": steps_out}
 
 
 # ----- ratios of the PPO arm, recomputed ---------------------------------------------------------
@@ -266,13 +396,7 @@ def ratio_stats(run: dict[str, Any], clip: tuple[float, float], dis: tuple[float
     return out
 
 
-# ----- evaluation and aggregation -----------------------------------------------------------------
-
-
-def version_at(run: dict[str, Any], t: float) -> int:
-    """The newest version ``run`` had committed ``t`` seconds after its first rollout (0 if none)."""
-    done = [r["version"] for r in run["step_rows"] if r["elapsed_s"] <= t + 1e-9]
-    return max(done, default=0)
+# ----- evaluation ------------------------------------------------------------------------------------
 
 
 def elapsed_of(run: dict[str, Any], version: int) -> float:
@@ -280,105 +404,171 @@ def elapsed_of(run: dict[str, Any], version: int) -> float:
     return 0.0 if version == 0 else next(r["elapsed_s"] for r in run["step_rows"] if r["version"] == version)
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    """Mean, sample standard deviation (0 for one value), min and max."""
-    values = list(values)
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values), "n": len(values)}
-
-
-def _evaluate(run: dict[str, Any], version: int, cache: dict[tuple[str, int], dict[str, float]]) -> dict[str, Any]:
-    """Accuracy of ``version`` of ``run``; version 0 (the SFT policy, identical for every arm of a seed,
-    evaluated with the same tasks and sampler seed) is evaluated once per seed."""
+def _evaluate(run: dict[str, Any], version: int, cache: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy and per-task rewards of ``version`` of ``run``; version 0 (the SFT policy, the same for
+    every arm of a seed, evaluated with the same tasks and sampler seed) is evaluated once per seed."""
     from sao import runs
 
     key = ("version0", run["seed"]) if version == 0 else (run["run_id"], version)
     if key not in cache:
         e = runs.evaluate(run["settings"], version)
-        cache[key] = {"accuracy": e.accuracy, "stderr": e.stderr, "num_tasks": e.num_tasks}
-    return {"version": version, "trajectories": version * run["settings"].train.batch_size,
-            "elapsed_s": elapsed_of(run, version), **cache[key]}
+        cache[key] = {"accuracy": e.accuracy, "stderr": e.stderr, "num_tasks": e.num_tasks,
+                      "failures": e.failures, "rewards": encode_rewards(e.rewards)}
+    return {"version": version, "elapsed_s": elapsed_of(run, version), **cache[key]}
 
 
-def _paired(runs_: list[dict[str, Any]], a: str, b: str, key: str) -> dict[str, float] | None:
-    """Mean over seeds of (accuracy of arm a - accuracy of arm b) at ``key``, and the standard error of
-    that mean from the evaluations' binomial errors (the seed-to-seed spread is reported apart)."""
-    by = {(r["arm"], r["seed"]): r[key] for r in runs_}
-    seeds = sorted({s for (arm, s) in by if arm == a} & {s for (arm, s) in by if arm == b})
-    if not seeds:
-        return None
-    diffs = [by[a, s]["accuracy"] - by[b, s]["accuracy"] for s in seeds]
-    var = sum(by[a, s]["stderr"] ** 2 + by[b, s]["stderr"] ** 2 for s in seeds) / len(seeds) ** 2
-    return {"mean": statistics.fmean(diffs), "stderr": math.sqrt(var), "per_seed": diffs,
-            "min": min(diffs), "max": max(diffs)}
+def evaluated_versions(steps: int, every: int) -> list[int]:
+    return sorted({0, steps, *range(every, steps, every)})
 
 
-def summarize(runs_: list[dict[str, Any]], arm_list: Sequence[Arm]) -> dict[str, Any]:
-    summary: dict[str, Any] = {}
-    for arm in arm_list:
-        mine = [r for r in runs_ if r["arm"] == arm.name]
-        if not mine:
+def knots(run: dict[str, Any], axis: str) -> tuple[list[float], list[int]]:
+    """The run's accuracy curve on ``axis`` (``time``: seconds, ``trajectories``): the x of each knot and
+    the index in ``run["curve"]`` of the evaluation it carries. Value pretraining's cost comes first:
+    version 0 holds from 0 to its end."""
+    batch = run["settings"]["train"]["batch_size"]
+    offset = run["offset_s"] if axis == "time" else run["offset_trajectories"]
+    xs, index = [0.0], [0]
+    if offset > 0:
+        xs.append(float(offset))
+        index.append(0)
+    for i, e in enumerate(run["curve"]):
+        if e["version"] > 0:
+            xs.append(offset + (e["elapsed_s"] if axis == "time" else e["version"] * batch))
+            index.append(i)
+    return xs, index
+
+
+def task_shares(run: dict[str, Any], axis: str, weights_of) -> np.ndarray:
+    """Per task, ``weights_of(xs)`` applied to its rewards at the run's knots on ``axis``."""
+    xs, index = knots(run, axis)
+    rewards = np.stack([decode_rewards(run["curve"][i]["rewards"]) for i in index])
+    return weights_of(xs) @ rewards
+
+
+# ----- merging the seeds' parts ------------------------------------------------------------------------
+
+
+def load_parts(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    """The setting's parts in ``args.out`` whose design matches this invocation's, by seed; and a note
+    for each part left out."""
+    wanted, parts, notes = design(args), [], []
+    for path in sorted(args.out.glob(f"{name_of(args)}-seed*.json")):
+        part = json.loads(path.read_text())
+        if part.get("design") != wanted:
+            changed = sorted(k for k in wanted if part.get("design", {}).get(k) != wanted[k])
+            notes.append(f"{path.name} left out: its design differs in {', '.join(changed)}")
             continue
-        staleness = [r["metrics"].get("batch/staleness_mean", 0.0) for run in mine for r in run["step_rows"]]
-        kept = [r["metrics"].get("actor/kept_frac", 0.0) for run in mine for r in run["step_rows"]]
-        summary[arm.name] = {
-            "label": arm.label,
-            "equal_trajectories": spread([r["final"]["accuracy"] for r in mine]),
-            "equal_wall_time": spread([r["at_t"]["accuracy"] for r in mine]),
-            "version_at_t": spread([r["at_t"]["version"] for r in mine]),
-            "wall_s": spread([r["wall_s"] for r in mine]),
-            "startup_s": spread([r["startup_s"] for r in mine]),
-            "step_s": spread([r["wall_s"] / max(r["steps"], 1) for r in mine]),
-            "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
-            "kept_frac_mean": statistics.fmean(kept) if kept else 0.0,
-            "reward_first5": statistics.fmean(r["metrics"]["batch/reward_mean"] for run in mine
-                                              for r in run["step_rows"][:5]),
-            "reward_last5": statistics.fmean(r["metrics"]["batch/reward_mean"] for run in mine
-                                             for r in run["step_rows"][-5:]),
+        parts.append(part)
+    return sorted(parts, key=lambda p: p["seed"]), notes
+
+
+def _check_rates(parts: list[dict[str, Any]]) -> None:
+    by: dict[str, set[float]] = {}
+    for part in parts:
+        for run in part["runs"]:
+            by.setdefault(run["arm"], set()).add(run["lr_policy"])
+    mixed = {arm: sorted(rates) for arm, rates in by.items() if len(rates) > 1}
+    if mixed:
+        raise SystemExit(f"sao bench quality: the parts train an arm at different learning rates {mixed}; "
+                         "rerun those seeds with one rate, or move the other parts away")
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    values = list(values)
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _mean_metric(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [s["metrics"][key] for s in rows if key in s["metrics"]]
+    return statistics.fmean(values) if values else None
+
+
+def merge(parts: list[dict[str, Any]], samples: int) -> dict[str, Any]:
+    """The record of all ``parts``: horizons, each run's measures, per-arm summaries and paired
+    comparisons of SAO against every other arm."""
+    _check_rates(parts)
+    runs_ = [run for part in parts for run in part["runs"]]
+    horizon_time = max(knots(r, "time")[0][-1] for r in runs_)
+    horizon_traj = max(knots(r, "trajectories")[0][-1] for r in runs_)
+    t_equal = min(r["offset_s"] + r["wall_s"] for r in runs_)
+    weights = {"auc_time": ("time", lambda xs: area_weights(xs, horizon_time)),
+               "auc_trajectories": ("trajectories", lambda xs: area_weights(xs, horizon_traj)),
+               "at_t": ("time", lambda xs: point_weights(xs, t_equal)),
+               "final": ("trajectories", lambda xs: point_weights(xs, xs[-1]))}
+    shares: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    for run in runs_:
+        shares[run["arm"], run["seed"]] = {m: task_shares(run, axis, fn) for m, (axis, fn) in weights.items()}
+        run["measures"] = {m: float(v.mean()) for m, v in shares[run["arm"], run["seed"]].items()}
+    arm_names = list(dict.fromkeys(r["arm"] for r in runs_))
+    summary = {}
+    for arm in arm_names:
+        mine = [r for r in runs_ if r["arm"] == arm]
+        steps = [s for r in mine for s in r["step_rows"]]
+
+        final_failures: dict[str, float] = {}
+        for r in mine:
+            for kind, count in r["curve"][-1]["failures"].items():
+                final_failures[kind] = final_failures.get(kind, 0.0) + count / r["curve"][-1]["num_tasks"] / len(mine)
+        summary[arm] = {
+            "label": mine[0]["label"], "lr_policy": mine[0]["lr_policy"], "lr_source": mine[0]["lr_source"],
+            **{m: _spread(r["measures"][m] for r in mine) for m in MEASURES},
+            "version0": _spread(r["curve"][0]["accuracy"] for r in mine),
+            "wall_s": _spread(r["offset_s"] + r["wall_s"] for r in mine),
+            "offset_s": _spread(r["offset_s"] for r in mine), "startup_s": _spread(r["startup_s"] for r in mine),
+            "step_s": _spread(r["wall_s"] / max(r["steps"], 1) for r in mine),
+            "staleness_mean": _mean_metric(steps, "batch/staleness_mean"),
+            "kept_frac_mean": _mean_metric(steps, "actor/kept_frac"),
+            "flat_group_frac": _mean_metric(steps, "batch/flat_group_frac"),
+            "reward_first10": _mean_metric([s for r in mine for s in r["step_rows"][:10]], "batch/reward_mean"),
+            "reward_last10": _mean_metric([s for r in mine for s in r["step_rows"][-10:]], "batch/reward_mean"),
+            "final_failures": final_failures, "seeds": sorted(r["seed"] for r in mine),
         }
-    return summary
+    comparisons = {}
+    for other in arm_names:
+        if other == "sao" or "sao" not in arm_names:
+            continue
+        seeds = sorted({s for a, s in shares if a == "sao"} & {s for a, s in shares if a == other})
+        comparisons[f"sao-{other}"] = {
+            m: paired_bootstrap([shares["sao", s][m] - shares[other, s][m] for s in seeds], samples=samples)
+            for m in MEASURES} if seeds else {}
+    return {"horizon_time_s": horizon_time, "horizon_trajectories": horizon_traj, "t_equal": t_equal,
+            "summary": summary, "comparisons": comparisons, "seeds": sorted({r["seed"] for r in runs_}),
+            "runs": runs_}
 
 
 # ----- figure and report --------------------------------------------------------------------------
 
 
-def plot(runs_: list[dict[str, Any]], arm_list: Sequence[Arm], t_equal: float, path: Path) -> Path:
+def plot(record: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for arm in arm_list:
-        mine = [r for r in runs_ if r["arm"] == arm.name]
-        if not mine:
-            continue
-        versions = sorted(set.intersection(*[{e["version"] for e in r["curve"]} for r in mine]))
-        acc = [[next(e["accuracy"] for e in r["curve"] if e["version"] == v) for r in mine] for v in versions]
-        secs = [[elapsed_of(r, v) for r in mine] for v in versions]
-        mean = [statistics.fmean(a) for a in acc]
-        low, high = [min(a) for a in acc], [max(a) for a in acc]
-        x_traj = [v * mine[0]["settings"].train.batch_size for v in versions]
-        (line,) = axes[0].plot(x_traj, mean, marker="o", label=arm.label)
-        axes[0].fill_between(x_traj, low, high, color=line.get_color(), alpha=0.15)
-        x_time = [statistics.fmean(s) for s in secs]
-        axes[1].plot(x_time, mean, marker="o", color=line.get_color(), label=arm.label)
-        axes[1].fill_between(x_time, low, high, color=line.get_color(), alpha=0.15)
-        steps = min(len(r["step_rows"]) for r in mine)
-        reward = [statistics.fmean(r["step_rows"][i]["metrics"]["batch/reward_mean"] for r in mine)
-                  for i in range(steps)]
-        smooth = [statistics.fmean(reward[max(0, i - 4): i + 1]) for i in range(steps)]
-        axes[2].plot(range(steps), smooth, color=line.get_color(), label=arm.label)
-    axes[1].axvline(t_equal, color="grey", linestyle="--", linewidth=1, label=f"T = {t_equal:.0f} s")
-    axes[0].set(title="held-out accuracy vs trained trajectories", xlabel="trajectories trained on",
-                ylabel="sampled accuracy (T=1)")
-    axes[1].set(title="held-out accuracy vs wall time", xlabel="seconds since the first rollout",
-                ylabel="sampled accuracy (T=1)")
-    axes[2].set(title="training batch reward (mean over seeds, 5-step moving average)", xlabel="step", ylabel="mean reward")
+    colours = {}
+    for run in record["runs"]:
+        label = record["summary"][run["arm"]]["label"] if run["arm"] not in colours else None
+        colour = colours.setdefault(run["arm"], f"C{len(colours)}")
+        for ax, axis in ((axes[0], "time"), (axes[1], "trajectories")):
+            xs, index = knots(run, axis)
+            ax.plot(xs, [run["curve"][i]["accuracy"] for i in index], marker="o", markersize=3, color=colour,
+                    alpha=0.8, label=label)
+        rewards = [s["metrics"]["batch/reward_mean"] for s in run["step_rows"]]
+        smooth = [statistics.fmean(rewards[max(0, i - 9): i + 1]) for i in range(len(rewards))]
+        axes[2].plot(range(len(smooth)), smooth, color=colour, alpha=0.6, label=label)
+    axes[0].axvline(record["t_equal"], color="grey", linestyle="--", linewidth=1,
+                    label=f"T = {record['t_equal']:.0f} s")
+    axes[0].set(title="held-out accuracy vs wall time (value pretraining counted)",
+                xlabel="seconds since the first rollout", ylabel="sampled accuracy (T=1)")
+    axes[1].set(title="held-out accuracy vs trajectories (value pretraining's counted)",
+                xlabel="trajectories rolled out for training", ylabel="sampled accuracy (T=1)")
+    axes[2].set(title="training batch reward (10-step trailing mean)", xlabel="step", ylabel="mean reward")
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    figure.suptitle("mean over seeds; shaded: min-max over seeds", fontsize=9)
+    figure.suptitle("one line per run (seed)", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -387,117 +577,163 @@ def plot(runs_: list[dict[str, Any]], arm_list: Sequence[Arm], t_equal: float, p
 
 
 def _fmt(s: dict[str, float], digits: int = 3) -> str:
+    if s["n"] == 1:
+        return f"{s['mean']:.{digits}f}"
     return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
 
 
-def _verdict(record: dict[str, Any]) -> list[str]:
+def _interval(c: dict[str, float]) -> str:
+    return (f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (per seed "
+            + ", ".join(f"{d:+.3f}" for d in c["per_seed"]) + ")")
+
+
+def verdict(record: dict[str, Any]) -> list[str]:
     """The targets, judged from the numbers (so the words cannot drift from them)."""
-    lines = []
-    eq_traj, eq_wall = record["paired"].get("sao-grpo@final"), record["paired"].get("sao-grpo@t")
-    if eq_traj is not None:
-        met = eq_traj["mean"] >= 0
-        within = abs(eq_traj["mean"]) <= 2 * eq_traj["stderr"]
-        lines.append(
-            f"- SAO at least as accurate as synchronous GRPO at equal trajectories: **{'met' if met else 'missed'}**"
-            f" (SAO - GRPO = {eq_traj['mean']:+.3f} ± {eq_traj['stderr']:.3f} evaluation s.e., per seed "
-            f"{', '.join(f'{d:+.3f}' for d in eq_traj['per_seed'])}; "
-            f"{'within' if within else 'outside'} two standard errors of evaluation noise).")
-    if eq_wall is not None:
-        clearly = eq_wall["min"] > 0 and eq_wall["mean"] > 2 * eq_wall["stderr"]
-        lines.append(
-            f"- SAO clearly ahead of synchronous GRPO at equal wall time: **{'met' if clearly else 'missed'}** "
-            f"(SAO - GRPO = {eq_wall['mean']:+.3f} ± {eq_wall['stderr']:.3f}, per seed "
-            f"{', '.join(f'{d:+.3f}' for d in eq_wall['per_seed'])}; 'clearly' means ahead on every seed and by "
-            f"more than two standard errors).")
-    return lines
-
-
-def _ppo_lines(record: dict[str, Any]) -> list[str]:
-    ppo = [r for r in record["runs"] if r["arm"] == "ppo_async" and r.get("ratios")]
-    if not ppo:
-        return []
-    clip, dis = record["clip_range"], record["dis_interval"]
-    by: dict[str, list[tuple[int, float, float]]] = {}
-    for run in ppo:
-        for step in run["ratios"]:
-            for s, v in step["by_staleness"].items():
-                by.setdefault(s, []).append((v["tokens"], v["outside_clip"], v["outside_dis"]))
-    rows = []
-    for s in sorted(by, key=int):
-        tokens = sum(t for t, _, _ in by[s])
-        rows.append(f"| {s} | {tokens} | {sum(t * c for t, c, _ in by[s]) / max(tokens, 1):.4f} | "
-                    f"{sum(t * d for t, _, d in by[s]) / max(tokens, 1):.4f} |")
-    curve = record["summary"].get("ppo_async")
-    sao = record["summary"].get("sao")
-    lines = [
-        "", "**Asynchronous PPO without DIS.** Its trainer records no ratio statistics (PPO keeps every token, so "
-        "its `actor/kept_frac` is 1), so the ratios rho = pi_v / pi_behave of every step were recomputed from "
-        "the checkpoint the step started from and the rows it read (`ratio_stats`). Share of action tokens "
-        f"with rho outside PPO's clip range ({clip[0]:g}, {clip[1]:g}) and outside the DIS interval "
-        f"({dis[0]:g}, {dis[1]:g}), i.e. what DIS would have dropped, over all PPO runs, by staleness:", "",
-        "| staleness | action tokens | outside clip range | outside DIS interval |", "|---:|---:|---:|---:|", *rows,
+    c = record["comparisons"].get("sao-grpo")
+    if not c:
+        return ["- No SAO and synchronous GRPO runs of the same seed: nothing to judge."]
+    ahead = c["auc_time"]["low"] > 0
+    not_behind = c["final"]["high"] >= 0 and c["auc_trajectories"]["high"] >= 0
+    seeds = c["auc_time"]["seeds"]
+    caveat = "" if seeds >= 5 else f" Only {seeds} seed(s) of the 5 the target asks for."
+    return [
+        f"- SAO ahead of synchronous GRPO in area under accuracy vs wall time, 95% interval above zero: "
+        f"**{'met' if ahead else 'missed'}** (SAO - GRPO = {_interval(c['auc_time'])}).{caveat}",
+        f"- SAO not behind synchronous GRPO at equal trajectories (neither interval wholly below zero): "
+        f"**{'met' if not_behind else 'missed'}** (final accuracy {_interval(c['final'])}; area under accuracy "
+        f"vs trajectories {_interval(c['auc_trajectories'])}).",
     ]
-    if curve is not None:
-        lines += ["", f"Mean staleness of its batches {curve['staleness_mean']:.2f} (SAO: "
-                  f"{sao['staleness_mean']:.2f}, DIS kept fraction {sao['kept_frac_mean']:.4f}); batch reward "
-                  f"first 5 steps {curve['reward_first5']:.3f}, last 5 {curve['reward_last5']:.3f} (SAO "
-                  f"{sao['reward_first5']:.3f} -> {sao['reward_last5']:.3f})." if sao else ""]
-    return lines
 
 
 def _curve_table(record: dict[str, Any]) -> list[str]:
-    """Accuracy by version (mean [min, max] over seeds) at the versions every run of an arm evaluated."""
     by_arm: dict[str, dict[int, list[float]]] = {}
     for run in record["runs"]:
         for e in run["curve"]:
             by_arm.setdefault(run["arm"], {}).setdefault(e["version"], []).append(e["accuracy"])
-    seeds = len(record["args"]["seeds"])
-    versions = sorted({v for curve in by_arm.values() for v, acc in curve.items() if len(acc) == seeds})
+    versions = sorted({v for curve in by_arm.values() for v in curve})
     lines = ["| arm | " + " | ".join(f"v{v}" for v in versions) + " |", "|---|" + "---:|" * len(versions)]
     for arm, curve in by_arm.items():
-        cells = [f"{statistics.fmean(curve[v]):.3f} [{min(curve[v]):.2f}, {max(curve[v]):.2f}]"
-                 if len(curve.get(v, [])) == seeds else "" for v in versions]
+        cells = [f"{statistics.fmean(curve[v]):.3f}" if v in curve else "" for v in versions]
         lines.append(f"| {record['summary'][arm]['label']} | " + " | ".join(cells) + " |")
     return lines
 
 
 def markdown(record: dict[str, Any], figure: Path) -> str:
-    s = record["summary"]
-    a = record["args"]
-    rows = [f"| {v['label']} | {_fmt(v['equal_trajectories'])} | {_fmt(v['equal_wall_time'])} | "
-            f"{v['version_at_t']['mean']:.1f} [{v['version_at_t']['min']:.0f}, {v['version_at_t']['max']:.0f}] | "
-            f"{v['wall_s']['mean']:.0f} [{v['wall_s']['min']:.0f}, {v['wall_s']['max']:.0f}] | "
-            f"{v['startup_s']['mean']:.0f} | {v['staleness_mean']:.2f} | {v['kept_frac_mean']:.3f} |"
-            for v in s.values()]
-    v0 = record["version0"]
-    critic = record.get("value_pretraining")
-    critic_line = (f"Value pretraining: once, {a['value_samples']} version-0 rollouts (the demo uses 256), "
-                   f"held-out value loss {critic['loss_before']:.3f} -> {critic['loss_after']:.3f}, "
-                   f"{critic['seconds']:.0f} s; the critic of every `sao` and `ppo_async` run."
-                   if critic else "Value pretraining: none (critics start from the policy).")
+    s, d = record["summary"], record["design"]
+    latency = (f"log-normal tool latency per call (median {d['latency']['median_s']:g} s, sigma "
+               f"{d['latency']['sigma']:g}, cap {d['latency']['max_s']:g} s; `sao bench speed`'s)"
+               if d["latency"] else "no tool latency")
+    rows = [f"| {v['label']} | {v['lr_policy']:g} | {_fmt(v['auc_time'])} | {_fmt(v['auc_trajectories'])} | "
+            f"{_fmt(v['final'])} | {_fmt(v['at_t'])} | {v['wall_s']['mean']:.0f} [{v['wall_s']['min']:.0f}, "
+            f"{v['wall_s']['max']:.0f}] | {v['offset_s']['mean']:.0f} | {v['startup_s']['mean']:.0f} | "
+            f"{v['staleness_mean']:.2f} | "
+            + ("" if v["flat_group_frac"] is None else f"{v['flat_group_frac']:.2f}") + " |" for v in s.values()]
+    comparison_rows = [f"| {pair} | {MEASURES[m]} | {_interval(c)} |" for pair, by in record["comparisons"].items()
+                       for m, c in by.items()]
+    classes = sorted({k for v in s.values() for k in v["final_failures"]})
+    failure_rows = [f"| {v['label']} | " + " | ".join(f"{v['final_failures'].get(k, 0.0):.3f}" for k in classes)
+                    + " |" for v in s.values()]
+    rates = "; ".join(f"{arm}: {v['lr_policy']:g} ({v['lr_source']})" for arm, v in s.items())
     figure_ref = figure.relative_to(Path("docs")) if figure.is_relative_to("docs") else figure
     lines = [
-        "## Learning quality: SAO vs GRPO, GRPO + DIS, async PPO (`sao bench quality`)", "",
-        f"Command: `{record['command']}`. {machine_line(record['machine'])}", "",
-        f"Every run: math_tool, {a['steps']} steps of {a['batch']} trajectories (GRPO: {a['batch'] // a['group']} "
-        f"prompts x {a['group']}), policy lr {record['lr_policy']:g}, Serve rollout replicas: "
-        f"{record['num_replicas']}, the trainer in the benchmark's process for every arm (`use_ray_train=False`), from one SFT "
-        f"checkpoint; seeds {', '.join(map(str, a['seeds']))}. {critic_line} Held-out sampled accuracy (T=1) "
-        f"on {a['eval_tasks']} tasks every {a['eval_every']} versions; version 0 (SFT): "
-        + ", ".join(f"{e['accuracy']:.3f}" for e in v0) + f" (seeds {', '.join(map(str, a['seeds']))}). "
-        f"Equal wall time T = {record['t_equal']:.1f} s (the shortest run's time from its first rollout to its "
-        f"last step). GRPO + DIS is asynchronous: a group's {a['group']} rollouts may land in different batches "
-        f"(arrival order), and group advantages then see only the part of the group in the batch. Total "
-        f"{record['wall_s'] / 60:.1f} min.", "",
-        "Accuracy: mean ± std over seeds [min, max].", "",
-        "| arm | accuracy, equal trajectories (last version) | accuracy at equal wall time T | version at T | "
-        "wall s to last step | start-up s | mean staleness | kept fraction |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
-        "Accuracy by version (mean [min, max] over seeds):", "", *_curve_table(record), "",
-        *_verdict(record), *_ppo_lines(record), "",
-        f"![accuracy vs trajectories and wall time]({figure_ref})",
+        f"## Learning quality, {d['setting']} setting: SAO vs synchronous GRPO (`sao bench quality`)", "",
+        "Commands (one per part, then merged): " + "; ".join(f"`{c}`" for c in record["commands"]) + ".", "",
+        "Parts: " + "; ".join(f"seed {p['seed']}: {machine_line(p['machine'])} Commit {p['machine']['commit']}; "
+                              f"{p['wall_s'] / 60:.1f} min" for p in record["parts"]), "",
+        f"Every run: math_tool with {latency}; {d['steps']} steps of {d['batch']} trajectories (GRPO: "
+        f"{d['batch'] // d['group']} prompts x {d['group']}), the trainer in the benchmark's process for every arm "
+        f"(`use_ray_train=False`), one SFT checkpoint as version 0; {d['validation_tasks']} train-split tasks "
+        f"kept out of training as the validation split. Learning rates: {rates}. Critic arms: value "
+        f"pretraining on {d['value_samples']} version-0 rollouts per seed, its time and rollouts counted before "
+        f"the first step. Held-out sampled accuracy (T=1) on {d['eval_tasks']} tasks (the same for every run, "
+        f"the seed's sampler seed) every {d['eval_every']} versions. Seeds: {', '.join(map(str, record['seeds']))}.",
+        "",
+        f"Areas are the mean accuracy over [0, H] (straight lines between evaluated versions, the last held "
+        f"after a run ends): H = {record['horizon_time_s']:.0f} s of wall time and "
+        f"{record['horizon_trajectories']:.0f} trajectories (the longest run's). Equal wall time T = "
+        f"{record['t_equal']:.0f} s (the shortest run's end, value pretraining counted), its accuracy read off "
+        "the same lines. Per arm: mean ± std over seeds [min, max].", "",
+        "| arm | policy lr | area vs wall time | area vs trajectories | accuracy, equal trajectories | "
+        "accuracy at T | wall s (value pretraining counted) | value pretraining s | start-up s | mean staleness | "
+        "flat groups |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
+        "Paired differences, SAO minus the other arm: mean over seeds of the per-task difference, 95% bootstrap "
+        f"interval (seeds, then tasks within each seed resampled; {record['bootstrap']} draws):", "",
+        "| pair | measure | SAO - other [95% interval] |", "|---|---|---|", *comparison_rows, "",
+        *verdict(record), "",
+        "Accuracy by version (mean over seeds):", "", *_curve_table(record), "",
+        "Failures at the last version, share of evaluated tasks by class (`sao.envs.math_tool.failure_class`):",
+        "", "| arm | " + " | ".join(classes) + " |", "|---|" + "---:|" * len(classes), *failure_rows, "",
+        "Flat groups: the share of GRPO groups whose rollouts all had the same reward (no signal), mean over "
+        "steps. " + " ".join(f"Batch reward, {v['label']}: {v['reward_first10']:.3f} (first 10 steps) -> "
+                             f"{v['reward_last10']:.3f} (last 10)." for v in s.values()),
+        *([""] + [f"- {n}" for n in record["notes"]] if record["notes"] else []), "",
+        f"![accuracy vs wall time and trajectories]({figure_ref})",
     ]
     return "\n".join(lines)
+
+
+def publish_merged(args: argparse.Namespace) -> int:
+    parts, notes = load_parts(args)
+    if not parts:
+        print(f"sao bench quality: no part of {name_of(args)} with this design in {args.out}", file=sys.stderr)
+        for note in notes:
+            print(f"  {note}", file=sys.stderr)
+        return 1
+    record = merge(parts, args.bootstrap)
+    record |= {"design": parts[0]["design"], "bootstrap": args.bootstrap, "notes": notes,
+               "commands": [p["command"] for p in parts],
+               "parts": [{"seed": p["seed"], "machine": p["machine"], "wall_s": p["wall_s"]} for p in parts]}
+    name = name_of(args)
+    figure = plot(record, args.out / f"{name}.png")
+    text = markdown(record, figure)
+    print(text)
+    write_json(args.out / f"{name}.json", record)
+    update_section(args.results_md, name, text)
+    return 0
+
+
+# ----- learning-rate tuning ---------------------------------------------------------------------------
+
+
+def _validation_accuracy(settings, version: int, tasks: list) -> float:
+    """Sampled accuracy of ``version`` on the validation ``tasks`` (never trained on)."""
+    from sao import runs
+    from sao.envs import make_env
+    from sao.models.policy import load_policy
+    from sao.models.tokenizer import load_tokenizer
+    from sao.train.evaluate import EvalConfig, evaluate_math
+
+    path = runs.policy_dir(settings, version)
+    result = evaluate_math(load_policy(path), load_tokenizer(path), tasks,
+                           EvalConfig(num_tasks=len(tasks), seed=settings.eval_seed,
+                                      max_turns=settings.rollout.max_turns),
+                           env_factory=lambda task: make_env(task.env))
+    return result.accuracy
+
+
+def tune(args: argparse.Namespace, argv: list[str], base, sft: Path, pool: list, validation: list) -> int:
+    """Each arm at each ``--tune-lrs`` rate for ``--tune-steps`` steps (the first seed), judged by the
+    last version's accuracy on the validation tasks; the best rate per arm is the arm's pick."""
+    seed = args.seeds[0]
+    critic = pretrained_critic(args, base, sft, seed) if any(a.uses_critic for a in arms(args)
+                                                            if a.name in args.arms) else None
+    results: dict[str, dict[str, float]] = {}
+    for arm in (a for a in arms(args) if a.name in args.arms):
+        for lr in args.tune_lrs:
+            run = run_arm(arm, seed, args, base, sft, critic, lr, pool, steps=args.tune_steps,
+                          tag=f"tune-lr{lr:g}-")
+            results.setdefault(arm.name, {})[f"{lr:g}"] = _validation_accuracy(run["settings"], run["steps"],
+                                                                                validation)
+            print(f"[tune] {arm.name} lr {lr:g}: validation accuracy {results[arm.name][f'{lr:g}']:.3f}",
+                  file=sys.stderr, flush=True)
+    picked = {arm: float(max(by, key=by.get)) for arm, by in results.items()}
+    record = {"design": design(args), "seed": seed, "tune_steps": args.tune_steps, "rates": args.tune_lrs,
+              "validation_accuracy": results, "picked": picked, "machine": machine(),
+              "command": " ".join(["sao bench quality", *argv])}
+    write_json(args.out / f"{name_of(args)}-lr.json", record)
+    print(json.dumps({"picked": picked, "validation_accuracy": results}, indent=2))
+    return 0
 
 
 # ----- main --------------------------------------------------------------------------------------
@@ -505,62 +741,35 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    chosen = [arm for arm in arms(args) if arm.name in args.arms]
-    unknown = set(args.arms) - {arm.name for arm in arms(args)}
-    if unknown:
-        print(f"sao bench quality: unknown arms {sorted(unknown)}", file=sys.stderr)
-        return 2
+    if args.merge:
+        return publish_merged(args)
     started, machine_info = time.monotonic(), machine()  # the load average before the runs, not after
     args.workdir.mkdir(parents=True, exist_ok=True)
     _fresh_workdir(args.workdir)
     base = _base_settings(args)
     print("warm start ...", file=sys.stderr, flush=True)
     sft = _version_zero(args, base)
-    needs_critic = any(arm.algorithm in ("sao", "ppo_async") for arm in chosen)
-    critic, critic_report = _pretrained_critic(args, base, sft) if needs_critic else (None, None)
-    runs_: list[dict[str, Any]] = []
+    pool, validation = split_tasks(args, base)
+    if args.tune_lrs:
+        return tune(args, argv, base, sft, pool, validation)
+    rates = learning_rates(args, base)
+    chosen = [arm for arm in arms(args) if arm.name in args.arms]
     for seed in args.seeds:
-        for arm in chosen:
-            runs_.append(run_arm(arm, seed, args, base, sft, critic))
-    t_equal = min(r["wall_s"] for r in runs_)
-    cache: dict[tuple[str, int], dict[str, float]] = {}
-    for run in runs_:
-        versions = sorted({0, run["steps"], version_at(run, t_equal),
-                           *range(args.eval_every, run["steps"], args.eval_every)})
-        run["curve"] = [_evaluate(run, v, cache) for v in versions]
-        run["final"] = _evaluate(run, run["steps"], cache)
-        run["at_t"] = _evaluate(run, version_at(run, t_equal), cache)
-        if run["arm"] == "ppo_async":
-            run["ratios"] = ratio_stats(run, (0.8, 1.2), (0.7, 6.0))
-    update = base.update()
-    record: dict[str, Any] = {
-        "machine": machine_info, "command": " ".join(["sao bench quality", *argv]),
-        "args": {"steps": args.steps, "batch": args.batch, "group": args.group, "seeds": args.seeds,
-                 "staleness": args.staleness, "ppo_staleness": args.ppo_staleness, "eval_every": args.eval_every,
-                 "eval_tasks": args.eval_tasks, "value_samples": args.value_samples, "quick": args.quick},
-        "lr_policy": base.algorithm.lr_policy, "num_replicas": base.rollout.num_replicas,
-        "clip_range": [1 - update.clip_low, 1 + update.clip_high],
-        "dis_interval": [1 - update.eps_low, 1 + update.eps_high],
-        "value_pretraining": critic_report, "t_equal": t_equal,
-        "version0": [cache["version0", seed] for seed in args.seeds if ("version0", seed) in cache],
-    }
-    record["summary"] = summarize(runs_, chosen)
-    record["paired"] = {}
-    for other in ("grpo", "grpo_dis", "ppo_async"):
-        for key, tag in (("final", "final"), ("at_t", "t")):
-            paired = _paired(runs_, "sao", other, key)
-            if paired is not None:
-                record["paired"][f"sao-{other}@{tag}"] = paired
-    record["runs"] = [{k: v for k, v in r.items() if k != "settings"} | {"settings": r["settings"].public()}
-                      for r in runs_]
-    for run in record["runs"]:
-        for row in run["step_rows"]:
-            row.pop("trajectory_ids")
-    record["wall_s"] = time.monotonic() - started
-    name = "quality-quick" if args.quick else "quality"
-    figure = plot(runs_, chosen, t_equal, args.out / f"{name}.png")
-    text = markdown(record, figure)
-    print(text)
-    write_json(args.out / f"{name}.json", record)
-    update_section(args.results_md, "quality", text)
-    return 0
+        seed_started, seed_machine = time.monotonic(), machine_info if seed == args.seeds[0] else machine()
+        critic = pretrained_critic(args, base, sft, seed) if any(a.uses_critic for a in chosen) else None
+        runs_ = [run_arm(arm, seed, args, base, sft, critic, rates[arm.name]["lr"], pool) for arm in chosen]
+        cache: dict[tuple[str, int], dict[str, Any]] = {}
+        for run, arm in zip(runs_, chosen, strict=True):
+            print(f"--- evaluating {run['run_id']}", file=sys.stderr, flush=True)
+            run["curve"] = [_evaluate(run, v, cache) for v in evaluated_versions(run["steps"], args.eval_every)]
+            if arm.name == "ppo_async":
+                run["ratios"] = ratio_stats(run, (0.8, 1.2), (0.7, 6.0))
+            run |= {"label": arm.label, "lr_source": rates[arm.name]["source"], "settings": run["settings"].public()}
+            for row in run["step_rows"]:
+                row.pop("trajectory_ids")
+        part = {"design": design(args), "seed": seed, "machine": seed_machine,
+                "command": " ".join(["sao bench quality", *argv]), "wall_s": time.monotonic() - seed_started,
+                "value_pretraining": critic, "runs": runs_}
+        write_json(args.out / f"{name_of(args)}-seed{seed}.json", part)
+    print(f"total {(time.monotonic() - started) / 60:.1f} min", file=sys.stderr)
+    return publish_merged(args)

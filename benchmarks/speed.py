@@ -57,6 +57,7 @@ from benchmarks._report import (
     update_section,
     write_json,
 )
+from benchmarks._settings import HEAVY_TAIL
 
 DEFAULT_SFT = Path("runs/bench/bench-learning/sft")
 
@@ -74,9 +75,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="of the asynchronous arms (default: the run config's, train.max_staleness of the "
                              "demo config the benchmarks start from): the gate admits (max staleness + 1) x batch "
                              "rollouts beyond what the trainer consumed, in flight or waiting")
-    parser.add_argument("--tool-median-s", type=float, default=1.0)
-    parser.add_argument("--tool-sigma", type=float, default=1.0)
-    parser.add_argument("--tool-max-s", type=float, default=30.0)
+    parser.add_argument("--tool-median-s", type=float, default=HEAVY_TAIL["median_s"])
+    parser.add_argument("--tool-sigma", type=float, default=HEAVY_TAIL["sigma"])
+    parser.add_argument("--tool-max-s", type=float, default=HEAVY_TAIL["max_s"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=3,
                         help="rounds of every arm; each target's figure is taken within a round, reported as "

@@ -393,17 +393,22 @@ def value_data_run(config: RunConfig) -> str:
 
 def pretrain_value(config: RunConfig, policy_path: str | Path,
                    on_record: Callable[[object], None] | None = None,
-                   on_progress: Callable[[str], None] | None = None) -> PretrainReport | None:
+                   on_progress: Callable[[str], None] | None = None,
+                   env_options: dict | None = None) -> PretrainReport | None:
     """Value pretraining before the first step (SAO.md section 3), when ``value_pretraining.samples`` > 0:
     roll out that many tasks with the version-0 policy into the lake as run
     :func:`value_data_run` (its own run: auditable, never trained on), then fit the run's version-0
     critic on them (:func:`sao.train.pretrain.pretrain_value`). Skipped (None) when the run has
-    pretrained or trained already, so a resumed run does not redo it."""
+    pretrained or trained already, so a resumed run does not redo it. ``env_options``, when given,
+    replace the rollouts' environment options (:attr:`sao.pipeline.PipelineConfig.env_options`: a
+    benchmark's tool latency)."""
     from sao.pipeline import collect_rollouts
     from sao.train.pretrain import REPORT_FILE, PretrainConfig
     from sao.train.pretrain import pretrain_value as fit_critic
 
     pipeline = pipeline_config(config, policy_path)
+    if env_options is not None:
+        pipeline = dataclasses.replace(pipeline, env_options=env_options)
     train = pipeline.train
     if config.value_pretraining.samples == 0 or not train.update.uses_critic:
         return None
@@ -437,13 +442,15 @@ def train_async(config: RunConfig, policy_path: str | Path,
 class Evaluation:
     """A version's sampled accuracy on held-out tasks; ``failures``: the failed math_tool episodes by
     :func:`sao.envs.math_tool.failure_class` (empty for other environments, and for an evaluation
-    kept by a version of this code that did not count them)."""
+    kept by a version of this code that did not count them); ``rewards``: each task's reward, in the
+    order of the held-out tasks evaluated (empty for an evaluation kept before they were)."""
 
     version: int
     accuracy: float
     stderr: float
     num_tasks: int
     failures: dict[str, int] = dataclasses.field(default_factory=dict)
+    rewards: tuple[float, ...] = ()
 
 
 def policy_dir(config: RunConfig, version: int) -> Path:
@@ -465,7 +472,8 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
 
     kept = config.run_dir / "evaluations" / f"v{version:06d}-tasks{config.eval.tasks}-seed{config.eval_seed}.json"
     if kept.exists():
-        return Evaluation(**json.loads(kept.read_text()))
+        fields = json.loads(kept.read_text())
+        return Evaluation(**fields | {"rewards": tuple(fields.get("rewards", ()))})
     path = policy_dir(config, version)
     options = env_options(config, import_paths(config))
 
@@ -480,8 +488,10 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
                            EvalConfig(num_tasks=config.eval.tasks, seed=config.eval_seed,
                                       max_turns=config.rollout.max_turns),
                            env_factory=environment)
+    reward_of = {episode.task_id: episode.reward for episode in result.episodes}
     evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks,
-                            failure_counts(result.episodes, {t.task_id: t for t in tasks}, tokenizer))
+                            failure_counts(result.episodes, {t.task_id: t for t in tasks}, tokenizer),
+                            tuple(reward_of[task.task_id] for task in tasks[: result.num_tasks]))
     _write_json(kept, dataclasses.asdict(evaluation))
     return evaluation
 

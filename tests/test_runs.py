@@ -85,3 +85,27 @@ def test_the_evaluation_samples_with_eval_seed_and_else_with_the_runs_seed(tmp_p
         expected = seed if eval_seed is None else eval_seed
         assert (settings.run_dir / "evaluations" / f"v000000-tasks{settings.eval.tasks}-seed{expected}.json").exists()
     assert seen == [7, 3, 3]
+
+
+def test_the_evaluation_keeps_each_tasks_reward_in_task_order(tmp_path, monkeypatch):
+    """Per-task rewards (what paired comparisons of two runs resample) follow the held-out tasks'
+    order, not the episodes' finishing order, and read back the same from the kept file."""
+    import sao.models.policy as policy
+    import sao.models.tokenizer as tokenizer
+    import sao.train.evaluate as evaluate
+    from sao.envs.base import Split, Task, Termination
+    from sao.train.evaluate import Episode, EvalResult
+
+    tasks = [Task(f"t{i}", "other", "p", "a", Split.HELDOUT) for i in range(4)]
+    rewards = {"t0": 1.0, "t1": 0.0, "t2": 0.0, "t3": 1.0}
+    finished = [Episode(t, rewards[t], Termination.STOP, 0, (), ()) for t in ("t2", "t0", "t1")]  # t3 not evaluated
+    monkeypatch.setattr(policy, "load_policy", lambda path: None)
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(runs, "run_tasks", lambda config, split: tasks)
+    monkeypatch.setattr(evaluate, "evaluate_math", lambda model, tok, tasks, config, env_factory: EvalResult(
+        accuracy=1 / 3, stderr=0.3, num_tasks=3, mean_tool_calls=0.0, terminations={}, wall_s=0.0,
+        episodes=tuple(finished)))
+    settings = RunConfig(run_id="e", workdir=str(tmp_path), eval={"tasks": 3})
+    first = runs.evaluate(settings, 0)
+    assert first.rewards == (1.0, 0.0, 0.0)
+    assert runs.evaluate(settings, 0) == first  # from the kept file

@@ -31,6 +31,7 @@ from sao.algos.masked import check_same_shape
 __all__ = [
     "RunningMeanBaseline",
     "broadcast_to_actions",
+    "flat_groups",
     "grpo_advantages",
     "length_adaptive_lambda",
     "skip_observation_gae",
@@ -136,6 +137,20 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
         centred = group - group.mean()
         advantages[members] = centred / (group.std() + eps) if scale_by_std else centred
     return advantages
+
+
+def flat_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[int, int]:
+    """``(groups, flat)``: how many groups of ``group_ids`` have at least two sequences, and how many of
+    those have every reward equal (their GRPO advantages are all 0: the group gives no signal)."""
+    check_same_shape("rewards", {"rewards": rewards, "group_ids": group_ids})
+    groups = flat = 0
+    for gid in torch.unique(group_ids):
+        group = rewards[group_ids == gid]
+        if group.numel() < 2:
+            continue
+        groups += 1
+        flat += int(bool((group == group[0]).all()))
+    return groups, flat
 
 
 def broadcast_to_actions(per_sequence: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:

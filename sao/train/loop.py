@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from deltalake import DeltaTable
 
+from sao.algos.advantages import flat_groups
 from sao.faults import crash_point
 from sao.lake.ledger import record_train_step, register_policy_version
 from sao.lake.maintenance import compact_run
@@ -212,7 +213,11 @@ def compute_update(learner: Learner, rows: Sequence[Mapping], version: int, rank
             raise ValueError("algorithm.oracle_values is on but the learner has no oracle "
                              "(sao.train.oracle.attach_oracle)")
         policy_values = learner.policy_values([rows[i] for i in shard], batch.to(learner.device))
-    return learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard], policy_values)
+    metrics = learner.update(batch, None if sequence_advantages is None else sequence_advantages[shard], policy_values)
+    groups, flat = flat_groups(full.scalar_rewards, full.group_ids)
+    if groups:  # the whole batch's groups (every worker reports the same share)
+        metrics["batch/flat_group_frac"] = flat / groups
+    return metrics
 
 
 @dataclasses.dataclass

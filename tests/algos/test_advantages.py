@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from sao.algos.advantages import (
     RunningMeanBaseline,
     broadcast_to_actions,
+    flat_groups,
     grpo_advantages,
     length_adaptive_lambda,
     skip_observation_gae,
@@ -191,6 +192,14 @@ def test_grpo_advantages_hand_worked():
     assert centred.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3])
     # A group whose rewards are all equal carries no signal.
     assert grpo_advantages(torch.tensor([1.0, 1.0]), torch.tensor([0, 0])).tolist() == [0.0, 0.0]
+
+
+def test_flat_groups_counts_groups_of_two_or_more_with_one_reward():
+    # groups: 0 -> [1, 0] (varied), 1 -> [1, 1, 1] (flat), 2 -> [0] (one member: not a group), 5 -> [0, 0] (flat)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    ids = torch.tensor([0, 0, 1, 1, 1, 2, 5, 5])
+    assert flat_groups(rewards, ids) == (3, 2)
+    assert flat_groups(torch.tensor([1.0, 0.0]), torch.tensor([0, 1])) == (0, 0)
 
 
 def test_broadcast_to_actions():

@@ -1,5 +1,5 @@
-"""The quality benchmark runs end to end (``--quick``): four arms, their curves, the equal-wall-time
-versions, the PPO arm's recomputed ratios, a figure, and nothing written under docs/."""
+"""The quality benchmark: its merge of seeds' parts (areas, equal-time accuracy and paired intervals,
+worked by hand on a made-up record), which parts it merges, and a quick run end to end."""
 
 from __future__ import annotations
 
@@ -7,39 +7,114 @@ import json
 
 import pytest
 
-from benchmarks.quality import main
+from benchmarks.quality import _parse, design, load_parts, main, merge
+
+
+def _run(arm, seed, *, offset_s, offset_traj, elapsed, rewards):
+    """A run of batch 10 evaluated at versions 0 and 2 (``rewards``: per-task strings at each)."""
+    curve = [{"version": v, "elapsed_s": e, "accuracy": r.count("1") / len(r), "stderr": 0.0,
+              "num_tasks": len(r), "failures": {"tool_copy": r.count("0")}, "rewards": r}
+             for v, e, r in zip((0, 2), (0.0, elapsed), rewards, strict=True)]
+    steps = [{"step": 0, "version": 1, "elapsed_s": elapsed / 2, "metrics": {"batch/reward_mean": 0.2}},
+             {"step": 1, "version": 2, "elapsed_s": elapsed, "metrics": {"batch/reward_mean": 0.4}}]
+    return {"arm": arm, "seed": seed, "label": arm, "lr_policy": 2e-4, "lr_source": "test", "steps": 2,
+            "offset_s": offset_s, "offset_trajectories": offset_traj, "wall_s": elapsed, "startup_s": 1.0,
+            "step_rows": steps, "curve": curve, "settings": {"train": {"batch_size": 10}}}
+
+
+def _parts():
+    return [{"seed": seed, "runs": [
+        _run("sao", seed, offset_s=10.0, offset_traj=20, elapsed=10.0, rewards=("00", "11")),
+        _run("grpo", seed, offset_s=0.0, offset_traj=0, elapsed=30.0, rewards=("00", "01"))]} for seed in (0, 1)]
+
+
+def test_the_merge_counts_value_pretraining_first_and_pairs_tasks_by_seed():
+    record = merge(_parts(), samples=200)
+    # horizons: the longest run's end on each axis; T: the shortest run's end, pretraining counted
+    assert record["horizon_time_s"] == 30.0 and record["horizon_trajectories"] == 40.0
+    assert record["t_equal"] == 20.0
+    sao, grpo = (next(r for r in record["runs"] if r["arm"] == a and r["seed"] == 0)["measures"]
+                 for a in ("sao", "grpo"))
+    # SAO over time: 0 while pretraining (0-10 s), 0 -> 1 over 10-20 s, 1 held to 30 s: (0 + 5 + 10) / 30
+    # GRPO: 0 -> 0.5 over 0-30 s: 0.25
+    assert sao["auc_time"] == pytest.approx(0.5) and grpo["auc_time"] == pytest.approx(0.25)
+    # over trajectories: SAO 0 for its 20 pretraining rollouts, 0 -> 1 over 20-40: 10 / 40;
+    # GRPO 0 -> 0.5 over 0-20, 0.5 held to 40: (5 + 10) / 40
+    assert sao["auc_trajectories"] == pytest.approx(0.25) and grpo["auc_trajectories"] == pytest.approx(0.375)
+    assert sao["final"] == 1.0 and grpo["final"] == 0.5
+    assert sao["at_t"] == 1.0 and grpo["at_t"] == pytest.approx(0.5 * 20 / 30)
+    pair = record["comparisons"]["sao-grpo"]
+    # two identical seeds, per-task differences [0.5, 0] on the time axis: no spread to draw
+    assert pair["auc_time"]["mean"] == pytest.approx(0.25) and pair["auc_time"]["per_seed"] == [0.25, 0.25]
+    assert pair["auc_trajectories"]["mean"] == pytest.approx(-0.125)
+    assert pair["final"]["mean"] == pytest.approx(0.5)
+    summary = record["summary"]["sao"]
+    assert summary["wall_s"]["mean"] == 20.0 and summary["offset_s"]["mean"] == 10.0
+    assert summary["final_failures"] == {"tool_copy": 0.0} and record["summary"]["grpo"]["final_failures"] == {
+        "tool_copy": 0.5}
+    assert summary["reward_first10"] == pytest.approx(0.3) and summary["flat_group_frac"] is None
+
+
+def test_parts_that_train_an_arm_at_two_rates_are_refused():
+    parts = _parts()
+    parts[1]["runs"][0]["lr_policy"] = 1e-4
+    with pytest.raises(SystemExit, match=r"different learning rates \{'sao': \[0.0001, 0.0002\]\}"):
+        merge(parts, samples=10)
+
+
+def test_only_parts_of_the_same_design_are_merged(tmp_path):
+    args = _parse(["--out", str(tmp_path), "--steps", "20"])
+    for seed, steps in ((0, 20), (1, 20), (2, 30)):
+        other = _parse(["--out", str(tmp_path), "--steps", str(steps)])
+        (tmp_path / f"quality-heavy-seed{seed}.json").write_text(json.dumps({"seed": seed, "design": design(other)}))
+    (tmp_path / "quality-fast-seed0.json").write_text(json.dumps({"seed": 0, "design": {}}))  # another setting
+    parts, notes = load_parts(args)
+    assert [p["seed"] for p in parts] == [0, 1]
+    assert notes == ["quality-heavy-seed2.json left out: its design differs in steps"]
+
+
+def test_the_arguments_are_checked():
+    with pytest.raises(SystemExit):
+        _parse(["--arms", "sao,ppo"])
+    with pytest.raises(SystemExit):
+        _parse(["--lr", "sao"])
+    assert _parse(["--lr", "sao=1e-4,grpo=3e-4"]).lr_given == {"sao": 1e-4, "grpo": 3e-4}
 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_quick_run_reports_every_arm(tmp_path):
-    assert main(["--quick", "--workdir", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "quality-quick.json").read_text())
-    assert set(data["summary"]) == {"sao", "grpo", "grpo_dis", "ppo_async"}
-    runs = {r["arm"]: r for r in data["runs"]}
-    assert set(runs) == set(data["summary"]) and all(r["seed"] == 0 for r in data["runs"])
+def test_a_quick_run_writes_a_part_and_merges_it(tmp_path):
+    arms = "sao,grpo,grpo_dis,ppo_async"
+    assert main(["--quick", "--workdir", str(tmp_path), "--arms", arms]) == 0
+    part = json.loads((tmp_path / "quality-quick-heavy-seed0.json").read_text())
+    assert part["seed"] == 0 and part["design"]["latency"]["kind"] == "lognormal"
+    pretraining = part["value_pretraining"]
+    assert pretraining["trajectories"] == 8 and pretraining["seconds"] > 0
+    runs = {r["arm"]: r for r in part["runs"]}
+    assert set(runs) == set(arms.split(","))
     for arm, run in runs.items():
         assert run["steps"] == 2 and [s["step"] for s in run["step_rows"]] == [0, 1]
         elapsed = [s["elapsed_s"] for s in run["step_rows"]]
         assert 0 < elapsed[0] <= elapsed[1] == run["wall_s"]
-        assert run["trajectories_stored"] >= 2 * 4
         assert [e["version"] for e in run["curve"]] == [0, 1, 2]
-        assert all(0.0 <= e["accuracy"] <= 1.0 and e["num_tasks"] == 8 for e in run["curve"])
-        assert run["final"]["version"] == 2
-        # the version at T was committed by T, and T is the shortest run's wall time
-        assert run["at_t"]["elapsed_s"] <= data["t_equal"] + 1e-6
+        assert all(len(e["rewards"]) == e["num_tasks"] == 8 for e in run["curve"])
         assert run["settings"]["algorithm"]["name"] == arm
-    assert data["t_equal"] == min(r["wall_s"] for r in data["runs"])
+        # value pretraining's cost lands on the critic arms only
+        critic = arm in ("sao", "ppo_async")
+        assert run["offset_s"] == (pretraining["seconds"] if critic else 0.0)
+        assert run["offset_trajectories"] == (8 if critic else 0)
+        assert run["critic_path"] == (pretraining["path"] if critic else None)
     assert runs["grpo"]["settings"]["train"]["synchronous"] is True
     assert all(s["metrics"]["batch/staleness_max"] == 0 for s in runs["grpo"]["step_rows"])
+    assert all("batch/flat_group_frac" in s["metrics"] for s in runs["grpo"]["step_rows"])
     # version 0 is the same SFT policy for every arm of a seed: one evaluation, the same figure
-    assert len({json.dumps(r["curve"][0], sort_keys=True) for r in data["runs"]}) == 1
+    assert len({json.dumps(r["curve"][0], sort_keys=True) for r in part["runs"]}) == 1
     ratios = runs["ppo_async"]["ratios"]
-    assert [r["step"] for r in ratios] == [0, 1]
-    assert ratios[0]["by_staleness"].keys() == {"0"}  # step 0 trains on version 0's own rollouts
+    assert [r["step"] for r in ratios] == [0, 1] and ratios[0]["by_staleness"].keys() == {"0"}
     assert ratios[0]["outside_clip"] == 0.0 and ratios[0]["abs_log_rho"] < 1e-4
-    # the DIS interval (0.7, 6) holds the clip range (0.8, 1.2): what DIS drops, PPO's range leaves too
-    assert all(0.0 <= r["outside_dis"] <= r["outside_clip"] <= 1.0 for r in ratios)
-    assert set(data["paired"]) >= {"sao-grpo@final", "sao-grpo@t"}
-    assert (tmp_path / "quality-quick.png").stat().st_size > 0
-    assert "<!-- quality:begin -->" in (tmp_path / "RESULTS.md").read_text()
+    merged = json.loads((tmp_path / "quality-quick-heavy.json").read_text())
+    assert set(merged["comparisons"]) == {"sao-grpo", "sao-grpo_dis", "sao-ppo_async"}
+    assert merged["seeds"] == [0] and merged["comparisons"]["sao-grpo"]["auc_time"]["seeds"] == 1
+    assert (tmp_path / "quality-quick-heavy.png").stat().st_size > 0
+    section = (tmp_path / "RESULTS.md").read_text()
+    assert "<!-- quality-quick-heavy:begin -->" in section and "Only 1 seed(s)" in section

@@ -192,3 +192,20 @@ def test_steps_are_passed_on_to_ray_train_at_most_every_report_interval(tmp_path
     roll_out(policy_dir, tokenizer, Lake.open(cfg.lake), cfg.run_id, 12)
     reports = run_training(cfg)
     assert [r.report_due for r in reports] == due  # the first and the last step always
+
+
+def test_each_update_reports_the_share_of_groups_with_one_reward():
+    """``batch/flat_group_frac``: of the batch's groups with two or more rollouts of one task, the share
+    whose rewards are all equal (a GRPO group without signal); absent when no task repeats."""
+    from sao.train.loop import compute_update
+    from sao.train.step import Learner
+    from tests.train.test_step import hand_built_rows, tiny
+
+    policy = tiny()
+    rows = hand_built_rows(policy)  # tasks a (rewards 1, 0), b, a
+    learner = Learner(UpdateConfig(algorithm="grpo", eps_high=0.5), policy, None)
+    assert compute_update(learner, rows, 5)["batch/flat_group_frac"] == 0.0
+    rows[2]["reward"] = 1.0  # group a: 1, 1
+    assert compute_update(learner, rows, 5)["batch/flat_group_frac"] == 1.0
+    rows[2]["task_id"] = "c"  # no task twice
+    assert "batch/flat_group_frac" not in compute_update(learner, rows, 5)
