@@ -19,7 +19,8 @@ Choices where the paper is silent (documented config options):
       numerics), which is why the default is the form the paper writes.
     * The denominator is every action token of the batch, masked ones included (``token`` mode), so
       dropping tokens cannot inflate the step; ``sequence`` mode is available.
-    * No KL and no entropy term, as in the paper.
+    * No KL and no entropy term, as in the paper (the trainer can add an entropy bonus:
+      ``UpdateConfig.entropy_coef``, default 0).
 """
 
 from __future__ import annotations

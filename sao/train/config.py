@@ -89,6 +89,9 @@ class UpdateConfig:
         adam_eps: AdamW epsilon for both models.
         adam_beta2: AdamW's second-moment decay for both models (0.95 forgets old gradient scales
             faster than the default 0.999).
+        entropy_coef: the actor's loss subtracts this times the mean entropy of the sampling
+            distribution at its action tokens (aggregated as the policy loss is; reported as
+            ``actor/entropy``). 0, the default and the paper's, adds nothing and computes nothing.
         max_grad_norm: gradient clipping (None = off).
         value_clip: PPO-style value clipping range (None = off).
         whiten_advantages: normalise policy advantages over the batch's action tokens.
@@ -143,6 +146,7 @@ class UpdateConfig:
     weight_decay: float = 0.0
     adam_eps: float = 1e-8
     adam_beta2: float = 0.999
+    entropy_coef: float = 0.0
     max_grad_norm: float | None = 1.0
     value_clip: float | None = None
     whiten_advantages: bool = False
@@ -186,6 +190,8 @@ class UpdateConfig:
             raise ValueError(f"lr_final_ratio must lie in [0, 1], got {self.lr_final_ratio}")
         if not 0.0 <= self.adam_beta2 < 1.0:
             raise ValueError(f"adam_beta2 must lie in [0, 1), got {self.adam_beta2}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0 (a bonus for entropy), got {self.entropy_coef}")
         if self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
         if self.oracle_values and self.advantage_estimator is not AdvantageEstimator.CRITIC_GAE:

@@ -408,7 +408,7 @@ def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], s
 
 
 _SUMMED = ("batch/trajectories", "batch/action_tokens", "batch/staleness_count/", "actor/all_masked_rows",
-           "actor/loss", "critic/loss")
+           "actor/loss", "actor/entropy", "critic/loss")
 
 
 def _merge_worker_metrics(metrics: dict[str, float], world: int) -> dict[str, float]:

@@ -48,7 +48,7 @@ from sao.algos.advantages import (
 )
 from sao.algos.dis import dis_weights
 from sao.algos.losses import dis_policy_loss, ppo_clip_loss, value_loss
-from sao.algos.masked import LossAggregation, masked_mean, masked_whiten
+from sao.algos.masked import LossAggregation, aggregate, masked_mean, masked_whiten
 from sao.algos.sampling import sampling_logprobs
 from sao.models.routing import ReplayStats, moe_routers, replay_routing
 from sao.train.batch import TrainBatch, completion_positions, split_by_token_budget
@@ -86,8 +86,10 @@ def scoring_logits(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     return logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
 
-def policy_logprobs(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """(B, T) log pi_theta of each completion token, under the distribution the rollout recorded."""
+def policy_logprobs(policy: torch.nn.Module, batch: TrainBatch, *, entropy: bool = False,
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) log pi_theta of each completion token, under the distribution the rollout recorded; with
+    ``entropy``, also (B, T) that distribution's entropy at each action token (0 elsewhere)."""
     scoring = scoring_logits(policy, batch)  # (B, T, V)
     positions = completion_positions(batch)
     targets = batch.input_ids.gather(1, (positions + 1).clamp(max=batch.input_ids.shape[1] - 1))
@@ -99,7 +101,12 @@ def policy_logprobs(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     logp = sampled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     filtered = batch.action_mask & ~torch.isfinite(logp)
     logp = torch.where(filtered, torch.full_like(logp, FILTERED_LOGPROB), logp)
-    return torch.where(batch.action_mask, logp, torch.zeros_like(logp))
+    logp = torch.where(batch.action_mask, logp, torch.zeros_like(logp))
+    if not entropy:
+        return logp
+    finite = torch.isfinite(sampled)  # tokens top-k / top-p leave out have probability 0: no term
+    terms = torch.where(finite, sampled.exp() * torch.where(finite, sampled, torch.zeros_like(sampled)), 0.0)
+    return logp, torch.where(batch.action_mask, -terms.sum(-1), torch.zeros_like(logp))
 
 
 def critic_values(critic: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -421,7 +428,7 @@ class Learner:
         self.policy_optimizer.zero_grad(set_to_none=True)
         denominator = self._denominator(batch)
         kept_per_row = torch.zeros(batch.action_mask.shape[0], device=batch.device)
-        loss_total = 0.0
+        loss_total = entropy_total = 0.0
         replay = self.replays_routing
         audit = cfg.routing_metrics and self.has_routers and batch.routed_experts is not None
         every = cfg.routing_compare_every
@@ -429,7 +436,10 @@ class Learner:
         routing = _RoutingAudit(batch, replay, compare) if audit and (replay or compare) else None
         for rows, mb in self._micro_batches(batch):
             with self._routing(mb, replay) as stats, self._forward():
-                logp = policy_logprobs(self.policy, mb)
+                if cfg.entropy_coef:
+                    logp, entropy = policy_logprobs(self.policy, mb, entropy=True)
+                else:
+                    logp = policy_logprobs(self.policy, mb)
             if routing is not None:
                 other_logp, other_stats = None, None
                 if compare:
@@ -446,6 +456,10 @@ class Learner:
                 loss, _ = ppo_clip_loss(logp, mb.logp_rollout, adv, mb.action_mask, cfg.clip_low, cfg.clip_high,
                                         aggregation=cfg.aggregation, denominator=denominator)
                 keep = mb.action_mask
+            if cfg.entropy_coef:
+                bonus = aggregate(entropy, mb.action_mask, cfg.aggregation, denominator)
+                loss = loss - cfg.entropy_coef * bonus
+                entropy_total += float(bonus.detach())
             loss.backward()
             loss_total += float(loss.detach())
             kept_per_row[rows] = keep.sum(-1).float()
@@ -456,6 +470,8 @@ class Learner:
         self.policy_steps += 1
         metrics = {"actor/loss": loss_total, "actor/grad_norm": grad_norm,
                    "actor/lr": self.policy_scheduler.get_last_lr()[0]} | kept_fraction_metrics(batch, kept_per_row)
+        if cfg.entropy_coef:
+            metrics["actor/entropy"] = entropy_total
         return metrics | (routing.metrics() if routing is not None else {})
 
     def _critic_step(self, batch: TrainBatch, returns: torch.Tensor | None,

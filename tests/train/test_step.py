@@ -438,3 +438,31 @@ def test_each_update_reports_its_critics_explained_variance_on_its_targets():
     metrics = learner.update(batch)
     expected = step_module.explained_variance(returns[batch.action_mask], values[batch.action_mask])
     assert metrics["critic/explained_variance"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_the_entropy_bonus_subtracts_its_coefficient_times_the_mean_action_entropy():
+    """``entropy_coef`` c: ``actor/entropy`` is the mean entropy of the sampling distribution (the
+    row's temperature) over the batch's action tokens, worked from the logits; the loss is the plain
+    loss minus c times it and the step lands elsewhere; with c = 0 no entropy is computed or reported."""
+    policy = tiny()
+    rows = hand_built_rows(policy)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            logits = policy(input_ids=torch.tensor([r["prompt_ids"] + r["completion_ids"]])).logits[0].double()
+            for j, is_action in enumerate(r["action_mask"]):
+                if is_action:
+                    logp = torch.log_softmax(logits[len(r["prompt_ids"]) + j - 1] / r["sampling"]["temperature"], -1)
+                    total, tokens = total - float((logp.exp() * logp).sum()), tokens + 1
+    cfg = UpdateConfig(algorithm="grpo_dis", eps_high=0.5)
+    plain = Learner(cfg, copy.deepcopy(policy), None)
+    bonus = Learner(dataclasses.replace(cfg, entropy_coef=0.1), copy.deepcopy(policy), None)
+    batch = collate(rows, trainer_version=5)
+    without, with_bonus = plain.update(batch), bonus.update(batch)
+    assert "actor/entropy" not in without
+    assert with_bonus["actor/entropy"] == pytest.approx(total / tokens, rel=1e-5)
+    assert with_bonus["actor/loss"] == pytest.approx(without["actor/loss"] - 0.1 * total / tokens, rel=1e-5)
+    assert any(not torch.equal(a, b) for a, b in zip(plain.policy.parameters(), bonus.policy.parameters(),
+                                                     strict=True))
+    with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
+        UpdateConfig(entropy_coef=-0.1)
