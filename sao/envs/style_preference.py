@@ -14,6 +14,17 @@ all other styles in a response, and ``m = min_markers``:
 so a response purely in the preferred style with at least ``m`` markers scores 1, mixing in other
 styles costs reward, and a response in another style scores 0.
 
+Options for online-learning experiments in which a critic has something to follow (all off by default):
+
+- ``personas``: every prompt names the reader it is for ("... It is for Ada."), and the judge can keep
+  a schedule per persona (``StyleJudge.persona_schedules``), so preferences depend on the prompt and
+  shift at different steps for different readers;
+- ``StyleJudge.graded``: ``reward = 0.2 + 0.8 * clip((min(n_pref, m) - min(n_other, m) / 2) / m, 0, 1)``
+  for a finished reply: a reply in the old style keeps the floor after a shift instead of scoring 0, and
+  each preferred marker, or one fewer marker of another style, earns more;
+- ``answer_tag``: replies end on a closing tag, ``<answer>...</answer>`` (the demonstrations are written
+  so, and ``</answer>`` stops generation as in math_tool); a reply that does not close scores 0.
+
 This is a simulation: the judge is a word counter, never a live user.
 """
 
@@ -22,12 +33,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+import json
 import random
 import re
 from pathlib import Path
 
 from sao.envs.base import Split, StepResult, Task, Termination, ensure_tasks
-from sao.models.chat import Message, Reply, parse_action
+from sao.models.chat import ANSWER_END, ANSWER_START, FinalAnswer, Message, Reply, parse_action
 
 __all__ = [
     "ENV_NAME",
@@ -40,6 +52,7 @@ __all__ = [
     "classify_style",
     "ensure_dataset",
     "generate_tasks",
+    "persona_of",
     "render_in_style",
     "style_scores",
 ]
@@ -104,6 +117,9 @@ _INSTRUCTIONS: tuple[str, ...] = (
     "Describe {topic} in one line.",
     "Say something about {topic}.",
 )
+_PERSONA_PROMPT = "{instruction} It is for {persona}."
+GRADED_FLOOR = 0.2
+"""A finished reply's reward under ``StyleJudge.graded`` whatever its style."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +136,7 @@ class ShiftSchedule:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "styles", tuple(Style(s) for s in self.styles))
+        object.__setattr__(self, "shift_steps", tuple(int(s) for s in self.shift_steps))
         if len(self.styles) != len(self.shift_steps) + 1:
             raise ValueError(
                 f"ShiftSchedule: styles needs one more entry than shift_steps, got {len(self.styles)} styles "
@@ -151,26 +168,45 @@ def classify_style(text: str) -> Style | None:
 
 @dataclasses.dataclass(frozen=True)
 class StyleJudge:
-    """Scores a response against the style preferred at a trainer step (formula in the module docstring).
+    """Scores a response against the style preferred at a trainer step (formulas in the module docstring).
 
     Attributes:
-        schedule: the preference shifts.
+        schedule: the preference shifts (of every persona without a schedule of its own).
         min_markers: distinct preferred-style markers for full reward (``m``).
+        persona_schedules: (persona, schedule) pairs: that persona's preference shifts. A mapping of
+            persona to schedule (or to a schedule's fields, as in environment options) is accepted.
+        graded: the graded reward (a finished reply scores at least :data:`GRADED_FLOOR`).
     """
 
     schedule: ShiftSchedule = ShiftSchedule()
     min_markers: int = 2
+    persona_schedules: tuple[tuple[str, ShiftSchedule], ...] = ()
+    graded: bool = False
 
     def __post_init__(self) -> None:
         if self.min_markers < 1:
             raise ValueError(f"StyleJudge.min_markers must be >= 1, got {self.min_markers}")
+        pairs = self.persona_schedules
+        pairs = pairs.items() if isinstance(pairs, dict) else pairs
+        pairs = tuple((str(name), schedule if isinstance(schedule, ShiftSchedule) else ShiftSchedule(**schedule))
+                      for name, schedule in pairs)
+        if len({name for name, _ in pairs}) != len(pairs):
+            raise ValueError(f"StyleJudge.persona_schedules names a persona twice: {[n for n, _ in pairs]}")
+        object.__setattr__(self, "persona_schedules", pairs)
 
-    def reward(self, text: str, step: int) -> float:
-        preferred = self.schedule.preferred(step)
+    def schedule_of(self, persona: str | None) -> ShiftSchedule:
+        """The schedule ``persona`` is judged by (None: the default one)."""
+        return dict(self.persona_schedules).get(persona, self.schedule) if persona else self.schedule
+
+    def reward(self, text: str, step: int, persona: str | None = None) -> float:
+        preferred = self.schedule_of(persona).preferred(step)
         scores = style_scores(text)
         n_pref = scores.pop(preferred)
         n_other = sum(scores.values())
         m = self.min_markers
+        if self.graded:
+            style = max(0.0, min(1.0, (min(n_pref, m) - min(n_other, m) / 2) / m))
+            return GRADED_FLOOR + (1 - GRADED_FLOOR) * style
         return max(0.0, min(1.0, (min(n_pref, m) - min(n_other, m)) / m))
 
 
@@ -182,21 +218,35 @@ class StylePreferenceConfig:
         seed: seeds the split of (instruction, topic) prompts into train and held-out.
         heldout_fraction: share of the prompts held out.
         judge: the simulated judge and its shift schedule.
+        personas: readers named in the prompts, one prompt per (instruction, topic, persona); none:
+            the prompts name no reader.
+        answer_tag: replies end on ``</answer>`` (a reply that does not close scores 0).
     """
 
     seed: int = 0
     heldout_fraction: float = 0.2
     judge: StyleJudge = StyleJudge()
+    personas: tuple[str, ...] = ()
+    answer_tag: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"StylePreferenceConfig.heldout_fraction must lie in [0, 1), got {self.heldout_fraction}")
+        object.__setattr__(self, "personas", tuple(self.personas))
+        if len(set(self.personas)) != len(self.personas) or not all(p.strip() for p in self.personas):
+            raise ValueError(f"StylePreferenceConfig.personas must be distinct non-empty names, got {self.personas}")
+        unknown = sorted({name for name, _ in self.judge.persona_schedules} - set(self.personas))
+        if unknown:
+            raise ValueError(f"StyleJudge.persona_schedules names {unknown}, not among the personas {self.personas}")
 
 
 def generate_tasks(config: StylePreferenceConfig | None = None) -> list[Task]:
     """Every (instruction, topic) prompt once, split by a seeded shuffle; deterministic."""
     config = config or StylePreferenceConfig()
-    prompts = [instruction.format(topic=topic) for topic in _TOPICS for instruction in _INSTRUCTIONS]
+    prompts = [(instruction.format(topic=topic), "") for topic in _TOPICS for instruction in _INSTRUCTIONS]
+    if config.personas:
+        prompts = [(_PERSONA_PROMPT.format(instruction=prompt, persona=persona), json.dumps({"persona": persona}))
+                   for prompt, _ in prompts for persona in config.personas]
     order = list(range(len(prompts)))
     random.Random(config.seed).shuffle(order)
     heldout = set(order[: round(config.heldout_fraction * len(prompts))])
@@ -207,9 +257,15 @@ def generate_tasks(config: StylePreferenceConfig | None = None) -> list[Task]:
             prompt=prompt,
             answer="",
             split=Split.HELDOUT if index in heldout else Split.TRAIN,
+            info=info,
         )
-        for index, prompt in enumerate(prompts)
+        for index, (prompt, info) in enumerate(prompts)
     ]
+
+
+def persona_of(task: Task) -> str | None:
+    """The reader a style_preference prompt is for (None: it names none)."""
+    return json.loads(task.info).get("persona") if task.info else None
 
 
 def ensure_dataset(config: StylePreferenceConfig | None, path: str | Path) -> list[Task]:
@@ -225,9 +281,11 @@ def topic_of(task: Task) -> str:
     raise ValueError(f"task {task.task_id} names no known topic: {task.prompt!r}")
 
 
-def render_in_style(topic: str, style: Style, rng: random.Random) -> str:
-    """A sentence about ``topic`` in ``style`` (demonstrations and tests)."""
-    return rng.choice(_STYLE_TEMPLATES[Style(style)]).format(topic=topic)
+def render_in_style(topic: str, style: Style, rng: random.Random, answer_tag: bool = False) -> str:
+    """A sentence about ``topic`` in ``style`` (demonstrations and tests); with ``answer_tag``, inside
+    ``<answer>...</answer>``."""
+    sentence = rng.choice(_STYLE_TEMPLATES[Style(style)]).format(topic=topic)
+    return f"{ANSWER_START}{sentence}{ANSWER_END}" if answer_tag else sentence
 
 
 class StylePreferenceEnv:
@@ -254,8 +312,15 @@ class StylePreferenceEnv:
         if self.task is None:
             raise RuntimeError("StylePreferenceEnv.step called before reset")
         action = parse_action(action_text)
-        text = action.text if isinstance(action, Reply) else action_text
-        reward = self.config.judge.reward(text, self.trainer_step)
-        preferred = self.config.judge.schedule.preferred(self.trainer_step)
-        info = {"preferred_style": str(preferred), "style": str(classify_style(text) or "none")}
+        closed = isinstance(action, FinalAnswer) or not self.config.answer_tag
+        if self.config.answer_tag and isinstance(action, FinalAnswer):
+            text = action.answer
+        else:
+            text = action.text if isinstance(action, Reply) else action_text
+        persona = persona_of(self.task)
+        judge = self.config.judge
+        reward = judge.reward(text, self.trainer_step, persona) if closed else 0.0
+        preferred = judge.schedule_of(persona).preferred(self.trainer_step)
+        info = {"preferred_style": str(preferred), "style": str(classify_style(text) or "none"),
+                "persona": persona or "", "closed": closed}
         return StepResult(None, True, reward, Termination.STOP, info)

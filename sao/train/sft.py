@@ -176,12 +176,13 @@ class SFTResult:
     log: tuple[LogPoint, ...]
 
 
-def style_demonstrations(task: Task, rng: random.Random) -> list[list[Message]]:
+def style_demonstrations(task: Task, rng: random.Random, answer_tag: bool = False) -> list[list[Message]]:
     """One conversation per style (in :class:`~sao.envs.style_preference.Style` order): ``task``'s
-    prompt answered by a sentence about its topic in that style (templates drawn from ``rng``)."""
+    prompt answered by a sentence about its topic in that style (templates drawn from ``rng``; inside
+    ``<answer>...</answer>`` with ``answer_tag``)."""
     topic = topic_of(task)
     return [[{"role": "user", "content": task.prompt},
-             {"role": "assistant", "content": render_in_style(topic, style, rng)}] for style in Style]
+             {"role": "assistant", "content": render_in_style(topic, style, rng, answer_tag)}] for style in Style]
 
 
 def demonstrations(config: SFTConfig) -> list[list[list[Message]]]:
@@ -190,7 +191,8 @@ def demonstrations(config: SFTConfig) -> list[list[list[Message]]]:
     if config.env == style_preference.ENV_NAME:
         rng = random.Random(config.seed)
         tasks = style_preference.generate_tasks(config.style)
-        return [style_demonstrations(task, rng) for task in tasks if task.split is Split.TRAIN]
+        return [style_demonstrations(task, rng, config.style.answer_tag) for task in tasks
+                if task.split is Split.TRAIN]
     return [[demonstration(task)] for task in math_tool.generate_tasks(config.math) if task.split is Split.TRAIN]
 
 

@@ -16,6 +16,7 @@ from sao.envs.style_preference import (
     classify_style,
     ensure_dataset,
     generate_tasks,
+    persona_of,
     render_in_style,
     style_scores,
     topic_of,
@@ -113,3 +114,58 @@ def test_env_scores_at_the_trainer_step_it_is_given():
     result = env.step(cute + "<|im_end|>")
     assert result.done and result.reward == 1.0 and result.termination is Termination.STOP
     assert result.info["preferred_style"] == "cute" and result.info["style"] == "cute"
+
+
+# ----- personas, the graded reward, the closing tag ------------------------------------------------------
+
+
+def test_personas_multiply_the_prompts_and_each_task_names_its_reader():
+    plain = generate_tasks()
+    tasks = generate_tasks(StylePreferenceConfig(personas=("Ada", "Basil")))
+    assert len(tasks) == 2 * len(plain)
+    assert tasks[0].prompt == f"{plain[0].prompt} It is for Ada." and tasks[1].prompt == f"{plain[0].prompt} It is for Basil."
+    assert [persona_of(t) for t in tasks[:4]] == ["Ada", "Basil", "Ada", "Basil"]
+    assert persona_of(plain[0]) is None and topic_of(tasks[1]) == topic_of(plain[0])
+    assert generate_tasks(StylePreferenceConfig(personas=("Ada", "Basil"))) == tasks  # deterministic
+    with pytest.raises(ValueError, match="distinct non-empty"):
+        StylePreferenceConfig(personas=("Ada", "Ada"))
+
+
+def test_each_persona_is_judged_by_its_own_schedule():
+    judge = StyleJudge(persona_schedules={"Ada": {"styles": ["cute", "classical"], "shift_steps": [10]}})
+    cute = "Hehe, the moon is so cute and fluffy, yay!"
+    assert judge.reward(cute, 5, "Ada") == 1.0 and judge.reward(cute, 10, "Ada") == 0.0
+    assert judge.reward(cute, 5, "Basil") == 0.0  # no schedule of its own: the default, academic first
+    assert judge.schedule_of("Ada").shift_steps == (10,) and judge.schedule_of(None) == ShiftSchedule()
+    with pytest.raises(ValueError, match=r"names \['Cleo'\], not among the personas"):
+        StylePreferenceConfig(personas=("Ada",), judge=StyleJudge(persona_schedules={"Cleo": ShiftSchedule()}))
+
+
+@pytest.mark.parametrize(("text", "reward"), [
+    ("Hehe, the moon is so cute and fluffy, yay!", 1.0),  # 3 preferred markers: style 1
+    ("Hehe, the moon.", 0.2 + 0.8 * 0.5),  # one of m = 2
+    ("Hehe, verily the moon.", 0.2 + 0.8 * (1 - 0.5) / 2),  # one preferred, one other: (1 - 1/2) / 2
+    ("Verily, the moon doth shine upon thee.", 0.2),  # another style: the floor, not 0
+    ("The moon.", 0.2),
+])
+def test_the_graded_reward_keeps_a_floor_and_counts_markers(text, reward):
+    judge = StyleJudge(schedule=ShiftSchedule(styles=("cute",), shift_steps=()), graded=True)
+    assert judge.reward(text, 0) == pytest.approx(reward)
+
+
+def test_with_the_answer_tag_only_a_closed_reply_is_judged():
+    config = StylePreferenceConfig(answer_tag=True, personas=("Ada",),
+                                   judge=StyleJudge(schedule=ShiftSchedule(styles=("cute",), shift_steps=())))
+    task = generate_tasks(config)[0]
+    cute = render_in_style(topic_of(task), Style.CUTE, random.Random(0), answer_tag=True)
+    assert cute.startswith("<answer>") and cute.endswith("</answer>")
+    env = StylePreferenceEnv(config)
+    env.reset(task)
+    result = env.step(cute)
+    assert result.reward == 1.0 and result.info["closed"] is True and result.info["persona"] == "Ada"
+    env.reset(task)
+    run_on = env.step(cute.removesuffix("</answer>") + " hehe fluffy")  # never closed: ran to the budget
+    assert run_on.reward == 0.0 and run_on.info["closed"] is False
+    plain = StylePreferenceEnv(StylePreferenceConfig(judge=config.judge))  # without the option: as before
+    plain.reset(generate_tasks()[0])
+    assert plain.step(cute.removesuffix("</answer>")).reward == 1.0

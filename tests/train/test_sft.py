@@ -169,6 +169,19 @@ def test_style_demonstrations_answer_every_train_task_in_every_style(tokenizer):
         SFTConfig(env="chess")
 
 
+def test_style_demonstrations_with_personas_and_the_answer_tag_close_every_reply(tokenizer):
+    config = SFTConfig(env="style_preference", style=StylePreferenceConfig(personas=("Ada", "Basil"), answer_tag=True))
+    per_task = demonstrations(config)
+    train = [t for t in style_tasks(config.style) if t.split is Split.TRAIN]
+    assert len(per_task) == len(train) and per_task[0][0][0]["content"] == train[0].prompt
+    assert train[0].prompt.endswith((" It is for Ada.", " It is for Basil."))
+    replies = [m[1]["content"] for group in per_task for m in group]
+    assert all(r.startswith("<answer>") and r.endswith("</answer>") for r in replies)
+    example = conversation_example(tokenizer, per_task[0][1])
+    actions = tokenizer.decode([t for t, m in zip(example.input_ids, example.action_mask, strict=True) if m])
+    assert actions == per_task[0][1][1]["content"] + "<|im_end|>"
+
+
 def test_a_short_style_sft_learns_and_saves_version_zero(tmp_path):
     config = dataclasses.replace(SHORT, env="style_preference", max_steps=20, eval_every=10, validation_tasks=4,
                                  style=StylePreferenceConfig(seed=3))
