@@ -1,222 +1,277 @@
-"""Benchmark: online learning under preference shifts (SAO.md section 5). Three asynchronous runs on
-style_preference from the same SFT warm start: SAO's critic against a running-mean baseline and a
-group baseline, with the preferred style shifting during training.
+"""Benchmark: online learning under preference shifts (SAO.md section 5). Asynchronous runs on
+style_preference from one SFT warm start, seed by seed: SAO's critic against a running-mean baseline
+and a group baseline, with each reader's preferred style shifting at its own step.
 
-    sao bench online [--steps 450] [--shifts 150,300] [--batch 8] [--quick]
+    sao bench online [--seeds 0] [--steps 450] [--shifts Ada:150,Basil:225,Cleo:300] [--entropy-coef 0]
+                     [--quick]
+    sao bench online --merge
 
-The methods (same warm start, seed, batch size, steps, staleness bound and policy learning rate):
+The setting (defaults; each can be changed): every prompt names one of three readers (personas), and
+each reader has a schedule of its own (``--shifts PERSONA:STEP,...``): the i-th reader starts with the
+i-th style (academic, cute, classical, chuunibyou) and moves to the next at its shift, so the readers
+want different styles from the start and change at different steps; a policy must read the prompt to
+please each, and a critic has per-reader values to follow. ``--shifts 150,300`` (steps without names)
+is the single-reader setting of the earlier design. The reward is graded (``--graded``: a finished
+reply scores at least 0.2, each marker of the preferred style adds, so a shift does not zero every
+reply) and replies end on ``</answer>`` (``--answer-tag``: the warm start's demonstrations are written
+so, and a reply that never closes scores 0). ``--entropy-coef`` adds an entropy bonus to every method's
+actor loss alike (``algorithm.entropy_coef``; default 0, none).
+
+The methods (same warm start, seed, batch size, steps, staleness bound, policy learning rate):
 
 - ``sao``: critic + skip-observation GAE + DIS (``Algorithm.SAO``); the critic starts from the policy
   with a fresh value head (no value pretraining unless ``--value-samples``);
 - ``running_mean``: advantage = reward - mean of the last 8 rewards, DIS (``Algorithm.RUNNING_MEAN``);
 - ``grpo_dis``: group advantages over the rows of a batch that share a ``task_id``, DIS
-  (``Algorithm.GRPO_DIS``), each task rolled out ``--group-size`` times in a row
-  (``PipelineConfig.group_size``), still asynchronous: the rollouts of a group arrive in the lake one by
-  one, so a group can be split across two batches (or lose a member to the staleness bound); a member
-  alone in its batch gets advantage 0. The benchmark counts such splits.
+  (``Algorithm.GRPO_DIS``), each task rolled out ``--group-size`` times in a row, still asynchronous: a
+  group can be split across two batches (a member alone in its batch gets advantage 0); the benchmark
+  counts such splits.
 
 Every run goes through the real pipeline (Serve rollouts -> Delta -> trainer in this process ->
-weights). A replica builds each episode's environment at the version its engine runs (the number of
-trainer steps done), so the judge prefers ``academic`` before the first shift, then ``cute``, then
-``classical`` (more shifts cycle through the styles). A trajectory is rewarded by the preference at
-the step it started at; a batch trained on at step s holds trajectories started at steps
-s - max_staleness .. s.
+weights). A trajectory is rewarded by the preference at the step it started at.
 
-Definitions (what the table reports):
+The measure (per shift of a reader at step S, until that reader's next shift or the run's end E):
+**the area under the reward curve after the shift**, the mean reward of that reader's trajectories
+trained at steps S .. E - 1 (each step's batch rows, from ``train_steps.trajectory_ids`` and the
+``trajectories`` rows); over all shifts, every shifted reader's trajectories after its shift, pooled.
+SAO minus each baseline, per seed, with a 95% bootstrap interval that resamples seeds and, within a
+seed, each run's trajectories (:func:`benchmarks.stats.two_sample_bootstrap`). Beside it: the reader's
+mean reward over the ``--pre-window`` steps before the shift, and the share of the new and the old style
+in its replies over the last ``--pre-window`` steps before E.
 
-- reward at step s: ``batch/reward_mean`` of the run's ``train_steps`` row for step s (the mean
-  reward of the batch that update trained on);
-- smoothed reward at step s: the trailing mean of the rewards of steps max(0, s - w + 1) .. s
-  (``--smooth``, w = 10 by default);
-- pre-shift reward of a shift at step S: the mean reward of steps S - 20 .. S - 1 (``--pre-window``);
-- the threshold is 0.9 x the pre-shift reward (``--fraction``); after the shift the smoothed reward
-  first falls below it (the dip: the new preference reaches the batches), and the run has
-  **recovered** at the first step after the dip at which the smoothed reward is back at or above the
-  threshold; **steps to recover** = that step - S. A run that does not get back before the next shift
-  (or the end) has "not recovered"; one whose smoothed reward never dips is reported with 0 steps; a
-  pre-shift reward below 0.1 (``--min-pre``: nothing left to recover to) makes the shift "n/a" for
-  that run, counted as not recovered in the target;
-- final reward: the mean reward of the last 20 steps.
+Target (issue 24): SAO's area after the shifts above both baselines', each interval above zero.
 
-Target (issue 8): SAO recovers in fewer steps than both baselines after every shift. Writes
-``<out>/<name>.json``, ``<out>/<name>.png`` (reward curves with the shifts) and
-``<out>/<name>-styles.png`` (the share of each style per policy version), and the ``<name>`` section of
-``docs/RESULTS.md`` (``--name``, default ``online``). Run files and the lake go to
-``<workdir>/<name>/`` (removed first: every invocation starts its runs afresh); the SFT warm start is
-cached under ``<workdir>``.
+Each seed's runs are a part, ``<name>-seedS.json`` in ``--out``, written when the seed is done; every part
+of the same design there is then merged into ``<name>.json``, ``<name>.png`` and the ``<name>`` section
+of ``docs/RESULTS.md`` (``--name``, default ``online``), so seeds can run in separate invocations (each
+fits in 40 minutes on 2 cores at the default size) and accumulate. ``--merge`` only merges. Run files
+and the lake go to ``<workdir>/<name>/`` (removed first); the SFT warm start is cached under ``<workdir>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import os
+import json
 import shutil
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks._report import machine, machine_line, update_section, write_json
-from sao.online import online_pipeline, recovery, smooth, style_warm_start
-from sao.online import shift_options as schedule_options
+from benchmarks.stats import two_sample_bootstrap
+from sao.online import online_pipeline, shift_options, smooth, style_config, style_warm_start
 
 METHODS: tuple[str, ...] = ("sao", "running_mean", "grpo_dis")
 LABELS = {"sao": "SAO (critic + GAE + DIS)", "running_mean": "running mean (window 8) + DIS",
           "grpo_dis": "group baseline (GRPO + DIS)"}
-TARGET_WALL_S = 20 * 60
 COLORS = {"sao": "tab:blue", "running_mean": "tab:orange", "grpo_dis": "tab:green"}
+DEFAULT_SHIFTS = "Ada:150,Basil:225,Cleo:300"
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
+def parse_shifts(text: str) -> list[int] | dict[str, list[int]]:
+    """``150,300`` (every reader) or ``Ada:150,Basil:225,Ada:300`` (per reader; a reader named with
+    no step, ``Cleo:``, keeps its first style throughout)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not any(":" in item for item in items):
+        return [int(item) for item in items]
+    if not all(":" in item for item in items):
+        raise ValueError(f"--shifts: name a reader for every step or for none, got {text!r}")
+    schedule: dict[str, list[int]] = {}
+    for item in items:
+        name, _, step = item.partition(":")
+        schedule.setdefault(name.strip(), [])
+        if step.strip():
+            schedule[name.strip()].append(int(step))
+    return schedule
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sao bench online", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=450)
-    parser.add_argument("--shifts", type=_ints, default=[150, 300], help="trainer steps of the preference shifts")
+    parser.add_argument("--shifts", default=DEFAULT_SHIFTS, help="READER:STEP,... per reader, or STEP,... for all")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"any of {', '.join(METHODS)}")
+    parser.add_argument("--seeds", default="0", help="seeds of this invocation (parts of other seeds are merged)")
     parser.add_argument("--batch", type=int, default=8, help="trajectories per update")
     parser.add_argument("--group-size", type=int, default=4, help="rollouts per task of grpo_dis")
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--lr-policy", type=float, default=3e-4)
+    parser.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus of every method (0: none)")
+    parser.add_argument("--graded", action=argparse.BooleanOptionalAction, default=True,
+                        help="the graded reward (a finished reply scores at least 0.2)")
+    parser.add_argument("--answer-tag", action=argparse.BooleanOptionalAction, default=True,
+                        help="replies end on </answer>; one that does not close scores 0")
     parser.add_argument("--max-tokens", type=int, default=64, help="completion budget of one reply")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--max-in-flight", type=int, default=16)
     parser.add_argument("--value-samples", type=int, default=0,
                         help="version-0 rollouts to pretrain SAO's critic on (0: none)")
     parser.add_argument("--sft-steps", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smooth", type=int, default=10, help="trailing window of the smoothed reward (steps)")
-    parser.add_argument("--pre-window", type=int, default=20, help="steps before a shift that set its pre-shift reward")
-    parser.add_argument("--fraction", type=float, default=0.9, help="share of the pre-shift reward that counts as recovered")
-    parser.add_argument("--min-pre", type=float, default=0.1, help="least pre-shift reward for a measurable recovery")
-    parser.add_argument("--name", default="online",
-                        help="names the JSON, the figures and the section of the results file")
+    parser.add_argument("--smooth", type=int, default=10, help="trailing window of the figure's curves (steps)")
+    parser.add_argument("--pre-window", type=int, default=20,
+                        help="steps before a shift (its pre-shift reward) and before a phase's end (style shares)")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap draws of each interval")
+    parser.add_argument("--merge", action="store_true", help="merge the parts in --out only, run nothing")
+    parser.add_argument("--name", default="online", help="names the JSON, the figure and the results section")
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench/online"))
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--results-md", type=Path, default=Path("docs/RESULTS.md"))
     parser.add_argument("--quick", action="store_true",
-                        help="tiny run for the tests (16 steps, shifts at 6 and 11, batch 4, a short SFT)")
+                        help="tiny run for the tests (16 steps, two readers shifting at 6 and 11, batch 4, short SFT)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.shifts, args.batch, args.sft_steps = 16, [6, 11], 4, 20
-        args.group_size, args.smooth, args.pre_window, args.max_in_flight = 2, 2, 4, 8
+        args.steps, args.shifts, args.batch, args.sft_steps = 16, "Ada:6,Basil:11", 4, 20
+        args.group_size, args.smooth, args.pre_window, args.max_in_flight, args.bootstrap = 2, 2, 4, 8, 200
+    try:
+        args.schedule = parse_shifts(args.shifts)
+        shift_options(args.schedule)
+    except ValueError as error:
+        parser.error(f"--shifts {args.shifts!r}: {error}")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
-    if args.shifts != sorted(set(args.shifts)) or not all(0 < s < args.steps for s in args.shifts):
-        parser.error(f"--shifts must be increasing steps inside (0, --steps={args.steps}), got {args.shifts}")
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    steps = args.schedule if isinstance(args.schedule, list) else [s for v in args.schedule.values() for s in v]
+    if not steps or not all(0 < s < args.steps for s in steps):
+        parser.error(f"--shifts must hold at least one step, each inside (0, --steps={args.steps}), got {args.shifts}")
     if args.batch % args.group_size:
         parser.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size}")
-    if not 0 < args.fraction <= 1 or args.smooth < 1 or args.pre_window < 1:
-        parser.error("need 0 < --fraction <= 1, --smooth >= 1 and --pre-window >= 1")
+    if args.entropy_coef < 0 or args.smooth < 1 or args.pre_window < 1:
+        parser.error("need --entropy-coef >= 0, --smooth >= 1 and --pre-window >= 1")
     return args
 
 
-# Metrics ----------------------------------------------------------------------------------------
+def options(args: argparse.Namespace) -> dict[str, Any]:
+    return shift_options(args.schedule, graded=args.graded, answer_tag=args.answer_tag)
 
 
-def step_metrics(lake, run_id: str) -> list[dict[str, float]]:
-    """The metrics of every committed step of ``run_id`` (from ``train_steps``), in step order, plus
-    ``step`` and the step's wall seconds ``time/step_wall_s``."""
-    from sao.lake.store import sql_literal
+def design(args: argparse.Namespace) -> dict[str, Any]:
+    """What parts must share to be merged."""
+    keys = ("steps", "shifts", "batch", "group_size", "max_staleness", "lr_policy", "entropy_coef", "graded",
+            "answer_tag", "max_tokens", "replicas", "max_in_flight", "value_samples", "sft_steps", "pre_window",
+            "quick")
+    return {key: getattr(args, key) for key in keys}
 
-    rows = lake.read("train_steps", columns=["step", "metrics", "started_at", "finished_at"],
-                     predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+
+def events(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every shift: its reader ("" when every reader shifts), step, the end of the phase it starts (the
+    reader's next shift or the run's end), and the old and new preferred styles."""
+    judge = options(args)["style_preference"]["judge"]
+    if isinstance(args.schedule, list):
+        schedules = {"": judge["schedule"]}
+    else:
+        schedules = judge["persona_schedules"]
     out = []
-    for row in sorted(rows, key=lambda r: r["step"]):
-        metrics = dict(row["metrics"])
-        metrics["step"] = float(row["step"])
-        metrics["time/step_wall_s"] = (row["finished_at"] - row["started_at"]).total_seconds()
-        out.append(metrics)
-    if [int(m["step"]) for m in out] != list(range(len(out))):
-        raise RuntimeError(f"run {run_id}: train_steps has gaps: {[int(m['step']) for m in out]}")
-    return out
+    for persona, schedule in schedules.items():
+        steps = schedule["shift_steps"]
+        for index, shift in enumerate(steps):
+            end = steps[index + 1] if index + 1 < len(steps) else args.steps
+            out.append({"persona": persona, "shift": shift, "end": end, "old_style": schedule["styles"][index],
+                        "new_style": schedule["styles"][index + 1]})
+    return sorted(out, key=lambda e: (e["shift"], e["persona"]))
 
 
-def group_splits(lake, run_id: str, group_size: int) -> dict[str, Any]:
-    """How the groups of a grouped run met the batches: per step, the rows of each ``task_id``; a group
-    is split when a batch holds fewer (or more) than ``group_size`` of its rollouts."""
+# ----- what a run did, from the lake -----------------------------------------------------------------
+
+
+def step_metrics(lake, run_id: str) -> list[dict[str, Any]]:
+    """Every committed step of ``run_id`` (``train_steps``) in step order: its metrics, wall seconds and
+    trajectory ids."""
     from sao.lake.store import sql_literal
 
-    predicate = f"run_id = {sql_literal(run_id)}"
-    tasks = dict(zip(*lake.read("trajectories", columns=["trajectory_id", "task_id"], predicate=predicate)
-                     .to_pydict().values(), strict=True))
-    steps = lake.read("train_steps", columns=["trajectory_ids"], predicate=predicate).column(0).to_pylist()
-    sizes: Counter[int] = Counter()
-    split_batches = 0
-    for ids in steps:
-        counts = Counter(tasks[i] for i in ids)
-        sizes.update(counts.values())
-        split_batches += any(c != group_size for c in counts.values())
-    rows = sum(size * n for size, n in sizes.items())
-    partial = sum(size * n for size, n in sizes.items() if size != group_size)
-    return {"group_size": group_size, "batches": len(steps), "batches_with_a_split_group": split_batches,
-            "rows": rows, "rows_in_split_groups": partial, "rows_alone": sizes.get(1, 0),
-            "group_sizes_in_batches": {str(k): v for k, v in sorted(sizes.items())}}
+    rows = lake.read("train_steps", columns=["step", "metrics", "started_at", "finished_at", "trajectory_ids"],
+                     predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    rows = sorted(rows, key=lambda r: r["step"])
+    if [r["step"] for r in rows] != list(range(len(rows))):
+        raise RuntimeError(f"run {run_id}: train_steps has gaps: {[r['step'] for r in rows]}")
+    return [{"step": r["step"], "metrics": dict(r["metrics"]), "trajectory_ids": list(r["trajectory_ids"]),
+             "wall_s": (r["finished_at"] - r["started_at"]).total_seconds()} for r in rows]
 
 
-def style_counts(lake, run_id: str, tokenizer) -> dict[int, Counter[str]]:
-    """Per policy version (the trajectory's ``min_policy_version``), how many of the run's trajectories
-    were written in each style (by their markers: ``none`` for no or tied markers)."""
+def trajectories(lake, run_id: str, tokenizer, persona_of_task: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Each trajectory of ``run_id`` by id: its reader, reward, end and style (by markers, ``none`` for
+    no or tied markers)."""
     from sao.envs.style_preference import classify_style
     from sao.lake.store import sql_literal
 
-    rows = lake.read("trajectories", columns=["completion_ids", "action_mask", "min_policy_version"],
+    rows = lake.read("trajectories", columns=["trajectory_id", "task_id", "reward", "termination_reason",
+                                              "completion_ids", "action_mask"],
                      predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
-    counts: dict[int, Counter[str]] = {}
+    out = {}
     for row in rows:
         ids = [t for t, m in zip(row["completion_ids"], row["action_mask"], strict=True) if m]
-        style = classify_style(tokenizer.decode(ids, skip_special_tokens=True))
-        counts.setdefault(int(row["min_policy_version"]), Counter())[str(style or "none")] += 1
-    return counts
+        out[row["trajectory_id"]] = {
+            "persona": persona_of_task[row["task_id"]], "task_id": row["task_id"], "reward": float(row["reward"]),
+            "end": row["termination_reason"],
+            "style": str(classify_style(tokenizer.decode(ids, skip_special_tokens=True)) or "none")}
+    return out
 
 
-def style_shares(counts: dict[int, Counter[str]], first: int, stop: int) -> dict[str, float]:
-    """Share of each style among the trajectories of versions ``first`` .. ``stop - 1``."""
-    total: Counter[str] = Counter()
-    for version in range(first, stop):
-        total.update(counts.get(version, Counter()))
-    n = sum(total.values())
-    return {style: k / n for style, k in sorted(total.items())} if n else {}
+def group_splits(steps: list[dict[str, Any]], rows: dict[str, dict[str, Any]], group_size: int) -> dict[str, Any]:
+    """How the groups of a grouped run met the batches: a group is split when a batch holds fewer (or
+    more) than ``group_size`` of its rollouts."""
+    sizes: Counter[int] = Counter()
+    split_batches = 0
+    for step in steps:
+        counts = Counter(rows[i]["task_id"] for i in step["trajectory_ids"])
+        sizes.update(counts.values())
+        split_batches += any(c != group_size for c in counts.values())
+    total = sum(size * n for size, n in sizes.items())
+    partial = sum(size * n for size, n in sizes.items() if size != group_size)
+    return {"group_size": group_size, "batches": len(steps), "batches_with_a_split_group": split_batches,
+            "rows": total, "rows_in_split_groups": partial, "rows_alone": sizes.get(1, 0),
+            "group_sizes_in_batches": {str(k): v for k, v in sorted(sizes.items())}}
 
 
-def style_mix(counts: dict[int, Counter[str]], bucket: int, shifts: Sequence[int], styles: Sequence[str],
-              window: int) -> dict[str, Any]:
-    """Style shares per bucket of ``bucket`` versions (the figure), and per shift the shares of the
-    old and the new preferred style over the ``window`` versions before the shift and the ``window``
-    versions before the next shift (or the last version)."""
-    last = max(counts, default=0) + 1
-    buckets = list(range(0, last, bucket))
-    phases = []
-    for index, shift in enumerate(shifts):
-        end = shifts[index + 1] if index + 1 < len(shifts) else last
-        before, after = style_shares(counts, max(0, shift - window), shift), style_shares(counts, max(shift, end - window), end)
-        old, new = styles[index], styles[index + 1]
-        phases.append({"shift": shift, "old_style": old, "new_style": new,
-                       "before": {"old": before.get(old, 0.0), "new": before.get(new, 0.0)},
-                       "phase_end": {"old": after.get(old, 0.0), "new": after.get(new, 0.0)}})
-    return {"bucket": bucket, "versions": buckets,
-            "shares": {v: style_shares(counts, v, v + bucket) for v in buckets}, "phases": phases}
+def _rows_of(steps, rows, persona: str, first: int, stop: int) -> list[dict[str, Any]]:
+    """The trajectories of ``persona`` ("": every reader) trained at steps ``first`` .. ``stop - 1``."""
+    return [rows[i] for step in steps[max(0, first):stop] for i in step["trajectory_ids"]
+            if not persona or rows[i]["persona"] == persona]
 
 
-# Runs -------------------------------------------------------------------------------------------
+def analyse(steps, rows, shifts: list[dict[str, Any]], pre_window: int) -> dict[str, Any]:
+    """Per shift: the reader's rewards after it (the measure), its reward before, its style shares at the
+    phase's end; per reader: the mean reward of each step's rows of that reader (the figure)."""
+    out_events = []
+    for event in shifts:
+        persona, shift, end = event["persona"], event["shift"], event["end"]
+        after = [r["reward"] for r in _rows_of(steps, rows, persona, shift, end)]
+        before = [r["reward"] for r in _rows_of(steps, rows, persona, shift - pre_window, shift)]
+        late = Counter(r["style"] for r in _rows_of(steps, rows, persona, end - pre_window, end))
+        n = sum(late.values()) or 1
+        out_events.append(event | {
+            "after": statistics.fmean(after) if after else None, "trajectories_after": len(after),
+            "after_rewards": " ".join(f"{r:.4g}" for r in after),
+            "before": statistics.fmean(before) if before else None,
+            "new_share_at_end": late[event["new_style"]] / n, "old_share_at_end": late[event["old_style"]] / n})
+    personas = sorted({r["persona"] for r in rows.values()})
+    curves = {}
+    for persona in personas:
+        curve = []
+        for step in steps:
+            mine = [rows[i]["reward"] for i in step["trajectory_ids"] if rows[i]["persona"] == persona]
+            curve.append(round(statistics.fmean(mine), 4) if mine else None)
+        curves[persona] = curve
+    return {"events": out_events, "persona_rewards": curves}
+
+
+# ----- runs ------------------------------------------------------------------------------------------
 
 
 def warm_start(args: argparse.Namespace) -> tuple[Path, float | None]:
-    """The version-0 policy (style_preference SFT, cached per seed and step count) and the seconds its
-    SFT took (None: cached)."""
-    path = args.workdir / f"sft-style-seed{args.seed}-steps{args.sft_steps}"
+    """The version-0 policy (style_preference SFT on the setting's prompts and reply format, cached by
+    seed 0, step count, readers and format) and the seconds its SFT took (None: cached)."""
+    readers = "-".join(args.schedule) if isinstance(args.schedule, dict) else "all"
+    path = args.workdir / f"sft-style-steps{args.sft_steps}-{readers}{'-tag' if args.answer_tag else ''}"
     cached = (path / "config.json").exists()
     started = time.monotonic()
-    style_warm_start(path, seed=args.seed, steps=args.sft_steps)
+    style_warm_start(path, seed=0, steps=args.sft_steps, style=style_config(options(args)))
     return path, None if cached else time.monotonic() - started
 
 
@@ -236,21 +291,24 @@ def _pretrain_critic(config, tasks, samples: int) -> None:
     pretrain_value(train, PretrainConfig(num_samples=samples, data_run_id=data.run_id))
 
 
-def run_method(method: str, args: argparse.Namespace, policy: Path, tasks, tasks_file: Path,
-               runs_dir: Path) -> dict[str, Any]:
-    """One run of ``method``; its step metrics, timings and (grouped runs) group splits."""
+def run_method(method: str, seed: int, args: argparse.Namespace, policy: Path, tasks, tasks_file: Path,
+               runs_dir: Path, tokenizer) -> dict[str, Any]:
+    """One run of ``method``: its rewards, per-reader curves, shifts and timings."""
     from benchmarks._settings import bench_config
+    from sao.envs.style_preference import persona_of
     from sao.lake.store import Lake
     from sao.pipeline import run_pipeline
 
     group = args.group_size if method == "grpo_dis" else 1
     settings = bench_config(
-        run_id=f"online-{method}", workdir=str(runs_dir), lake_root=str(runs_dir / "lake"), algorithm=method,
-        steps=args.steps, batch_size=args.batch, max_staleness=args.max_staleness, lr_policy=args.lr_policy,
-        num_replicas=args.replicas, max_in_flight=args.max_in_flight, group_size=group,
-        value_samples=args.value_samples, seed=args.seed)
-    config = dataclasses.replace(online_pipeline(settings, policy, args.shifts, tasks_file, args.max_tokens),
-                                 use_ray_train=False, app_name="online")
+        run_id=f"{args.name}-{method.replace('_', '-')}-s{seed}", workdir=str(runs_dir),
+        lake_root=str(runs_dir / "lake"), algorithm=method, steps=args.steps, batch_size=args.batch,
+        max_staleness=args.max_staleness, lr_policy=args.lr_policy, num_replicas=args.replicas,
+        max_in_flight=args.max_in_flight, group_size=group, value_samples=args.value_samples, seed=seed,
+    ).with_values({"algorithm.entropy_coef": args.entropy_coef})
+    config = dataclasses.replace(
+        online_pipeline(settings, policy, args.schedule, tasks_file, args.max_tokens, graded=args.graded,
+                        answer_tag=args.answer_tag), use_ray_train=False, app_name=args.name)
     started = time.monotonic()
     if args.value_samples and config.train.update.uses_critic:
         _pretrain_critic(config, tasks, args.value_samples)
@@ -259,83 +317,118 @@ def run_method(method: str, args: argparse.Namespace, policy: Path, tasks, tasks
     def show(report) -> None:
         if report.step % 10 == 0 or report.step + 1 == args.steps:
             m = report.metrics
-            print(f"[{method}] step {report.step}: reward {m.get('batch/reward_mean', 0):.3f} "
+            print(f"[{method} s{seed}] step {report.step}: reward {m.get('batch/reward_mean', 0):.3f} "
                   f"kept {m.get('actor/kept_frac', 0):.3f} staleness {m.get('batch/staleness_mean', 0):.2f} "
                   f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
 
     result = run_pipeline(config, tasks, on_step=show)
     lake = Lake.open(settings.lake_config())
     steps = step_metrics(lake, settings.run_id)
+    rows = trajectories(lake, settings.run_id, tokenizer, {t.task_id: persona_of(t) or "" for t in tasks})
+    trained = [rows[i] for step in steps for i in step["trajectory_ids"]]
     record: dict[str, Any] = {
-        "algorithm": method, "group_size": group, "wall_s": time.monotonic() - started, "pretrain_s": pretrain_s,
-        "pipeline_wall_s": result.wall_s, "train_s": result.train_s, "steps": len(steps),
-        "trajectories_generated": result.driver.records, "step_wall_s_mean": statistics.fmean(
-            m["time/step_wall_s"] for m in steps) if steps else None,
-        "metrics": steps,
+        "method": method, "seed": seed, "run_id": settings.run_id, "group_size": group,
+        "wall_s": time.monotonic() - started, "pretrain_s": pretrain_s, "pipeline_wall_s": result.wall_s,
+        "train_s": result.train_s, "steps": len(steps), "trajectories_generated": result.driver.records,
+        "step_wall_s_mean": statistics.fmean(s["wall_s"] for s in steps) if steps else None,
+        "rewards": [s["metrics"]["batch/reward_mean"] for s in steps],
+        "entropy": [s["metrics"].get("actor/entropy") for s in steps] if args.entropy_coef else None,
+        "length_end_share": sum(r["end"] == "length" for r in trained) / max(len(trained), 1),
+        **analyse(steps, rows, events(args), args.pre_window),
     }
     if group > 1:
-        record["groups"] = group_splits(lake, settings.run_id, group)
+        record["groups"] = group_splits(steps, rows, group)
     return record
 
 
-# Report -----------------------------------------------------------------------------------------
+# ----- merging the seeds' parts -------------------------------------------------------------------------
 
 
-def analyse(record: dict[str, Any], args: argparse.Namespace) -> None:
-    """Add the reward curve, its smoothing, the recovery per shift and the final reward to ``record``."""
-    rewards = [m["batch/reward_mean"] for m in record["metrics"]]
-    record["rewards"] = rewards
-    record["smoothed"] = smooth(rewards, args.smooth)
-    ends = [*args.shifts[1:], len(rewards)]
-    record["recovery"] = [measurable(recovery(rewards, args.smooth, shift, end, args.pre_window, args.fraction),
-                                     args.min_pre) for shift, end in zip(args.shifts, ends, strict=True)]
-    record["final_reward"] = statistics.fmean(rewards[-args.pre_window:])
+def load_parts(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    """The parts of ``--name`` in ``--out`` with this invocation's design, by seed; a note for each left out."""
+    wanted, parts, notes = design(args), [], []
+    for path in sorted(args.out.glob(f"{args.name}-seed*.json")):
+        part = json.loads(path.read_text())
+        if part.get("design") != wanted:
+            changed = sorted(k for k in wanted if part.get("design", {}).get(k) != wanted[k])
+            notes.append(f"{path.name} left out: its design differs in {', '.join(changed)}")
+            continue
+        parts.append(part)
+    return sorted(parts, key=lambda p: p["seed"]), notes
 
 
-def measurable(row: dict[str, Any], min_pre: float) -> dict[str, Any]:
-    """``row`` (a :func:`sao.online.recovery` result) marked ``measurable``: a pre-shift reward below
-    ``min_pre`` leaves nothing to recover to, and its recovery is None (not a trivial 0 steps)."""
-    ok = row["pre_shift_reward"] >= min_pre
-    return row | {"measurable": ok} if ok else row | {"measurable": False, "recovered_step": None,
-                                                        "steps_to_recover": None}
+def _after(run: dict[str, Any], index: int | None) -> np.ndarray:
+    """The rewards after shift ``index`` (None: after every shift, pooled)."""
+    chosen = run["events"] if index is None else [run["events"][index]]
+    return np.array([float(x) for e in chosen for x in e["after_rewards"].split()])
 
 
-def target_met(results: dict[str, dict[str, Any]]) -> bool | None:
-    """SAO recovers in fewer steps than every other method after every shift (None: SAO or no
-    baseline was run). Not recovering counts as infinitely many steps."""
-    if "sao" not in results or len(results) < 2:
-        return None
+def merge(parts: list[dict[str, Any]], samples: int) -> dict[str, Any]:
+    """Per method, the area after each shift (and pooled) over seeds; SAO minus each baseline with intervals."""
+    methods = [m for m in METHODS if any(m in p["runs"] for p in parts)]
+    shifts = parts[0]["runs"][methods[0]]["events"]
+    summary: dict[str, Any] = {}
+    for method in methods:
+        runs_ = [p["runs"][method] for p in parts if method in p["runs"]]
+        pooled = [float(_after(r, None).mean()) for r in runs_]
+        summary[method] = {
+            "after_pooled": pooled, "seeds": [r["seed"] for r in runs_],
+            "after": [[e["after"] for e in r["events"]] for r in runs_],
+            "before": [[e["before"] for e in r["events"]] for r in runs_],
+            "new_share_at_end": [[e["new_share_at_end"] for e in r["events"]] for r in runs_],
+            "old_share_at_end": [[e["old_share_at_end"] for e in r["events"]] for r in runs_],
+            "final_reward": [statistics.fmean(r["rewards"][-20:]) for r in runs_],
+            "length_end_share": [r["length_end_share"] for r in runs_], "wall_s": [r["wall_s"] for r in runs_]}
+    comparisons: dict[str, Any] = {}
+    for other in methods:
+        if other == "sao" or "sao" not in methods:
+            continue
+        both = [p for p in parts if "sao" in p["runs"] and other in p["runs"]]
+        if not both:
+            continue
+        comparisons[f"sao-{other}"] = {
+            "pooled": two_sample_bootstrap([(_after(p["runs"]["sao"], None), _after(p["runs"][other], None))
+                                            for p in both], samples=samples),
+            "by_shift": [two_sample_bootstrap([(_after(p["runs"]["sao"], i), _after(p["runs"][other], i))
+                                               for p in both], samples=samples) for i in range(len(shifts))]}
+    return {"methods": methods, "shifts": [{k: e[k] for k in ("persona", "shift", "end", "old_style", "new_style")}
+                                           for e in shifts],
+            "summary": summary, "comparisons": comparisons, "seeds": [p["seed"] for p in parts]}
 
-    def steps(method: str, index: int) -> float:
-        value = results[method]["recovery"][index]["steps_to_recover"]
-        return math.inf if value is None else value
 
-    shifts = len(results["sao"]["recovery"])
-    return all(steps("sao", i) < math.inf and all(steps("sao", i) < steps(m, i) for m in results if m != "sao")
-               for i in range(shifts))
+# ----- report ----------------------------------------------------------------------------------------
 
 
-def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace, path: Path) -> Path:
+def plot(parts: list[dict[str, Any]], record: dict[str, Any], smooth_window: int, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, ax = plt.subplots(figsize=(10, 4.2))
-    for method, record in results.items():
-        x = range(len(record["rewards"]))
-        ax.plot(x, record["rewards"], color=COLORS[method], alpha=0.18, linewidth=0.8)
-        ax.plot(x, record["smoothed"], color=COLORS[method], linewidth=1.8, label=LABELS[method])
-        for rec in record["recovery"]:
-            if rec["recovered_step"] is not None:
-                ax.plot(rec["recovered_step"], record["smoothed"][rec["recovered_step"]], "o", color=COLORS[method])
-    for shift in args.shifts:
-        ax.axvline(shift, color="black", linestyle="--", linewidth=1)
-    ax.set(xlabel="trainer step", ylabel="batch reward", ylim=(-0.02, 1.02),
-           title=f"style_preference, shifts at {', '.join(map(str, args.shifts))}: batch reward (faint) and "
-                 f"trailing mean over {args.smooth} steps; dots: recovered to {args.fraction:g} x pre-shift")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=8, loc="lower right")
+    personas = sorted({e["persona"] for e in record["shifts"]} | set(
+        parts[0]["runs"][record["methods"][0]]["persona_rewards"]))
+    figure, axes = plt.subplots(1, len(personas), figsize=(5 * len(personas), 3.8), squeeze=False, sharey=True)
+    for ax, persona in zip(axes[0], personas, strict=True):
+        for method in record["methods"]:
+            curves = [p["runs"][method]["persona_rewards"].get(persona) for p in parts if method in p["runs"]]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            filled, last = [], 0.0
+            for i in range(min(len(c) for c in curves)):  # a step without the reader's rows keeps the last mean
+                values = [c[i] for c in curves if c[i] is not None]
+                last = statistics.fmean(values) if values else last
+                filled.append(last)
+            ax.plot(range(len(filled)), smooth(filled, smooth_window), color=COLORS[method], label=LABELS[method])
+        for event in record["shifts"]:
+            if event["persona"] == persona:
+                ax.axvline(event["shift"], color="black", linestyle="--", linewidth=1)
+                ax.text(event["shift"], 1.01, f" -> {event['new_style']}", fontsize=7)
+        ax.set(title=f"reader {persona or '(every reader)'}", xlabel="trainer step", ylim=(-0.02, 1.08))
+        ax.title.set_fontsize(9)
+    axes[0][0].set_ylabel(f"reward of the reader's rows (trailing mean over {smooth_window} steps)")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    figure.suptitle(f"mean over seeds {', '.join(map(str, record['seeds']))}; dashed: the reader's shift", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -343,146 +436,127 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace, path: Pat
     return path
 
 
-def plot_styles(results: dict[str, dict[str, Any]], args: argparse.Namespace, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from sao.envs.style_preference import Style
-
-    styles = [str(s) for s in Style] + ["none"]
-    figure, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4), sharey=True, squeeze=False)
-    for ax, (method, record) in zip(axes[0], results.items(), strict=True):
-        mix = record["styles"]
-        versions = mix["versions"]
-        shares = [[mix["shares"][v].get(s, 0.0) for v in versions] for s in styles]
-        ax.stackplot([v + mix["bucket"] / 2 for v in versions], shares, labels=styles)
-        for shift in args.shifts:
-            ax.axvline(shift, color="black", linestyle="--", linewidth=1)
-        ax.set(title=LABELS[method], xlabel="policy version (min of the trajectory)", ylim=(0, 1))
-        ax.title.set_fontsize(9)
-    axes[0][0].set_ylabel("share of trajectories")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+def _interval(c: dict[str, Any]) -> str:
+    return (f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (per seed "
+            + ", ".join(f"{d:+.3f}" for d in c["per_seed"]) + ")")
 
 
-def _fmt_steps(rec: dict[str, Any]) -> str:
-    if not rec["measurable"]:
-        return "n/a (nothing to recover)"
-    return "not recovered" if rec["steps_to_recover"] is None else str(rec["steps_to_recover"])
+def _mean(values) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.fmean(values):.3f}" if values else "n/a"
 
 
-def markdown(record: dict[str, Any], args: argparse.Namespace) -> str:
-    results = {m: record["methods"][m] for m in METHODS if m in record["methods"]}
-    shifts = args.shifts
-    head = "| method | " + " | ".join(f"pre-shift reward (step {s}) | steps to recover (shift at {s})" for s in shifts)
-    head += f" | final reward (last {args.pre_window} steps) | run wall (s) | trainer wall / step (s) |"
+def verdict(record: dict[str, Any]) -> str:
+    needed = [f"sao-{m}" for m in ("running_mean", "grpo_dis")]
+    if not all(k in record["comparisons"] for k in needed):
+        return "not decided (SAO and both baselines were not all run)"
+    met = all(record["comparisons"][k]["pooled"]["low"] > 0 for k in needed)
+    seeds = len(record["seeds"])
+    return f"**{'met' if met else 'missed'}**" + ("" if seeds >= 5 else f" ({seeds} seed(s) of the 5 the target asks for)")
+
+
+def markdown(record: dict[str, Any]) -> str:
+    d, s = record["design"], record["summary"]
+    schedule = ", ".join(f"{e['persona'] or 'every reader'} {e['old_style']} -> {e['new_style']} at step {e['shift']}"
+                         for e in record["shifts"])
+    rows = []
+    for method in record["methods"]:
+        v = s[method]
+        cells = [f"{_mean(a[i] for a in v['before'])} / {_mean(a[i] for a in v['after'])}"
+                 for i in range(len(record["shifts"]))]
+        rows.append(f"| {LABELS[method]} | " + " | ".join(cells) + f" | {_mean(v['after_pooled'])} | "
+                    f"{_mean(v['final_reward'])} | {_mean(v['length_end_share'])} | {statistics.fmean(v['wall_s']):.0f} |")
+    comparison_rows = []
+    for pair, c in record["comparisons"].items():
+        comparison_rows.append(f"| {pair} | all shifts, pooled | {_interval(c['pooled'])} |")
+        comparison_rows += [f"| {pair} | {e['persona'] or 'every reader'} at {e['shift']} | {_interval(b)} |"
+                            for e, b in zip(record["shifts"], c["by_shift"], strict=True)]
+    share_rows = [f"| {LABELS[m]} | {e['persona'] or 'every reader'} at {e['shift']} | {e['new_style']} | "
+                  f"{_mean(a[i] for a in s[m]['new_share_at_end'])} | {_mean(a[i] for a in s[m]['old_share_at_end'])} |"
+                  for m in record["methods"] for i, e in enumerate(record["shifts"])]
+    head = " | ".join(f"{e['persona'] or 'all'} at {e['shift']}: before / after" for e in record["shifts"])
     lines = [
         "## Online learning under preference shifts (`sao bench online`)", "",
-        f"Command: `{record['command'].strip()}`. {machine_line(record['machine'])}", "",
-        f"Three asynchronous runs on style_preference from one SFT warm start ({args.sft_steps} steps on replies "
-        f"in all four styles), same seed {args.seed}, batch {args.batch}, {args.steps} steps, max staleness "
-        f"{args.max_staleness}, policy lr {args.lr_policy:g}, {args.replicas} rollout replica(s), reply budget "
-        f"{args.max_tokens} tokens. The judge prefers "
-        + ", then ".join(schedule_options(shifts)["style_preference"]["judge"]["schedule"]["styles"])
-        + f", shifting at steps {', '.join(map(str, shifts))}. SAO: critic + GAE + DIS, "
-        + ("no value pretraining (the critic starts from the policy with a fresh value head and has the steps "
-           "before the first shift to learn)" if not args.value_samples else
-           f"critic pretrained on {args.value_samples} version-0 rollouts")
-        + f"; running mean: window 8, DIS; group baseline: GRPO + DIS, groups of {args.group_size}.", "",
-        f"Reward = `batch/reward_mean` of each `train_steps` row, smoothed by a trailing mean over {args.smooth} steps; "
-        f"pre-shift reward = mean reward of the {args.pre_window} steps before the shift; recovered = first step, "
-        f"after the smoothed reward has dipped below {args.fraction:g} x pre-shift, at which it is back at or above it "
-        "(definitions in `benchmarks/online.py`).", "",
-        head, "|---|" + "---:|" * (2 * len(shifts) + 3),
+        "Commands (one per part, then merged): " + "; ".join(f"`{c}`" for c in record["commands"]) + ".", "",
+        "Parts: " + "; ".join(f"seed {p['seed']}: {machine_line(p['machine'])} Commit {p['machine']['commit']}; "
+                              f"{p['wall_s'] / 60:.1f} min" for p in record["parts"]), "",
+        f"Asynchronous runs on style_preference from one SFT warm start ({d['sft_steps']} steps on replies in all "
+        f"four styles{', each closed by </answer>' if d['answer_tag'] else ''}), batch {d['batch']}, {d['steps']} "
+        f"steps, max staleness {d['max_staleness']}, policy lr {d['lr_policy']:g}, entropy bonus "
+        f"{d['entropy_coef']:g}, {d['replicas']} rollout replica(s), reply budget {d['max_tokens']} tokens; "
+        f"{'graded' if d['graded'] else 'all-or-nothing'} reward. Shifts: {schedule}. SAO: critic + GAE + DIS"
+        + (f", critic pretrained on {d['value_samples']} version-0 rollouts" if d["value_samples"] else
+           ", no value pretraining") + f"; running mean: window 8, DIS; group baseline: GRPO + DIS, groups of "
+        f"{d['group_size']}. Seeds: {', '.join(map(str, record['seeds']))}.", "",
+        "Mean reward of the shifted reader's rows: over the "
+        f"{d['pre_window']} steps before its shift / from the shift to its next shift or the end (the area "
+        "after the shift); pooled: every shifted reader's rows after its shift; mean over seeds. Length ends: "
+        "share of trained replies that ran to the token budget.", "",
+        f"| method | {head} | after, pooled | final reward (last 20 steps) | length ends | run wall (s) |",
+        "|---|" + "---:|" * (len(record["shifts"]) + 4), *rows, "",
+        "SAO minus each baseline, area after the shifts: mean over seeds, 95% bootstrap interval (seeds, then each "
+        f"run's trajectories resampled; {record['bootstrap']} draws):", "",
+        "| pair | shift | SAO - baseline [95% interval] |", "|---|---|---|", *comparison_rows, "",
+        f"Target (SAO's area after the shifts above both baselines', intervals above zero): {verdict(record)}.", "",
+        f"Style shares of the shifted reader's replies over the last {d['pre_window']} steps of the phase (by markers):",
+        "", "| method | shift | new style | new style's share | old style's share |", "|---|---|---|---:|---:|",
+        *share_rows,
+        *([""] + [f"- {n}" for n in record["notes"]] if record["notes"] else []), "",
+        f"![reward per reader]({record['figure']})",
     ]
-    for method, res in results.items():
-        cells = [f"{r['pre_shift_reward']:.3f} | {_fmt_steps(r)}" for r in res["recovery"]]
-        lines.append(f"| {LABELS[method]} | " + " | ".join(cells)
-                     + f" | {res['final_reward']:.3f} | {res['wall_s']:.0f} | {res['train_s'] / res['steps']:.2f} |")
-    lines += ["", f"Style shares (by markers; versions = the trajectory's oldest policy version) over the "
-              f"{args.pre_window} versions before each shift and the last {args.pre_window} versions of the phase "
-              "after it:", "",
-              "| method | shift | new style | its share before | its share at phase end | old style's share at phase end |",
-              "|---|---:|---|---:|---:|---:|"]
-    for method, res in results.items():
-        for phase in res["styles"]["phases"]:
-            lines.append(f"| {LABELS[method]} | {phase['shift']} | {phase['new_style']} | {phase['before']['new']:.3f} | "
-                         f"{phase['phase_end']['new']:.3f} | {phase['phase_end']['old']:.3f} |")
-    verdict = {True: "**met**.", False: "**missed**.", None: "not decided (SAO or a baseline was not run)."}
-    lines += ["", "Target (SAO recovers in fewer steps than both baselines after every shift): "
-              + verdict[record["target_met"]]]
-    if "grpo_dis" in results and "groups" in results["grpo_dis"]:
-        g = results["grpo_dis"]["groups"]
-        lines += ["", f"Groups of the group baseline in the batches: {g['batches_with_a_split_group']} of {g['batches']} "
-                  f"batches held a split group (fewer or more than {g['group_size']} rollouts of one task); "
-                  f"{g['rows_in_split_groups']} of {g['rows']} rows were in split groups, {g['rows_alone']} alone "
-                  f"(advantage 0). Group sizes seen in batches (size: count): "
-                  + ", ".join(f"{k}: {v}" for k, v in g["group_sizes_in_batches"].items()) + "."]
-    sft = "cached" if record["sft_s"] is None else f"{record['sft_s']:.0f} s"
-    end_load = record.get("load_average_1m_end")
-    lines += ["", f"Wall time of the runs: {record['runs_wall_s']:.0f} s; of the benchmark {record['wall_s']:.0f} s "
-              f"(SFT warm start: {sft}; target at the default size: under {TARGET_WALL_S / 60:.0f} min, "
-              + ("**met**" if record["wall_s"] < TARGET_WALL_S else "**missed**") + "). A step's `train_steps` row "
-              f"spans {min(r['step_wall_s_mean'] for r in results.values()):.2f}-"
-              f"{max(r['step_wall_s_mean'] for r in results.values()):.2f} s on average (waiting for the batch, the "
-              "update, the checkpoint, the row); the rest of the trainer wall per step comes after the row (the "
-              "`policy_versions` row and the weight publication, not timed separately)."
-              + ("" if end_load is None else f" 1-minute load average at the end: {end_load}."), "",
-              f"![reward curves]({record['figures'][0]})", "", f"![style shares]({record['figures'][1]})"]
     return "\n".join(lines)
+
+
+def publish_merged(args: argparse.Namespace) -> int:
+    parts, notes = load_parts(args)
+    if not parts:
+        print(f"sao bench online: no part of {args.name} with this design in {args.out}", file=sys.stderr)
+        for note in notes:
+            print(f"  {note}", file=sys.stderr)
+        return 1
+    record = merge(parts, args.bootstrap) | {
+        "design": parts[0]["design"], "bootstrap": args.bootstrap, "notes": notes,
+        "commands": [p["command"] for p in parts],
+        "parts": [{"seed": p["seed"], "machine": p["machine"], "wall_s": p["wall_s"], "sft_s": p["sft_s"]}
+                  for p in parts]}
+    figure = plot(parts, record, args.smooth, args.out / f"{args.name}.png")
+    record["figure"] = str(_relative(figure, args.results_md.parent))
+    text = markdown(record)
+    print(text)
+    write_json(args.out / f"{args.name}.json", record)
+    update_section(args.results_md, args.name, text)
+    return 0
 
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    if args.merge:
+        return publish_merged(args)
     from sao.envs.base import Split, write_tasks
     from sao.envs.style_preference import generate_tasks
-    from sao.lake.config import LakeConfig
-    from sao.lake.store import Lake
     from sao.models.tokenizer import load_tokenizer
     from sao.runtime import init_ray
 
-    started = time.monotonic()
     info = machine()
     args.workdir.mkdir(parents=True, exist_ok=True)
     print("warm start ...", file=sys.stderr)
     policy, sft_s = warm_start(args)
-    runs_dir = args.workdir / args.name
-    shutil.rmtree(runs_dir, ignore_errors=True)  # every invocation starts its runs afresh
-    lake_root = runs_dir / "lake"
-    tasks_file = write_tasks(runs_dir / "style_preference.jsonl", generate_tasks())
-    tasks = [t for t in generate_tasks() if t.split is Split.TRAIN]
+    config = style_config(options(args))
     init_ray()
     tokenizer = load_tokenizer(policy)
-    styles = schedule_options(args.shifts)["style_preference"]["judge"]["schedule"]["styles"]
-    results: dict[str, dict[str, Any]] = {}
-    runs_started = time.monotonic()
-    for method in args.methods:
-        results[method] = run_method(method, args, policy, tasks, tasks_file, runs_dir)
-        analyse(results[method], args)
-        counts = style_counts(Lake.open(LakeConfig(root=str(lake_root.resolve()))), f"online-{method}", tokenizer)
-        results[method]["styles"] = style_mix(counts, args.smooth, args.shifts, styles, args.pre_window)
-    runs_wall_s = time.monotonic() - runs_started
-    args.out.mkdir(parents=True, exist_ok=True)
-    figures = [plot(results, args, args.out / f"{args.name}.png"),
-               plot_styles(results, args, args.out / f"{args.name}-styles.png")]
-    record: dict[str, Any] = {
-        "machine": info, "command": " ".join(["sao bench online", *argv]), "settings": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "sft_s": sft_s, "runs_wall_s": runs_wall_s, "wall_s": time.monotonic() - started,
-        "load_average_1m_end": round(os.getloadavg()[0], 2),
-        "methods": results, "target_met": target_met(results),
-        "figures": [str(_relative(f, args.results_md.parent)) for f in figures],
-    }
-    write_json(args.out / f"{args.name}.json", record)
-    text = markdown(record, args)
-    print(text)
-    update_section(args.results_md, args.name, text)
-    return 0
+    for seed in args.seeds:
+        seed_started, seed_machine = time.monotonic(), info if seed == args.seeds[0] else machine()
+        runs_dir = args.workdir / args.name
+        shutil.rmtree(runs_dir, ignore_errors=True)  # every seed starts its runs afresh
+        tasks_file = write_tasks(runs_dir / "style_preference.jsonl", generate_tasks(config))
+        tasks = [t for t in generate_tasks(config) if t.split is Split.TRAIN]
+        runs = {m: run_method(m, seed, args, policy, tasks, tasks_file, runs_dir, tokenizer) for m in args.methods}
+        part = {"design": design(args), "seed": seed, "machine": seed_machine, "sft_s": sft_s,
+                "command": " ".join(["sao bench online", *argv]), "wall_s": time.monotonic() - seed_started,
+                "runs": runs}
+        write_json(args.out / f"{args.name}-seed{seed}.json", part)
+        sft_s = None  # one warm start per invocation
+    return publish_merged(args)
 
 
 def _relative(path: Path, start: Path) -> Path:

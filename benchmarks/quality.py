@@ -31,7 +31,7 @@ Accuracy is held-out sampled accuracy (temperature 1, :func:`sao.runs.evaluate`)
 ``--eval-tasks`` held-out tasks for every run, with the seed's sampler seed, every ``--eval-every``
 versions. Areas: each run's curve over [0, H] (straight lines between evaluated versions, the last held
 after the run ends), H the longest run's end, divided by H: the mean accuracy over the run's time
-(:mod:`benchmarks.quality_stats`). Differences are paired by task and seed; intervals resample seeds and
+(:mod:`benchmarks.stats`). Differences are paired by task and seed; intervals resample seeds and
 tasks (2,000 draws, 95%).
 
 Learning rates: ``--lr ARM=LR`` sets an arm's; otherwise the arm's pick in the setting's tuning record
@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._report import machine, machine_line, update_section, write_json
-from benchmarks.quality_stats import (
+from benchmarks.stats import (
     area_weights,
     decode_rewards,
     encode_rewards,

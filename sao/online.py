@@ -2,7 +2,9 @@
 the preferred writing style shifts at chosen trainer steps, and how many steps a run needs to recover.
 
     style_warm_start     the version-0 policy for style_preference (SFT on demonstrations in every style)
-    shift_options        the environment options that put the shifts at given steps
+    shift_options        the environment options that put the shifts at given steps (for every reader,
+                         or per persona), with the graded reward and the closing tag when asked
+    style_config         the style_preference config those options give (its tasks, its demonstrations)
     online_pipeline      the pipeline of a run on style_preference with those shifts
     smooth, recovery     the reward curve's trailing mean and the recovery after one shift
 
@@ -19,18 +21,22 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sao.config import RunConfig
 from sao.pipeline import PipelineConfig
 
-__all__ = ["online_pipeline", "recovery", "shift_options", "smooth", "style_tasks", "style_warm_start"]
+__all__ = ["online_pipeline", "recovery", "shift_options", "smooth", "style_config", "style_tasks",
+           "style_warm_start"]
 
 
-def style_warm_start(path: str | Path, seed: int = 0, steps: int = 120) -> Path:
-    """The style_preference version-0 policy at ``path`` (made by SFT unless it is there already)."""
+def style_warm_start(path: str | Path, seed: int = 0, steps: int = 120, style=None) -> Path:
+    """The style_preference version-0 policy at ``path`` (made by SFT unless it is there already), on
+    the tasks and reply format of ``style`` (a :class:`~sao.envs.style_preference.StylePreferenceConfig`;
+    default the plain one)."""
+    from sao.envs.style_preference import StylePreferenceConfig
     from sao.models.policy import read_policy_metadata
     from sao.train.sft import SFTConfig, sft_warm_start
 
@@ -38,42 +44,83 @@ def style_warm_start(path: str | Path, seed: int = 0, steps: int = 120) -> Path:
     if (path / "config.json").exists() and read_policy_metadata(path) is not None:
         return path
     config = SFTConfig(env="style_preference", target_success=None, max_steps=steps, warmup_steps=min(20, steps),
-                       eval_every=max(1, steps // 3), validation_tasks=8, seed=seed)
+                       eval_every=max(1, steps // 3), validation_tasks=8, seed=seed,
+                       style=style or StylePreferenceConfig())
     return sft_warm_start(config, path).path
 
 
-def style_tasks(path: str | Path):
-    """(the training tasks of style_preference, the task file they were written to)."""
+def style_tasks(path: str | Path, style=None):
+    """(the training tasks of style_preference, the task file they were written to); ``style`` as in
+    :func:`style_warm_start`."""
     from sao.envs.base import Split, write_tasks
     from sao.envs.style_preference import generate_tasks
 
-    tasks = generate_tasks()
+    tasks = generate_tasks(style)
     written = write_tasks(Path(path), tasks)
     return [t for t in tasks if t.split is Split.TRAIN], written
 
 
-def shift_options(shifts: Sequence[int]) -> dict[str, dict[str, Any]]:
-    """``env_options`` of style_preference with the preference shifting at trainer steps ``shifts``
-    (the styles in the schedule's default order, cycling after four phases)."""
+def _styles_from(first: int, phases: int) -> list[str]:
+    """``phases`` styles in the schedule's default order (cycling after four), from the ``first``-th."""
     from sao.envs.style_preference import ShiftSchedule, Style
 
-    if list(shifts) != sorted(set(shifts)) or any(s <= 0 for s in shifts):
-        raise ValueError(f"shifts must be increasing positive steps, got {list(shifts)}")
     order = list(ShiftSchedule().styles) + [s for s in Style if s not in ShiftSchedule().styles]
-    styles = [str(order[i % len(order)]) for i in range(len(shifts) + 1)]
-    return {"style_preference": {"judge": {"schedule": {"styles": styles, "shift_steps": list(shifts)}}}}
+    return [str(order[(first + i) % len(order)]) for i in range(phases)]
 
 
-def online_pipeline(settings: RunConfig, policy_path: str | Path, shifts: Sequence[int], tasks_file: str | Path,
-                    max_tokens: int = 64) -> PipelineConfig:
-    """The pipeline of a style_preference run with shifts at ``shifts``: one turn per episode, the
-    shift schedule in the rollouts' environment options and in the run's stored settings (so a
-    trajectory replay rewards under the same preference)."""
+def _check_steps(shifts: Sequence[int], who: str = "") -> None:
+    if list(shifts) != sorted(set(shifts)) or any(s <= 0 for s in shifts):
+        raise ValueError(f"shifts{who} must be increasing positive steps, got {list(shifts)}")
+
+
+def shift_options(shifts: Sequence[int] | Mapping[str, Sequence[int]], *, graded: bool = False,
+                  answer_tag: bool = False) -> dict[str, dict[str, Any]]:
+    """``env_options`` of style_preference with the preference shifting at trainer steps ``shifts``
+    (the styles in the schedule's default order, cycling after four phases). A mapping of persona to
+    its shift steps names the personas in the prompts instead and gives each its own schedule: the
+    i-th persona starts at the i-th style, so the readers want different styles from the start and
+    change at their own steps. ``graded`` and ``answer_tag``: :class:`StyleJudge.graded
+    <sao.envs.style_preference.StyleJudge>`, :class:`StylePreferenceConfig.answer_tag
+    <sao.envs.style_preference.StylePreferenceConfig>`."""
+    judge: dict[str, Any] = {}
+    options: dict[str, Any] = {"judge": judge}
+    if isinstance(shifts, Mapping):
+        if not shifts:
+            raise ValueError("shifts per persona: name at least one persona")
+        for name, steps in shifts.items():
+            _check_steps(steps, f" of persona {name!r}")
+        options["personas"] = list(shifts)
+        judge["persona_schedules"] = {name: {"styles": _styles_from(i, len(steps) + 1), "shift_steps": list(steps)}
+                                      for i, (name, steps) in enumerate(shifts.items())}
+    else:
+        _check_steps(shifts)
+        judge["schedule"] = {"styles": _styles_from(0, len(shifts) + 1), "shift_steps": list(shifts)}
+    if graded:
+        judge["graded"] = True
+    if answer_tag:
+        options["answer_tag"] = True
+    return {"style_preference": options}
+
+
+def style_config(options: dict[str, dict[str, Any]]):
+    """The :class:`~sao.envs.style_preference.StylePreferenceConfig` of :func:`shift_options`' options."""
+    from sao.envs import make_env
+
+    return make_env("style_preference", **options["style_preference"]).config
+
+
+def online_pipeline(settings: RunConfig, policy_path: str | Path, shifts: Sequence[int] | Mapping[str, Sequence[int]],
+                    tasks_file: str | Path, max_tokens: int = 64, *, graded: bool = False,
+                    answer_tag: bool = False) -> PipelineConfig:
+    """The pipeline of a style_preference run with shifts at ``shifts`` (:func:`shift_options`, with
+    ``graded`` and ``answer_tag``): one turn per episode, the shift schedule in the rollouts'
+    environment options and in the run's stored settings (so a trajectory replay rewards under the
+    same preference)."""
     from sao import runs
     from sao.rollout.agent import AgentConfig
     from sao.train.run_config import ReplayContext
 
-    options = shift_options(shifts)
+    options = shift_options(shifts, graded=graded, answer_tag=answer_tag)
     config = runs.pipeline_config(settings, policy_path)
     context = ReplayContext(tasks_path=str(Path(tasks_file).resolve()), env_options=options, max_turns=1)
     return dataclasses.replace(config, train=dataclasses.replace(config.train, rollout=context),

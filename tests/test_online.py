@@ -3,7 +3,7 @@ schedule's options."""
 
 import pytest
 
-from sao.online import recovery, shift_options, smooth
+from sao.online import recovery, shift_options, smooth, style_config
 
 
 def test_smooth_is_a_trailing_mean():
@@ -31,3 +31,24 @@ def test_shift_options_cycle_the_styles_and_check_the_steps():
     assert len(shift_options([1, 2, 3, 4, 5])["style_preference"]["judge"]["schedule"]["styles"]) == 6
     with pytest.raises(ValueError, match="increasing"):
         shift_options([300, 150])
+
+
+def test_shift_options_per_persona_start_each_reader_at_its_own_style():
+    from sao.envs.style_preference import Style, generate_tasks, persona_of
+
+    options = shift_options({"Ada": [150], "Basil": [225, 400], "Cleo": []}, graded=True, answer_tag=True)
+    env = options["style_preference"]
+    assert env["personas"] == ["Ada", "Basil", "Cleo"] and env["answer_tag"] is True
+    assert env["judge"]["graded"] is True and "schedule" not in env["judge"]
+    assert env["judge"]["persona_schedules"] == {
+        "Ada": {"styles": ["academic", "cute"], "shift_steps": [150]},
+        "Basil": {"styles": ["cute", "classical", "chuunibyou"], "shift_steps": [225, 400]},
+        "Cleo": {"styles": ["classical"], "shift_steps": []}}
+    config = style_config(options)
+    assert config.answer_tag and config.judge.graded
+    assert config.judge.schedule_of("Basil").preferred(224) is Style.CUTE
+    assert config.judge.schedule_of("Basil").preferred(225) is Style.CLASSICAL
+    assert {persona_of(t) for t in generate_tasks(config)} == {"Ada", "Basil", "Cleo"}
+    assert "graded" not in shift_options([150])["style_preference"]["judge"]  # off: the options as before
+    with pytest.raises(ValueError, match="of persona 'Ada' must be increasing"):
+        shift_options({"Ada": [20, 10]})

@@ -1,6 +1,6 @@
-"""The online-learning benchmark: recovery after stale batches and with nothing to recover to, the target,
-and a ``--quick`` run of all three methods end to end (Serve rollouts on style_preference, the lake, the
-trainer) into tmp_path."""
+"""The online-learning benchmark: the shift schedule it reads, what it measures after each shift (worked
+by hand on made-up steps), the merge of seeds' parts, and a ``--quick`` run of all three methods end to
+end (Serve rollouts on style_preference, the lake, the trainer) into tmp_path."""
 
 from __future__ import annotations
 
@@ -8,35 +8,65 @@ import json
 
 import pytest
 
-from benchmarks.online import METHODS, main, measurable, recovery, target_met
+from benchmarks.online import METHODS, _parse, analyse, events, main, merge, parse_shifts
 
 
-def test_recovery_counts_from_the_shift_to_the_first_step_back_above_the_threshold_after_the_dip():
-    # Steps 0-3 at 1.0 (pre-shift), shift at 4; stale batches keep 4 high, then the dip, then recovery.
-    rewards = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 1.0, 1.0, 1.0]
-    result = recovery(rewards, window=2, shift=4, end=len(rewards), pre_window=4, fraction=0.9)
-    # smoothed: ..., 1.0 (4), 0.5 (5), 0.0 (6), 0.25 (7), 0.75 (8), 1.0 (9), 1.0 (10)
-    assert result["pre_shift_reward"] == 1.0 and result["threshold"] == pytest.approx(0.9)
-    assert result["dip_step"] == 5 and result["min_smoothed"] == 0.0
-    assert result["recovered_step"] == 9 and result["steps_to_recover"] == 5
-    never = recovery(rewards[:9], window=2, shift=4, end=9, pre_window=4, fraction=0.9)
-    assert never["dip_step"] == 5 and never["recovered_step"] is None and never["steps_to_recover"] is None
-    flat = recovery([0.5] * 8, window=2, shift=4, end=8, pre_window=4, fraction=0.9)
-    assert flat["dip_step"] is None and flat["steps_to_recover"] == 0
-    assert measurable(flat, min_pre=0.1)["measurable"] and measurable(flat, min_pre=0.1)["steps_to_recover"] == 0
-    collapsed = measurable(recovery([0.05] * 8, window=2, shift=4, end=8, pre_window=4, fraction=0.9), min_pre=0.1)
-    assert not collapsed["measurable"] and collapsed["steps_to_recover"] is None  # nothing to recover to
+def test_the_schedule_names_readers_for_every_step_or_for_none():
+    assert parse_shifts("150,300") == [150, 300]
+    assert parse_shifts("Ada:150, Basil:225,Ada:300,Cleo:") == {"Ada": [150, 300], "Basil": [225], "Cleo": []}
+    with pytest.raises(ValueError, match="every step or for none"):
+        parse_shifts("Ada:150,300")
+    with pytest.raises(SystemExit):
+        _parse(["--shifts", "Ada:500"])  # past the run's end
+    with pytest.raises(SystemExit):
+        _parse(["--shifts", "Ada:20,Ada:10"])
 
 
-def test_target_needs_sao_strictly_faster_than_every_baseline_after_every_shift():
-    def runs(sao, mean, group):
-        return {m: {"recovery": [{"steps_to_recover": v} for v in values]}
-                for m, values in (("sao", sao), ("running_mean", mean), ("grpo_dis", group))}
+def test_each_shift_runs_to_the_readers_next_shift_or_the_end():
+    args = _parse(["--shifts", "Ada:150,Basil:225,Ada:300", "--steps", "450"])
+    assert [(e["persona"], e["shift"], e["end"], e["old_style"], e["new_style"]) for e in events(args)] == [
+        ("Ada", 150, 300, "academic", "cute"), ("Basil", 225, 450, "cute", "classical"),
+        ("Ada", 300, 450, "cute", "classical")]
+    plain = _parse(["--shifts", "150,300"])
+    assert [(e["persona"], e["shift"], e["end"]) for e in events(plain)] == [("", 150, 300), ("", 300, 450)]
 
-    assert target_met(runs([10, 20], [11, 30], [None, 21])) is True
-    assert target_met(runs([10, 20], [10, 30], [50, 50])) is False  # a tie is not fewer
-    assert target_met(runs([None, 20], [None, 30], [None, 40])) is False  # SAO must recover
-    assert target_met({"sao": runs([1], [2], [3])["sao"]}) is None
+
+def _row(persona, reward, style="none", end="stop"):
+    return {"persona": persona, "task_id": f"t-{persona}", "reward": reward, "end": end, "style": style}
+
+
+def test_the_area_after_a_shift_is_the_shifted_readers_mean_reward_until_the_phase_ends():
+    rows = {"a0": _row("Ada", 1.0, "academic"), "b0": _row("Basil", 0.2), "a1": _row("Ada", 0.2, "academic"),
+            "b1": _row("Basil", 1.0), "a2": _row("Ada", 0.6, "cute"), "a3": _row("Ada", 1.0, "cute")}
+    steps = [{"trajectory_ids": ["a0", "b0"]}, {"trajectory_ids": ["a1", "b1"]}, {"trajectory_ids": ["a2"]},
+             {"trajectory_ids": ["a3", "b1"]}]
+    shift = {"persona": "Ada", "shift": 1, "end": 4, "old_style": "academic", "new_style": "cute"}
+    out = analyse(steps, rows, [shift], pre_window=1)
+    event = out["events"][0]
+    assert event["before"] == 1.0  # step 0's Ada row
+    assert event["after"] == pytest.approx((0.2 + 0.6 + 1.0) / 3) and event["trajectories_after"] == 3
+    assert event["after_rewards"] == "0.2 0.6 1"
+    assert event["new_share_at_end"] == 1.0 and event["old_share_at_end"] == 0.0  # step 3: one cute Ada reply
+    assert out["persona_rewards"] == {"Ada": [1.0, 0.2, 0.6, 1.0], "Basil": [0.2, 1.0, None, 1.0]}
+
+
+def test_the_merge_compares_sao_with_each_baseline_seed_by_seed():
+    def run(after):
+        return {"events": [{"persona": "Ada", "shift": 1, "end": 4, "old_style": "academic", "new_style": "cute",
+                            "after": sum(after) / len(after), "before": 1.0, "after_rewards": " ".join(map(str, after)),
+                            "new_share_at_end": 0.5, "old_share_at_end": 0.5}],
+                "rewards": [0.5] * 4, "length_end_share": 0.0, "wall_s": 10.0, "seed": 0}
+
+    parts = [{"seed": seed, "runs": {"sao": run([1.0, 1.0]), "running_mean": run([0.2, 0.2, 0.2]),
+                                     "grpo_dis": run([1.0, 0.2])}} for seed in (0, 1)]
+    record = merge(parts, samples=200)
+    assert record["methods"] == ["sao", "running_mean", "grpo_dis"] and record["seeds"] == [0, 1]
+    versus_mean = record["comparisons"]["sao-running_mean"]["pooled"]
+    assert versus_mean["mean"] == pytest.approx(0.8) and versus_mean["low"] == pytest.approx(0.8)
+    versus_group = record["comparisons"]["sao-grpo_dis"]
+    assert versus_group["pooled"]["mean"] == pytest.approx(0.4) and versus_group["by_shift"][0]["per_seed"] == [
+        pytest.approx(0.4)] * 2
+    assert versus_group["pooled"]["low"] < 0.4 < versus_group["pooled"]["high"] <= 0.8  # the group's rows vary
 
 
 @pytest.mark.slow
@@ -44,31 +74,26 @@ def test_target_needs_sao_strictly_faster_than_every_baseline_after_every_shift(
 def test_quick_run_compares_the_three_methods(tmp_path):
     results_md = tmp_path / "RESULTS.md"
     argv = ["--quick", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-            "--results-md", str(results_md)]
+            "--results-md", str(results_md), "--entropy-coef", "0.01"]
     assert main(argv) == 0
-    data = json.loads((tmp_path / "out" / "online.json").read_text())
-    steps, shifts = data["settings"]["steps"], data["settings"]["shifts"]
-    assert set(data["methods"]) == set(METHODS)
-    for method, run in data["methods"].items():
-        assert run["steps"] == steps == len(run["rewards"]) == len(run["smoothed"])
-        assert [m["step"] for m in run["metrics"]] == list(range(steps))
+    part = json.loads((tmp_path / "out" / "online-seed0.json").read_text())
+    steps, batch = part["design"]["steps"], part["design"]["batch"]
+    assert set(part["runs"]) == set(METHODS)
+    for run in part["runs"].values():
+        assert run["steps"] == steps == len(run["rewards"])
         assert all(0.0 <= r <= 1.0 for r in run["rewards"])
-        assert run["rewards"] == [m["batch/reward_mean"] for m in run["metrics"]]
-        assert all(m["batch/trajectories"] == data["settings"]["batch"] for m in run["metrics"])
-        assert [r["shift"] for r in run["recovery"]] == shifts
-        for rec in run["recovery"]:
-            assert 0.0 <= rec["pre_shift_reward"] <= 1.0
-            if rec["steps_to_recover"] is not None:
-                assert 0 <= rec["steps_to_recover"] < steps - rec["shift"]
-        assert run["trajectories_generated"] >= steps * data["settings"]["batch"]
-        shares = run["styles"]["shares"]
-        assert shares and all(sum(s.values()) == pytest.approx(1.0) for s in shares.values())
-        assert ("critic/loss" in run["metrics"][0]) == (method == "sao")
-    groups = data["methods"]["grpo_dis"]["groups"]
-    assert groups["rows"] == steps * data["settings"]["batch"] and groups["batches"] == steps
-    assert data["target_met"] is target_met(data["methods"])  # the verdict is the written figures'
-    assert data["target_met"] is not None  # all three methods ran
-    for figure in ("online.png", "online-styles.png"):
-        assert (tmp_path / "out" / figure).stat().st_size > 10_000
+        assert all(e is not None and e > 0 for e in run["entropy"])  # the bonus is on for every method
+        assert [(e["persona"], e["shift"]) for e in run["events"]] == [("Ada", 6), ("Basil", 11)]
+        for event in run["events"]:
+            rewards = [float(x) for x in event["after_rewards"].split()]
+            assert len(rewards) == event["trajectories_after"] > 0 and event["after"] == pytest.approx(
+                sum(rewards) / len(rewards))
+        assert set(run["persona_rewards"]) == {"Ada", "Basil"}
+        assert run["trajectories_generated"] >= steps * batch
+    groups = part["runs"]["grpo_dis"]["groups"]
+    assert groups["rows"] == steps * batch and groups["batches"] == steps
+    merged = json.loads((tmp_path / "out" / "online.json").read_text())
+    assert set(merged["comparisons"]) == {"sao-running_mean", "sao-grpo_dis"}
+    assert (tmp_path / "out" / "online.png").stat().st_size > 10_000
     text = results_md.read_text()
-    assert "<!-- online:begin -->" in text and "steps to recover" in text
+    assert "<!-- online:begin -->" in text and "1 seed(s) of the 5" in text

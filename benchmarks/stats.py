@@ -1,4 +1,5 @@
-"""The statistics of ``sao bench quality``: areas under accuracy curves and paired bootstrap intervals.
+"""The statistics of the learning benchmarks (`sao bench quality`, `sao bench online`): areas under
+accuracy curves and bootstrap intervals.
 
 A run's accuracy curve is known at a few evaluated versions (knots ``(x_k, acc_k)``: x in seconds or
 trajectories). Between knots the curve is the straight line through them; after the last knot it holds
@@ -10,7 +11,8 @@ share of the area, and two runs of one seed compare task by task.
 
 :func:`paired_bootstrap` resamples seeds, and tasks within each seed, with replacement: the interval
 holds both the seed-to-seed spread of training and the evaluation's sampling noise. With one seed it
-holds the evaluation noise only.
+holds the evaluation noise only. :func:`two_sample_bootstrap` does the same for two unpaired samples of
+each seed (two runs' own trajectories).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["area_weights", "decode_rewards", "encode_rewards", "paired_bootstrap", "point_weights"]
+__all__ = ["area_weights", "decode_rewards", "encode_rewards", "paired_bootstrap", "point_weights",
+           "two_sample_bootstrap"]
 
 
 def _check(xs: Sequence[float]) -> None:
@@ -59,6 +62,25 @@ def area_weights(xs: Sequence[float], horizon: float) -> np.ndarray:
     return w / horizon
 
 
+def _resample_mean(values: np.ndarray, samples: int, rng: np.random.Generator) -> np.ndarray:
+    """(samples,) means of ``values`` drawn with replacement."""
+    if len(values) == 0:
+        raise ValueError("a seed has no values to resample")
+    return values[rng.integers(0, len(values), size=(samples, len(values)))].mean(axis=1)
+
+
+def _over_seeds(point: list[float], per_seed: np.ndarray, samples: int, level: float,
+                rng: np.random.Generator) -> dict[str, float]:
+    """The mean of ``point`` (one figure per seed) and its percentile interval, from ``per_seed``
+    (S, samples) resampled figures with the seeds themselves resampled."""
+    drawn = rng.integers(0, len(point), size=(samples, len(point)))
+    means = per_seed[drawn, np.arange(samples)[:, None]].mean(axis=1)
+    tail = (1 - level) / 2
+    return {"mean": float(np.mean(point)), "low": float(np.quantile(means, tail)),
+            "high": float(np.quantile(means, 1 - tail)), "seeds": len(point), "per_seed": point,
+            "level": level, "samples": samples}
+
+
 def paired_bootstrap(differences: Sequence[np.ndarray], samples: int = 2000, seed: int = 0,
                      level: float = 0.95) -> dict[str, float]:
     """Mean of per-task differences (one array per seed, tasks of a seed paired) over seeds, and its
@@ -66,14 +88,20 @@ def paired_bootstrap(differences: Sequence[np.ndarray], samples: int = 2000, see
     if not differences:
         raise ValueError("no seeds to compare")
     rng = np.random.default_rng(seed)
-    per_seed = np.stack([
-        d[rng.integers(0, len(d), size=(samples, len(d)))].mean(axis=1) for d in differences])  # (S, samples)
-    drawn = rng.integers(0, len(differences), size=(samples, len(differences)))
-    means = per_seed[drawn, np.arange(samples)[:, None]].mean(axis=1)
-    tail = (1 - level) / 2
-    return {"mean": float(np.mean([d.mean() for d in differences])), "low": float(np.quantile(means, tail)),
-            "high": float(np.quantile(means, 1 - tail)), "seeds": len(differences),
-            "per_seed": [float(d.mean()) for d in differences], "level": level, "samples": samples}
+    per_seed = np.stack([_resample_mean(d, samples, rng) for d in differences])
+    return _over_seeds([float(d.mean()) for d in differences], per_seed, samples, level, rng)
+
+
+def two_sample_bootstrap(pairs: Sequence[tuple[np.ndarray, np.ndarray]], samples: int = 2000, seed: int = 0,
+                         level: float = 0.95) -> dict[str, float]:
+    """Mean over seeds of ``mean(a) - mean(b)``, with ``a`` and ``b`` one seed's two independent samples
+    (not paired: the rewards of two runs' own trajectories), and its percentile interval from
+    resampling seeds, then each sample within its seed."""
+    if not pairs:
+        raise ValueError("no seeds to compare")
+    rng = np.random.default_rng(seed)
+    per_seed = np.stack([_resample_mean(a, samples, rng) - _resample_mean(b, samples, rng) for a, b in pairs])
+    return _over_seeds([float(a.mean() - b.mean()) for a, b in pairs], per_seed, samples, level, rng)
 
 
 def encode_rewards(rewards: Sequence[float]) -> str | list[float]:

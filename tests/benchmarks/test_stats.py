@@ -1,15 +1,16 @@
-"""Areas under accuracy curves and paired bootstrap intervals (``benchmarks.quality_stats``), golden
+"""Areas under accuracy curves and paired bootstrap intervals (``benchmarks.stats``), golden
 values worked by hand."""
 
 import numpy as np
 import pytest
 
-from benchmarks.quality_stats import (
+from benchmarks.stats import (
     area_weights,
     decode_rewards,
     encode_rewards,
     paired_bootstrap,
     point_weights,
+    two_sample_bootstrap,
 )
 
 
@@ -53,3 +54,14 @@ def test_rewards_round_trip_compactly():
     assert decode_rewards("1001").tolist() == [1.0, 0.0, 0.0, 1.0]
     assert encode_rewards([0.5, 1.0]) == [0.5, 1.0]
     assert decode_rewards([0.5, 1.0]).tolist() == [0.5, 1.0]
+
+
+def test_the_two_sample_bootstrap_compares_unpaired_samples_seed_by_seed():
+    pairs = [(np.array([1.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 0.0])), (np.full(5, 0.5), np.full(9, 0.25))]
+    result = two_sample_bootstrap(pairs, samples=500)
+    assert result["per_seed"] == [0.5, 0.25] and result["mean"] == pytest.approx(0.375)
+    assert result["low"] < 0.375 < result["high"] and result["high"] <= 1.0
+    constant = two_sample_bootstrap([(np.full(4, 0.7), np.full(6, 0.2))], samples=100)
+    assert constant["low"] == pytest.approx(0.5) and constant["high"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="no values"):
+        two_sample_bootstrap([(np.array([]), np.array([1.0]))])
