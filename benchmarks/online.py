@@ -207,7 +207,8 @@ def trajectories(lake, run_id: str, tokenizer, persona_of_task: dict[str, str]) 
     for row in rows:
         ids = [t for t, m in zip(row["completion_ids"], row["action_mask"], strict=True) if m]
         out[row["trajectory_id"]] = {
-            "persona": persona_of_task[row["task_id"]], "task_id": row["task_id"], "reward": float(row["reward"]),
+            "persona": persona_of_task[row["task_id"]], "task_id": row["task_id"],
+            "reward": None if row["reward"] is None else float(row["reward"]),  # None: an end never trained on
             "end": row["termination_reason"],
             "style": str(classify_style(tokenizer.decode(ids, skip_special_tokens=True)) or "none")}
     return out

@@ -118,3 +118,28 @@ def test_a_quick_run_writes_a_part_and_merges_it(tmp_path):
     assert (tmp_path / "quality-quick-heavy.png").stat().st_size > 0
     section = (tmp_path / "RESULTS.md").read_text()
     assert "<!-- quality-quick-heavy:begin -->" in section and "Only 1 seed(s)" in section
+
+
+def test_each_arms_rate_comes_from_the_command_line_then_the_tuning_record_then_the_config(tmp_path):
+    from benchmarks.quality import _base_settings, learning_rates
+
+    args = _parse(["--out", str(tmp_path), "--workdir", str(tmp_path), "--lr", "sao=1e-4", "--arms", "sao,grpo"])
+    base = _base_settings(args)
+    assert learning_rates(args, base) == {
+        "sao": {"lr": 1e-4, "source": "--lr"},
+        "grpo": {"lr": base.algorithm.lr_policy, "source": "the demo config's algorithm.lr_policy"}}
+    (tmp_path / "quality-heavy-lr.json").write_text(json.dumps({"picked": {"sao": 3e-4, "grpo": 4e-4}}))
+    rates = learning_rates(args, base)
+    assert rates["sao"]["lr"] == 1e-4 and rates["grpo"] == {
+        "lr": 4e-4, "source": "tuned on the validation tasks (quality-heavy-lr.json)"}
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_tuning_judges_each_rate_on_the_validation_tasks(tmp_path):
+    assert main(["--quick", "--workdir", str(tmp_path), "--arms", "grpo", "--tune-lrs", "1e-4,3e-4"]) == 0
+    record = json.loads((tmp_path / "quality-quick-heavy-lr.json").read_text())
+    accuracy = record["validation_accuracy"]["grpo"]
+    assert set(accuracy) == {"0.0001", "0.0003"} and all(0.0 <= a <= 1.0 for a in accuracy.values())
+    assert record["picked"]["grpo"] == float(max(accuracy, key=accuracy.get))
+    assert record["design"]["validation_tasks"] == 8 and record["tune_steps"] == 1
