@@ -560,11 +560,11 @@ def plot(record: dict[str, Any], path: Path) -> Path:
         axes[2].plot(range(len(smooth)), smooth, color=colour, alpha=0.6, label=label)
     axes[0].axvline(record["t_equal"], color="grey", linestyle="--", linewidth=1,
                     label=f"T = {record['t_equal']:.0f} s")
-    axes[0].set(title="held-out accuracy vs wall time (value pretraining counted)",
-                xlabel="seconds since the first rollout", ylabel="sampled accuracy (T=1)")
-    axes[1].set(title="held-out accuracy vs trajectories (value pretraining's counted)",
-                xlabel="trajectories rolled out for training", ylabel="sampled accuracy (T=1)")
-    axes[2].set(title="training batch reward (10-step trailing mean)", xlabel="step", ylabel="mean reward")
+    axes[0].set(title="accuracy vs wall time (value pretraining counted)",
+                xlabel="seconds since the first rollout", ylabel="held-out sampled accuracy (T=1)")
+    axes[1].set(title="accuracy vs trajectories (pretraining's counted)",
+                xlabel="trajectories rolled out for training", ylabel="held-out sampled accuracy (T=1)")
+    axes[2].set(title="batch reward (10-step trailing mean)", xlabel="step", ylabel="mean reward")
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
