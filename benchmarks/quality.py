@@ -688,6 +688,10 @@ def publish_merged(args: argparse.Namespace) -> int:
     figure = plot(record, args.out / f"{name}.png")
     text = markdown(record, figure)
     print(text)
+    # the parts keep each run's steps and per-task rewards; the merged record keeps what it derived
+    record["runs"] = [{k: v for k, v in run.items() if k != "step_rows"}
+                      | {"curve": [{k: v for k, v in e.items() if k != "rewards"} for e in run["curve"]]}
+                      for run in record["runs"]]
     write_json(args.out / f"{name}.json", record)
     update_section(args.results_md, name, text)
     return 0
