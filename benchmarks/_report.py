@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "machine", "median_spread", "publish", "update_section", "write_json"]
+__all__ = ["git_commit", "load_parts", "machine", "parts_lines", "median_spread", "publish", "update_section", "write_json"]
 
 
 def median_spread(values: list[float]) -> dict[str, float]:
@@ -89,6 +89,33 @@ def update_section(path: Path, name: str, markdown: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def load_parts(folder: Path, name: str, design: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The parts ``<name>-seed*.json`` in ``folder`` whose ``design`` equals ``design``, by seed (a
+    benchmark that runs seed by seed merges them), and a note naming each part left out and why.
+
+    Raises:
+        SystemExit: no part matches (the message names the folder and every part left out)."""
+    parts, notes = [], []
+    for path in sorted(folder.glob(f"{name}-seed*.json")):
+        part = json.loads(path.read_text())
+        if part.get("design") != design:
+            changed = sorted(k for k in design if part.get("design", {}).get(k) != design[k])
+            notes.append(f"{path.name} left out: its design differs in {', '.join(changed)}")
+            continue
+        parts.append(part)
+    if not parts:
+        raise SystemExit("\n  ".join([f"no part of {name} with this design in {folder}", *notes]))
+    return sorted(parts, key=lambda p: p["seed"]), notes
+
+
+def parts_lines(commands: list[str], parts: list[dict[str, Any]]) -> list[str]:
+    """The lines of a merged section that name each part's command and its seed, machine, commit and
+    wall time (``parts``: ``seed``, ``machine`` (:func:`machine`), ``wall_s``)."""
+    return ["Commands (one per part, then merged): " + "; ".join(f"`{c}`" for c in commands) + ".", "",
+            "Parts: " + "; ".join(f"seed {p['seed']}: {machine_line(p['machine'])} Commit {p['machine']['commit']}; "
+                                  f"{p['wall_s'] / 60:.1f} min" for p in parts)]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 import statistics
 import sys
@@ -63,8 +62,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._report import machine, machine_line, update_section, write_json
-from benchmarks.stats import two_sample_bootstrap
+from benchmarks._report import load_parts as seed_parts
+from benchmarks._report import machine, parts_lines, update_section, write_json
+from benchmarks.stats import interval_text, two_sample_bootstrap
 from sao.online import online_pipeline, shift_options, smooth, style_config, style_warm_start
 
 METHODS: tuple[str, ...] = ("sao", "running_mean", "grpo_dis")
@@ -347,15 +347,7 @@ def run_method(method: str, seed: int, args: argparse.Namespace, policy: Path, t
 
 def load_parts(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     """The parts of ``--name`` in ``--out`` with this invocation's design, by seed; a note for each left out."""
-    wanted, parts, notes = design(args), [], []
-    for path in sorted(args.out.glob(f"{args.name}-seed*.json")):
-        part = json.loads(path.read_text())
-        if part.get("design") != wanted:
-            changed = sorted(k for k in wanted if part.get("design", {}).get(k) != wanted[k])
-            notes.append(f"{path.name} left out: its design differs in {', '.join(changed)}")
-            continue
-        parts.append(part)
-    return sorted(parts, key=lambda p: p["seed"]), notes
+    return seed_parts(args.out, args.name, design(args))
 
 
 def _after(run: dict[str, Any], index: int | None) -> np.ndarray:
@@ -437,11 +429,6 @@ def plot(parts: list[dict[str, Any]], record: dict[str, Any], smooth_window: int
     return path
 
 
-def _interval(c: dict[str, Any]) -> str:
-    return (f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (per seed "
-            + ", ".join(f"{d:+.3f}" for d in c["per_seed"]) + ")")
-
-
 def _mean(values) -> str:
     values = [v for v in values if v is not None]
     return f"{statistics.fmean(values):.3f}" if values else "n/a"
@@ -469,8 +456,8 @@ def markdown(record: dict[str, Any]) -> str:
                     f"{_mean(v['final_reward'])} | {_mean(v['length_end_share'])} | {statistics.fmean(v['wall_s']):.0f} |")
     comparison_rows = []
     for pair, c in record["comparisons"].items():
-        comparison_rows.append(f"| {pair} | all shifts, pooled | {_interval(c['pooled'])} |")
-        comparison_rows += [f"| {pair} | {e['persona'] or 'every reader'} at {e['shift']} | {_interval(b)} |"
+        comparison_rows.append(f"| {pair} | all shifts, pooled | {interval_text(c['pooled'])} |")
+        comparison_rows += [f"| {pair} | {e['persona'] or 'every reader'} at {e['shift']} | {interval_text(b)} |"
                             for e, b in zip(record["shifts"], c["by_shift"], strict=True)]
     share_rows = [f"| {LABELS[m]} | {e['persona'] or 'every reader'} at {e['shift']} | {e['new_style']} | "
                   f"{_mean(a[i] for a in s[m]['new_share_at_end'])} | {_mean(a[i] for a in s[m]['old_share_at_end'])} |"
@@ -478,9 +465,7 @@ def markdown(record: dict[str, Any]) -> str:
     head = " | ".join(f"{e['persona'] or 'all'} at {e['shift']}: before / after" for e in record["shifts"])
     lines = [
         "## Online learning under preference shifts (`sao bench online`)", "",
-        "Commands (one per part, then merged): " + "; ".join(f"`{c}`" for c in record["commands"]) + ".", "",
-        "Parts: " + "; ".join(f"seed {p['seed']}: {machine_line(p['machine'])} Commit {p['machine']['commit']}; "
-                              f"{p['wall_s'] / 60:.1f} min" for p in record["parts"]), "",
+        *parts_lines(record["commands"], record["parts"]), "",
         f"Asynchronous runs on style_preference from one SFT warm start ({d['sft_steps']} steps on replies in all "
         f"four styles{', each closed by </answer>' if d['answer_tag'] else ''}), batch {d['batch']}, {d['steps']} "
         f"steps, max staleness {d['max_staleness']}, policy lr {d['lr_policy']:g}, entropy bonus "
@@ -510,11 +495,6 @@ def markdown(record: dict[str, Any]) -> str:
 
 def publish_merged(args: argparse.Namespace) -> int:
     parts, notes = load_parts(args)
-    if not parts:
-        print(f"sao bench online: no part of {args.name} with this design in {args.out}", file=sys.stderr)
-        for note in notes:
-            print(f"  {note}", file=sys.stderr)
-        return 1
     record = merge(parts, args.bootstrap) | {
         "design": parts[0]["design"], "bootstrap": args.bootstrap, "notes": notes,
         "commands": [p["command"] for p in parts],

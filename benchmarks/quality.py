@@ -61,11 +61,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._report import machine, machine_line, update_section, write_json
+from benchmarks._report import load_parts as seed_parts
+from benchmarks._report import machine, parts_lines, update_section, write_json
 from benchmarks.stats import (
     area_weights,
     decode_rewards,
     encode_rewards,
+    interval_text,
     paired_bootstrap,
     point_weights,
 )
@@ -451,15 +453,7 @@ def task_shares(run: dict[str, Any], axis: str, weights_of) -> np.ndarray:
 def load_parts(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     """The setting's parts in ``args.out`` whose design matches this invocation's, by seed; and a note
     for each part left out."""
-    wanted, parts, notes = design(args), [], []
-    for path in sorted(args.out.glob(f"{name_of(args)}-seed*.json")):
-        part = json.loads(path.read_text())
-        if part.get("design") != wanted:
-            changed = sorted(k for k in wanted if part.get("design", {}).get(k) != wanted[k])
-            notes.append(f"{path.name} left out: its design differs in {', '.join(changed)}")
-            continue
-        parts.append(part)
-    return sorted(parts, key=lambda p: p["seed"]), notes
+    return seed_parts(args.out, name_of(args), design(args))
 
 
 def _check_rates(parts: list[dict[str, Any]]) -> None:
@@ -582,11 +576,6 @@ def _fmt(s: dict[str, float], digits: int = 3) -> str:
     return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
 
 
-def _interval(c: dict[str, float]) -> str:
-    return (f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (per seed "
-            + ", ".join(f"{d:+.3f}" for d in c["per_seed"]) + ")")
-
-
 def verdict(record: dict[str, Any]) -> list[str]:
     """The targets, judged from the numbers (so the words cannot drift from them)."""
     c = record["comparisons"].get("sao-grpo")
@@ -598,10 +587,10 @@ def verdict(record: dict[str, Any]) -> list[str]:
     caveat = "" if seeds >= 5 else f" Only {seeds} seed(s) of the 5 the target asks for."
     return [
         f"- SAO ahead of synchronous GRPO in area under accuracy vs wall time, 95% interval above zero: "
-        f"**{'met' if ahead else 'missed'}** (SAO - GRPO = {_interval(c['auc_time'])}).{caveat}",
+        f"**{'met' if ahead else 'missed'}** (SAO - GRPO = {interval_text(c['auc_time'])}).{caveat}",
         f"- SAO not behind synchronous GRPO at equal trajectories (neither interval wholly below zero): "
-        f"**{'met' if not_behind else 'missed'}** (final accuracy {_interval(c['final'])}; area under accuracy "
-        f"vs trajectories {_interval(c['auc_trajectories'])}).",
+        f"**{'met' if not_behind else 'missed'}** (final accuracy {interval_text(c['final'])}; area under accuracy "
+        f"vs trajectories {interval_text(c['auc_trajectories'])}).",
     ]
 
 
@@ -628,7 +617,7 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
             f"{v['wall_s']['max']:.0f}] | {v['offset_s']['mean']:.0f} | {v['startup_s']['mean']:.0f} | "
             f"{v['staleness_mean']:.2f} | "
             + ("" if v["flat_group_frac"] is None else f"{v['flat_group_frac']:.2f}") + " |" for v in s.values()]
-    comparison_rows = [f"| {pair} | {MEASURES[m]} | {_interval(c)} |" for pair, by in record["comparisons"].items()
+    comparison_rows = [f"| {pair} | {MEASURES[m]} | {interval_text(c)} |" for pair, by in record["comparisons"].items()
                        for m, c in by.items()]
     classes = sorted({k for v in s.values() for k in v["final_failures"]})
     failure_rows = [f"| {v['label']} | " + " | ".join(f"{v['final_failures'].get(k, 0.0):.3f}" for k in classes)
@@ -637,9 +626,7 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
     figure_ref = figure.relative_to(Path("docs")) if figure.is_relative_to("docs") else figure
     lines = [
         f"## Learning quality, {d['setting']} setting: SAO vs synchronous GRPO (`sao bench quality`)", "",
-        "Commands (one per part, then merged): " + "; ".join(f"`{c}`" for c in record["commands"]) + ".", "",
-        "Parts: " + "; ".join(f"seed {p['seed']}: {machine_line(p['machine'])} Commit {p['machine']['commit']}; "
-                              f"{p['wall_s'] / 60:.1f} min" for p in record["parts"]), "",
+        *parts_lines(record["commands"], record["parts"]), "",
         f"Every run: math_tool with {latency}; {d['steps']} steps of {d['batch']} trajectories (GRPO: "
         f"{d['batch'] // d['group']} prompts x {d['group']}), the trainer in the benchmark's process for every arm "
         f"(`use_ray_train=False`), one SFT checkpoint as version 0; {d['validation_tasks']} train-split tasks "
@@ -675,11 +662,6 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
 
 def publish_merged(args: argparse.Namespace) -> int:
     parts, notes = load_parts(args)
-    if not parts:
-        print(f"sao bench quality: no part of {name_of(args)} with this design in {args.out}", file=sys.stderr)
-        for note in notes:
-            print(f"  {note}", file=sys.stderr)
-        return 1
     record = merge(parts, args.bootstrap)
     record |= {"design": parts[0]["design"], "bootstrap": args.bootstrap, "notes": notes,
                "commands": [p["command"] for p in parts],

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["area_weights", "decode_rewards", "encode_rewards", "paired_bootstrap", "point_weights",
-           "two_sample_bootstrap"]
+__all__ = ["area_weights", "decode_rewards", "encode_rewards", "interval_text", "paired_bootstrap",
+           "point_weights", "two_sample_bootstrap"]
 
 
 def _check(xs: Sequence[float]) -> None:
@@ -102,6 +102,12 @@ def two_sample_bootstrap(pairs: Sequence[tuple[np.ndarray, np.ndarray]], samples
     rng = np.random.default_rng(seed)
     per_seed = np.stack([_resample_mean(a, samples, rng) - _resample_mean(b, samples, rng) for a, b in pairs])
     return _over_seeds([float(a.mean() - b.mean()) for a, b in pairs], per_seed, samples, level, rng)
+
+
+def interval_text(result: dict[str, float]) -> str:
+    """A bootstrap result as ``mean [low, high] (per seed ...)``."""
+    return (f"{result['mean']:+.3f} [{result['low']:+.3f}, {result['high']:+.3f}] (per seed "
+            + ", ".join(f"{d:+.3f}" for d in result["per_seed"]) + ")")
 
 
 def encode_rewards(rewards: Sequence[float]) -> str | list[float]:

@@ -71,6 +71,8 @@ def test_only_parts_of_the_same_design_are_merged(tmp_path):
     parts, notes = load_parts(args)
     assert [p["seed"] for p in parts] == [0, 1]
     assert notes == ["quality-heavy-seed2.json left out: its design differs in steps"]
+    with pytest.raises(SystemExit, match=r"no part of quality-heavy with this design(.|\n)*seed2.json left out"):
+        load_parts(_parse(["--out", str(tmp_path), "--steps", "40"]))
 
 
 def test_the_arguments_are_checked():
@@ -83,6 +85,7 @@ def test_the_arguments_are_checked():
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.timeout(900)  # four arms and value pretraining: about 3 min alone here, more on a loaded machine
 def test_a_quick_run_writes_a_part_and_merges_it(tmp_path):
     arms = "sao,grpo,grpo_dis,ppo_async"
     assert main(["--quick", "--workdir", str(tmp_path), "--arms", arms]) == 0
