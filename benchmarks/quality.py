@@ -607,6 +607,26 @@ def _curve_table(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def tuning_lines(record: dict[str, Any]) -> list[str]:
+    """The learning-rate tuning behind the runs (if a record of it is there), and whether each arm ran
+    at its pick."""
+    tuning = record.get("tuning")
+    if tuning is None:
+        return ["No learning-rate tuning record (`--tune-lrs`): each arm ran at the rate named above.", ""]
+    scores = "; ".join(f"{arm}: " + ", ".join(f"{lr} -> {acc:.3f}" for lr, acc in by.items())
+                       for arm, by in tuning["validation_accuracy"].items())
+    ran = {arm: v["lr_policy"] for arm, v in record["summary"].items()}
+    differ = sorted(arm for arm, lr in ran.items() if arm in tuning["picked"] and tuning["picked"][arm] != lr)
+    untuned = sorted(arm for arm in ran if arm not in tuning["picked"])
+    verdict = ("every arm ran at its pick" if not differ and not untuned else
+               "; ".join(filter(None, [differ and f"{', '.join(differ)} ran at another rate than its pick",
+                                       untuned and f"{', '.join(untuned)} not tuned"])))
+    return [f"Learning-rate tuning (`{tuning['command']}`, `{tuning['file']}`, commit {tuning['machine']['commit']}): "
+            f"each arm {tuning['tune_steps']} steps at each rate, seed {tuning['seed']}, judged by the last "
+            f"version's sampled accuracy on the {tuning['design']['validation_tasks']} validation tasks: {scores}. "
+            f"Picks: " + ", ".join(f"{arm} {lr:g}" for arm, lr in tuning["picked"].items()) + f"; {verdict}.", ""]
+
+
 def markdown(record: dict[str, Any], figure: Path) -> str:
     s, d = record["summary"], record["design"]
     latency = (f"log-normal tool latency per call (median {d['latency']['median_s']:g} s, sigma "
@@ -635,7 +655,7 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
         f"the first step. Held-out sampled accuracy (T=1) on {d['eval_tasks']} tasks (the same for every run, "
         f"the seed's sampler seed) every {d['eval_every']} versions. Seeds: {', '.join(map(str, record['seeds']))}.",
         "",
-        f"Areas are the mean accuracy over [0, H] (straight lines between evaluated versions, the last held "
+        *tuning_lines(record), f"Areas are the mean accuracy over [0, H] (straight lines between evaluated versions, the last held "
         f"after a run ends): H = {record['horizon_time_s']:.0f} s of wall time and "
         f"{record['horizon_trajectories']:.0f} trajectories (the longest run's). Equal wall time T = "
         f"{record['t_equal']:.0f} s (the shortest run's end, value pretraining counted), its accuracy read off "
@@ -663,6 +683,8 @@ def markdown(record: dict[str, Any], figure: Path) -> str:
 def publish_merged(args: argparse.Namespace) -> int:
     parts, notes = load_parts(args)
     record = merge(parts, args.bootstrap)
+    tuned = args.out / f"{name_of(args)}-lr.json"
+    record["tuning"] = json.loads(tuned.read_text()) | {"file": tuned.name} if tuned.exists() else None
     record |= {"design": parts[0]["design"], "bootstrap": args.bootstrap, "notes": notes,
                "commands": [p["command"] for p in parts],
                "parts": [{"seed": p["seed"], "machine": p["machine"], "wall_s": p["wall_s"]} for p in parts]}

@@ -146,3 +146,16 @@ def test_tuning_judges_each_rate_on_the_validation_tasks(tmp_path):
     assert set(accuracy) == {"0.0001", "0.0003"} and all(0.0 <= a <= 1.0 for a in accuracy.values())
     assert record["picked"]["grpo"] == float(max(accuracy, key=accuracy.get))
     assert record["design"]["validation_tasks"] == 8 and record["tune_steps"] == 1
+
+
+def test_the_section_says_whether_each_arm_ran_at_its_tuned_rate():
+    from benchmarks.quality import tuning_lines
+
+    record = merge(_parts(), samples=10)  # both arms at 2e-4
+    assert tuning_lines(record)[0].startswith("No learning-rate tuning record")
+    record["tuning"] = {"command": "c", "file": "f.json", "machine": {"commit": "abc"}, "tune_steps": 60, "seed": 0,
+                        "design": {"validation_tasks": 500}, "picked": {"sao": 2e-4, "grpo": 4e-4},
+                        "validation_accuracy": {"sao": {"0.0002": 0.7}, "grpo": {"0.0004": 0.6}}}
+    assert "grpo ran at another rate than its pick" in tuning_lines(record)[0]
+    record["tuning"]["picked"]["grpo"] = 2e-4
+    assert tuning_lines(record)[0].endswith("every arm ran at its pick.")
