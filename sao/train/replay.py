@@ -378,9 +378,11 @@ def _close(recorded: float, replayed: float, tolerance: float) -> bool:
 
 def compare_metrics(recorded: Mapping[str, float], replayed: Mapping[str, float], tolerance: float = 0.0
                     ) -> tuple[tuple[MetricMismatch, ...], int]:
-    """(mismatches, number compared) over the union of names, skipping :data:`NOT_REPLAYED`; equal
-    means exactly equal when ``tolerance`` is 0, else within it (relative and absolute)."""
-    names = sorted(n for n in set(recorded) | set(replayed) if not n.startswith(NOT_REPLAYED))
+    """(mismatches, number compared) over the recorded names, skipping :data:`NOT_REPLAYED`; equal
+    means exactly equal when ``tolerance`` is 0, else within it (relative and absolute). A recorded
+    metric the replay lacks is a mismatch; one only the replay has (computed by a newer version of
+    the code than the one that recorded the step) is not compared."""
+    names = sorted(n for n in recorded if not n.startswith(NOT_REPLAYED))
     mismatches = tuple(
         MetricMismatch(name, recorded.get(name), replayed.get(name))
         for name in names

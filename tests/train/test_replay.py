@@ -268,3 +268,15 @@ def test_a_what_if_run_is_recorded_like_a_trained_one_reconciled_and_replayed(tr
         started_at=utc_now(), finished_at=utc_now(), data_run_id=cfg.run_id))
     forged = check_run(lake, "forged", verify_checkpoints=False)
     assert [f.kind for f in forged.findings] == [FindingKind.WHAT_IF_DATA]
+
+
+def test_metrics_compare_over_the_recorded_names():
+    """A metric newer code computes that the recording lacks is no mismatch (a lake recorded by an
+    older version replays clean); a recorded metric the replay lacks, or a different value, is one."""
+    recorded = {"actor/loss": 0.5, "critic/loss": 0.25, "time/step_s": 3.0}
+    mismatches, compared = compare_metrics(recorded, {"actor/loss": 0.5, "critic/loss": 0.25,
+                                                      "batch/flat_group_frac": 0.4, "time/step_s": 9.0})
+    assert mismatches == () and compared == 2
+    mismatches, _ = compare_metrics(recorded, {"actor/loss": 0.5000001})
+    assert [(m.name, m.recorded, m.replayed) for m in mismatches] == [("actor/loss", 0.5, 0.5000001),
+                                                                       ("critic/loss", 0.25, None)]
