@@ -529,8 +529,9 @@ def main(argv: list[str]) -> int:
         seed_started, seed_machine = time.monotonic(), info if seed == args.seeds[0] else machine()
         runs_dir = args.workdir / args.name
         shutil.rmtree(runs_dir, ignore_errors=True)  # every seed starts its runs afresh
-        tasks_file = write_tasks(runs_dir / "style_preference.jsonl", generate_tasks(config))
-        tasks = [t for t in generate_tasks(config) if t.split is Split.TRAIN]
+        every_task = generate_tasks(config)
+        tasks_file = write_tasks(runs_dir / "style_preference.jsonl", every_task)
+        tasks = [t for t in every_task if t.split is Split.TRAIN]
         runs = {m: run_method(m, seed, args, policy, tasks, tasks_file, runs_dir, tokenizer) for m in args.methods}
         part = {"design": design(args), "seed": seed, "machine": seed_machine, "sft_s": sft_s,
                 "command": " ".join(["sao bench online", *argv]), "wall_s": time.monotonic() - seed_started,

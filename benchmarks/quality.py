@@ -334,8 +334,8 @@ def _timeline(settings, started: float) -> dict[str, Any]:
     lake = Lake.open(settings.lake_config())
     predicate = f"run_id = {sql_literal(settings.run_id)}"
     steps = sorted(lake.read("train_steps", predicate=predicate).to_pylist(), key=lambda r: r["step"])
-    stored = lake.read("trajectories", columns=["trajectory_id"], predicate=predicate).num_rows
-    dispatched = _first_dispatch(settings, settings.run_id)
+    timings = lake.read("trajectories", columns=["timings"], predicate=predicate).column("timings").to_pylist()
+    stored, dispatched = len(timings), min(t["created_at"] for t in timings).timestamp()
     steps_out = [{"step": row["step"], "version_before": row["policy_version_before"],
                   "version": row["policy_version_after"], "trajectories_version": row["trajectories_version"],
                   "trajectory_ids": list(row["trajectory_ids"]),
