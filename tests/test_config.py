@@ -111,7 +111,7 @@ def test_set_values_are_read_as_yaml():
     (["trian.steps=3"], "trian: unknown key; the top level has: algorithm, critic, data, env, eval,"),
     (["train.batch_size=many"], "train.batch_size: Input should be a valid integer"),
     (["train.steps=-1"], "train.steps: Input should be greater than or equal to 0 (got -1) [from --set train.steps=-1]"),
-    (["algorithm.name=ppo"], "algorithm.name: Input should be 'sao', 'grpo', 'grpo_dis', 'ppo_async' or"),
+    (["algorithm.name=ppo"], "algorithm.name: Input should be 'sao', 'grpo', 'grpo_dis', 'ppo_async', 'running_mean' or"),
     (["algorithm.critic_updates=-2"], "algorithm.critic_updates: critic_updates must be >= 0, got -2"),
     (["algorithm.gamma=2"], "algorithm.gamma: gamma must lie in [0, 1], got 2"),
     (["rollout.top_p=0"], "rollout.top_p: Input should be greater than 0 (got 0)"),

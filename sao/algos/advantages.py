@@ -1,4 +1,5 @@
-"""Advantages: skip-observation GAE (SAO section 2), GRPO group baselines, a running-mean baseline.
+"""Advantages: skip-observation GAE (SAO section 2), GRPO group baselines, a running-mean baseline, and
+the self-imitation control's success indicator.
 
 Notation:
     B sequences, T tokens after the prompt; ``action_mask`` (B, T) True at tokens the policy sampled.
@@ -35,6 +36,7 @@ __all__ = [
     "grpo_advantages",
     "length_adaptive_lambda",
     "skip_observation_gae",
+    "success_advantages",
 ]
 
 
@@ -151,6 +153,16 @@ def flat_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[int, in
         groups += 1
         flat += int(bool((group == group[0]).all()))
     return groups, flat
+
+
+def success_advantages(rewards: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(B,) advantages of the self-imitation control: 1 for a trajectory whose reward reaches
+    ``threshold``, 0 otherwise. With a policy-gradient loss this is fine-tuning on the policy's own
+    successful rollouts (rejection-sampling fine-tuning): failures add nothing, no baseline is
+    subtracted, and a batch with no success leaves the policy where it is."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must have shape (B,), got {tuple(rewards.shape)}")
+    return (rewards.to(torch.float32) >= threshold).to(torch.float32)
 
 
 def broadcast_to_actions(per_sequence: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:

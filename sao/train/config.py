@@ -10,7 +10,11 @@ preset (``Algorithm``)    advantage estimator      policy loss
 ``grpo_dis``              group-normalised         DIS
 ``ppo_async``             critic + skip-obs GAE    PPO clip
 ``running_mean``          reward - running mean    DIS
+``self_imitation``        1 if success, else 0     DIS
 ========================  =======================  ===============
+
+``self_imitation`` is a control, not a method of SAO.md: fine-tuning on the policy's own successful
+rollouts (a reward at least ``imitation_threshold``), with DIS correcting for their staleness.
 
 Defaults are the paper's settings where they transfer (DIS interval of the math setting, K = 2 critic
 updates, lam_critic = 1, alpha = 1.5, gamma = 1); learning rates are ours (the paper's 1e-6 / 5e-6 are
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,12 +48,14 @@ class Algorithm(enum.StrEnum):
     GRPO_DIS = "grpo_dis"
     PPO_ASYNC = "ppo_async"
     RUNNING_MEAN = "running_mean"
+    SELF_IMITATION = "self_imitation"
 
 
 class AdvantageEstimator(enum.StrEnum):
     CRITIC_GAE = "critic_gae"
     GROUP = "group"
     RUNNING_MEAN = "running_mean"
+    SUCCESS = "success"
 
 
 class PolicyLossKind(enum.StrEnum):
@@ -62,6 +69,7 @@ _PRESETS: dict[Algorithm, tuple[AdvantageEstimator, PolicyLossKind]] = {
     Algorithm.GRPO_DIS: (AdvantageEstimator.GROUP, PolicyLossKind.DIS),
     Algorithm.PPO_ASYNC: (AdvantageEstimator.CRITIC_GAE, PolicyLossKind.PPO_CLIP),
     Algorithm.RUNNING_MEAN: (AdvantageEstimator.RUNNING_MEAN, PolicyLossKind.DIS),
+    Algorithm.SELF_IMITATION: (AdvantageEstimator.SUCCESS, PolicyLossKind.DIS),
 }
 
 
@@ -97,6 +105,8 @@ class UpdateConfig:
         whiten_advantages: normalise policy advantages over the batch's action tokens.
         group_scale_by_std: GRPO divides by the group's std (False: mean baseline only).
         running_mean_window: window of the running-mean baseline (paper comparison 8).
+        imitation_threshold: the reward at which ``self_imitation`` counts a trajectory a success (1.0:
+            the math environments' full reward).
         reward_range: (low, high) to monitor values outside it.
         bootstrap_reasons: termination reasons after which the return is V(s_end) rather than 0.
             SAO.md bootstraps the budget ends (``length``, ``turns``, ``timeout``); where a budget is
@@ -152,6 +162,7 @@ class UpdateConfig:
     whiten_advantages: bool = False
     group_scale_by_std: bool = True
     running_mean_window: int = 8
+    imitation_threshold: float = 1.0
     reward_range: tuple[float, float] = (0.0, 1.0)
     bootstrap_reasons: tuple[str, ...] = BOOTSTRAP_REASONS
     skip_reasons: tuple[str, ...] = SKIP_REASONS
@@ -192,6 +203,8 @@ class UpdateConfig:
             raise ValueError(f"adam_beta2 must lie in [0, 1), got {self.adam_beta2}")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0 (a bonus for entropy), got {self.entropy_coef}")
+        if not math.isfinite(self.imitation_threshold):
+            raise ValueError(f"imitation_threshold must be a finite reward, got {self.imitation_threshold}")
         if self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
         if self.oracle_values and self.advantage_estimator is not AdvantageEstimator.CRITIC_GAE:

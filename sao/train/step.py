@@ -45,6 +45,7 @@ from sao.algos.advantages import (
     grpo_advantages,
     length_adaptive_lambda,
     skip_observation_gae,
+    success_advantages,
 )
 from sao.algos.dis import dis_weights
 from sao.algos.losses import dis_policy_loss, ppo_clip_loss, value_loss
@@ -333,13 +334,9 @@ class Learner:
                                                  lam_policy)
         else:
             returns = None
-            if sequence_advantages is not None:
-                per_sequence = sequence_advantages.to(batch.device)
-            elif estimator is AdvantageEstimator.GROUP:
-                per_sequence = grpo_advantages(batch.scalar_rewards, batch.group_ids,
-                                               scale_by_std=cfg.group_scale_by_std)
-            else:
-                per_sequence = self.running_mean.advantages(batch.scalar_rewards)
+            if sequence_advantages is None:
+                sequence_advantages = self.sequence_advantages(batch.scalar_rewards, batch.group_ids)
+            per_sequence = sequence_advantages.to(batch.device)
             advantages = broadcast_to_actions(per_sequence, batch.action_mask)
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, batch.action_mask)
@@ -347,13 +344,15 @@ class Learner:
         return advantages, returns, metrics
 
     def sequence_advantages(self, scalar_rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor | None:
-        """(B,) per-trajectory advantages of the group / running-mean estimators over a whole batch
+        """(B,) per-trajectory advantages of the group / running-mean / success estimators over a whole batch
         (every worker calls this with the same full batch); None for the critic estimator."""
         estimator = self.config.advantage_estimator
         if estimator is AdvantageEstimator.GROUP:
             return grpo_advantages(scalar_rewards, group_ids, scale_by_std=self.config.group_scale_by_std)
         if estimator is AdvantageEstimator.RUNNING_MEAN:
             return self.running_mean.advantages(scalar_rewards)
+        if estimator is AdvantageEstimator.SUCCESS:
+            return success_advantages(scalar_rewards, self.config.imitation_threshold)
         return None
 
     def update(self, batch: TrainBatch, sequence_advantages: torch.Tensor | None = None,

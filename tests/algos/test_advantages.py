@@ -14,6 +14,7 @@ from sao.algos.advantages import (
     grpo_advantages,
     length_adaptive_lambda,
     skip_observation_gae,
+    success_advantages,
 )
 
 NAN = float("nan")
@@ -205,6 +206,14 @@ def test_flat_groups_counts_groups_of_two_or_more_with_one_reward():
 def test_broadcast_to_actions():
     out = broadcast_to_actions(torch.tensor([2.0, -1.0]), torch.tensor([[1, 0, 1], [0, 1, 0]], dtype=torch.bool))
     assert out.tolist() == [[2.0, 0.0, 2.0], [0.0, -1.0, 0.0]]
+
+
+def test_success_advantages():
+    out = success_advantages(torch.tensor([1.0, 0.0, 0.99, 2.0]), threshold=1.0)
+    assert out.tolist() == [1.0, 0.0, 0.0, 1.0] and out.dtype == torch.float32
+    assert success_advantages(torch.tensor([0.5, 0.2]), threshold=0.5).tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"shape \(B,\)"):
+        success_advantages(torch.zeros(2, 3), threshold=1.0)
 
 
 def test_running_mean_baseline_window():

@@ -258,7 +258,7 @@ def test_split_by_token_budget_buckets_by_length():
     assert split_by_token_budget(batch, 100) == [[0, 1, 2]]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "grpo_dis", "ppo_async", "running_mean"])
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo_dis", "ppo_async", "running_mean", "self_imitation"])
 def test_every_algorithm_runs_through_the_same_loop(algorithm):
     policy = tiny()
     cfg = UpdateConfig(algorithm=algorithm, eps_high=0.5)
@@ -267,6 +267,24 @@ def test_every_algorithm_runs_through_the_same_loop(algorithm):
     metrics = Learner(cfg, policy, critic).update(collate(hand_built_rows(policy), trainer_version=5))
     assert all(math.isfinite(v) for v in metrics.values())
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters(), strict=True))
+
+
+def test_self_imitation_trains_on_successes_only():
+    """The control's advantage is 1 at every action token of a trajectory with the full reward (t0) and 0
+    elsewhere; with no success in the batch the policy does not move."""
+    policy = tiny()
+    learner = Learner(UpdateConfig(algorithm="self_imitation"), policy, None)
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    advantages, returns, _ = learner.advantages(batch)
+    assert returns is None
+    assert advantages.tolist()[0] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    assert not advantages[1:].any()
+    failures = [dict(r, reward=0.0) for r in hand_built_rows(policy)]
+    before = [p.detach().clone() for p in policy.parameters()]
+    learner.update(collate(failures, trainer_version=5))
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters(), strict=True))
+    with pytest.raises(ValueError, match="imitation_threshold must be a finite reward"):
+        UpdateConfig(algorithm="self_imitation", imitation_threshold=float("nan"))
 
 
 def test_a_critic_algorithm_without_a_critic_is_refused():
