@@ -2,20 +2,27 @@
 style_preference from one SFT warm start, seed by seed: SAO's critic against a running-mean baseline
 and a group baseline, with each reader's preferred style shifting at its own step.
 
-    sao bench online [--seeds 0] [--steps 450] [--shifts Ada:150,Basil:225,Cleo:300] [--entropy-coef 0]
+    sao bench online [--seeds 0] [--steps 450] [--shifts Ada:150:cute,Basil:225:classical,Cleo:300:cute]
+                     [--entropy-coef 0]
                      [--quick]
     sao bench online --merge
 
 The setting (defaults; each can be changed): every prompt names one of three readers (personas), and
-each reader has a schedule of its own (``--shifts PERSONA:STEP,...``): the i-th reader starts with the
-i-th style (academic, cute, classical, chuunibyou) and moves to the next at its shift, so the readers
-want different styles from the start and change at different steps; a policy must read the prompt to
-please each, and a critic has per-reader values to follow. ``--shifts 150,300`` (steps without names)
-is the single-reader setting of the earlier design. The reward is graded (``--graded``: a finished
+each reader has a schedule of its own (``--shifts PERSONA:STEP[:STYLE],...``): the i-th reader starts
+with the i-th style (academic, cute, classical, chuunibyou) and moves, at each of its shifts, to the
+style named or else to the next one, so the readers want different styles from the start and change at
+different steps; a policy must read the prompt to please each, and a critic has per-reader values to
+follow. By default Ada moves from academic to cute at step 150, Basil from cute to classical at 225 and
+Cleo from classical to cute at 300: each reader moves to a style another reader wants at that moment,
+one the policy still writes. (A shift to a style no reader has wanted for a while, such as Cleo's
+chuunibyou at 300 when every reader moves to the next style in order, gave no method a signal: by then
+no policy wrote that style, and no reply earned more than the floor.) ``--shifts 150,300`` (steps
+without names) is the single-reader setting of the earlier design. The reward is graded (``--graded``: a finished
 reply scores at least 0.2, each marker of the preferred style adds, so a shift does not zero every
 reply) and replies end on ``</answer>`` (``--answer-tag``: the warm start's demonstrations are written
 so, and a reply that never closes scores 0). ``--entropy-coef`` adds an entropy bonus to every method's
-actor loss alike (``algorithm.entropy_coef``; default 0, none).
+actor loss alike (``algorithm.entropy_coef``; default 0, none). A reply that runs out of tokens is
+scored as it stands and not bootstrapped (:func:`sao.online.online_settings`), for every method.
 
 The methods (same warm start, seed, batch size, steps, staleness bound, policy learning rate):
 
@@ -71,30 +78,39 @@ METHODS: tuple[str, ...] = ("sao", "running_mean", "grpo_dis")
 LABELS = {"sao": "SAO (critic + GAE + DIS)", "running_mean": "running mean (window 8) + DIS",
           "grpo_dis": "group baseline (GRPO + DIS)"}
 COLORS = {"sao": "tab:blue", "running_mean": "tab:orange", "grpo_dis": "tab:green"}
-DEFAULT_SHIFTS = "Ada:150,Basil:225,Cleo:300"
+DEFAULT_SHIFTS = "Ada:150:cute,Basil:225:classical,Cleo:300:cute"
 
 
-def parse_shifts(text: str) -> list[int] | dict[str, list[int]]:
-    """``150,300`` (every reader) or ``Ada:150,Basil:225,Ada:300`` (per reader; a reader named with
+def parse_shifts(text: str) -> list[int] | dict[str, list[int | tuple[int, str]]]:
+    """``150,300`` (every reader) or ``Ada:150:cute,Basil:225,Ada:300`` (per reader: a step, with the
+    style the reader moves to or, without one, the next style in the default order; a reader named with
     no step, ``Cleo:``, keeps its first style throughout)."""
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not any(":" in item for item in items):
         return [int(item) for item in items]
     if not all(":" in item for item in items):
         raise ValueError(f"--shifts: name a reader for every step or for none, got {text!r}")
-    schedule: dict[str, list[int]] = {}
+    schedule: dict[str, list[int | tuple[int, str]]] = {}
     for item in items:
-        name, _, step = item.partition(":")
+        name, _, shift = item.partition(":")
+        step, _, style = shift.partition(":")
         schedule.setdefault(name.strip(), [])
         if step.strip():
-            schedule[name.strip()].append(int(step))
+            schedule[name.strip()].append((int(step), style.strip()) if style.strip() else int(step))
     return schedule
+
+
+def shift_steps(schedule: list[int] | dict[str, list[int | tuple[int, str]]]) -> list[int]:
+    """Every shift's step."""
+    if isinstance(schedule, list):
+        return list(schedule)
+    return [shift[0] if isinstance(shift, tuple) else shift for shifts in schedule.values() for shift in shifts]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sao bench online", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=450)
-    parser.add_argument("--shifts", default=DEFAULT_SHIFTS, help="READER:STEP,... per reader, or STEP,... for all")
+    parser.add_argument("--shifts", default=DEFAULT_SHIFTS, help="READER:STEP[:STYLE],... per reader, or STEP,... for all")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"any of {', '.join(METHODS)}")
     parser.add_argument("--seeds", default="0", help="seeds of this invocation (parts of other seeds are merged)")
     parser.add_argument("--batch", type=int, default=8, help="trajectories per update")
@@ -137,7 +153,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    steps = args.schedule if isinstance(args.schedule, list) else [s for v in args.schedule.values() for s in v]
+    steps = shift_steps(args.schedule)
     if not steps or not all(0 < s < args.steps for s in steps):
         parser.error(f"--shifts must hold at least one step, each inside (0, --steps={args.steps}), got {args.shifts}")
     if args.batch % args.group_size:

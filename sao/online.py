@@ -5,6 +5,7 @@ the preferred writing style shifts at chosen trainer steps, and how many steps a
     shift_options        the environment options that put the shifts at given steps (for every reader,
                          or per persona), with the graded reward and the closing tag when asked
     style_config         the style_preference config those options give (its tasks, its demonstrations)
+    online_settings      the run settings of such a run (a reply that runs out of tokens is not bootstrapped)
     online_pipeline      the pipeline of a run on style_preference with those shifts
     smooth, recovery     the reward curve's trailing mean and the recovery after one shift
 
@@ -28,7 +29,7 @@ from typing import Any
 from sao.config import RunConfig
 from sao.pipeline import PipelineConfig
 
-__all__ = ["online_pipeline", "recovery", "shift_options", "smooth", "style_config", "style_tasks",
+__all__ = ["online_pipeline", "online_settings", "recovery", "shift_options", "smooth", "style_config", "style_tasks",
            "style_warm_start"]
 
 
@@ -73,13 +74,38 @@ def _check_steps(shifts: Sequence[int], who: str = "") -> None:
         raise ValueError(f"shifts{who} must be increasing positive steps, got {list(shifts)}")
 
 
-def shift_options(shifts: Sequence[int] | Mapping[str, Sequence[int]], *, graded: bool = False,
+def _persona_schedule(index: int, name: str, shifts: Sequence[int | tuple[int, str]]) -> dict[str, Any]:
+    """The schedule of the ``index``-th persona: it starts at the ``index``-th style; a shift given as
+    ``(step, style)`` moves to that style, one given as a step to the next style in the default order."""
+    from sao.envs.style_preference import Style
+
+    steps = [shift[0] if isinstance(shift, tuple) else shift for shift in shifts]
+    _check_steps(steps, f" of persona {name!r}")
+    order = _styles_from(0, len(Style))
+    styles = _styles_from(index, 1)
+    for shift in shifts:
+        if not isinstance(shift, tuple):
+            styles.append(order[(order.index(styles[-1]) + 1) % len(order)])
+            continue
+        step, style = shift
+        if style not in {str(s) for s in Style}:
+            raise ValueError(f"the shift of persona {name!r} at step {step} names style {style!r}, "
+                             f"not one of {', '.join(str(s) for s in Style)}")
+        if style == styles[-1]:
+            raise ValueError(f"the shift of persona {name!r} at step {step} moves to {style!r}, "
+                             "the style it already prefers")
+        styles.append(style)
+    return {"styles": styles, "shift_steps": steps}
+
+
+def shift_options(shifts: Sequence[int] | Mapping[str, Sequence[int | tuple[int, str]]], *, graded: bool = False,
                   answer_tag: bool = False) -> dict[str, dict[str, Any]]:
     """``env_options`` of style_preference with the preference shifting at trainer steps ``shifts``
     (the styles in the schedule's default order, cycling after four phases). A mapping of persona to
-    its shift steps names the personas in the prompts instead and gives each its own schedule: the
-    i-th persona starts at the i-th style, so the readers want different styles from the start and
-    change at their own steps. ``graded`` and ``answer_tag``: :class:`StyleJudge.graded
+    its shifts names the personas in the prompts instead and gives each its own schedule: the i-th
+    persona starts at the i-th style, so the readers want different styles from the start and change
+    at their own steps, each shift to the next style in the default order (a step) or to a named one
+    (``(step, style)``). ``graded`` and ``answer_tag``: :class:`StyleJudge.graded
     <sao.envs.style_preference.StyleJudge>`, :class:`StylePreferenceConfig.answer_tag
     <sao.envs.style_preference.StylePreferenceConfig>`."""
     judge: dict[str, Any] = {}
@@ -87,10 +113,8 @@ def shift_options(shifts: Sequence[int] | Mapping[str, Sequence[int]], *, graded
     if isinstance(shifts, Mapping):
         if not shifts:
             raise ValueError("shifts per persona: name at least one persona")
-        for name, steps in shifts.items():
-            _check_steps(steps, f" of persona {name!r}")
         options["personas"] = list(shifts)
-        judge["persona_schedules"] = {name: {"styles": _styles_from(i, len(steps) + 1), "shift_steps": list(steps)}
+        judge["persona_schedules"] = {name: _persona_schedule(i, name, steps)
                                       for i, (name, steps) in enumerate(shifts.items())}
     else:
         _check_steps(shifts)
@@ -109,19 +133,31 @@ def style_config(options: dict[str, dict[str, Any]]):
     return make_env("style_preference", **options["style_preference"]).config
 
 
-def online_pipeline(settings: RunConfig, policy_path: str | Path, shifts: Sequence[int] | Mapping[str, Sequence[int]],
+def online_settings(settings: RunConfig) -> RunConfig:
+    """``settings`` for a style_preference run: a reply that runs out of tokens is not bootstrapped.
+    The judge scores every reply when it ends, so a ``length`` end is the episode's outcome (and with
+    ``answer_tag`` a failure, scored 0), not a budget cut before an outcome: valuing it at V(s_end), as
+    SAO.md's rule for budget truncations would, tells the critic's methods that running on is as good
+    as finishing, and they learn replies that never close (measured: a quarter of SAO's replies ran
+    to the budget). The other budget ends keep their bootstrap."""
+    reasons = [reason for reason in settings.algorithm.bootstrap_reasons if reason != "length"]
+    return settings.with_values({"algorithm.bootstrap_reasons": reasons})
+
+
+def online_pipeline(settings: RunConfig, policy_path: str | Path,
+                    shifts: Sequence[int] | Mapping[str, Sequence[int | tuple[int, str]]],
                     tasks_file: str | Path, max_tokens: int = 64, *, graded: bool = False,
                     answer_tag: bool = False) -> PipelineConfig:
     """The pipeline of a style_preference run with shifts at ``shifts`` (:func:`shift_options`, with
-    ``graded`` and ``answer_tag``): one turn per episode, the shift schedule in the rollouts'
-    environment options and in the run's stored settings (so a trajectory replay rewards under the
-    same preference)."""
+    ``graded`` and ``answer_tag``) and ``settings`` as :func:`online_settings` adjusts them: one turn
+    per episode, the shift schedule in the rollouts' environment options and in the run's stored
+    settings (so a trajectory replay rewards under the same preference)."""
     from sao import runs
     from sao.rollout.agent import AgentConfig
     from sao.train.run_config import ReplayContext
 
     options = shift_options(shifts, graded=graded, answer_tag=answer_tag)
-    config = runs.pipeline_config(settings, policy_path)
+    config = runs.pipeline_config(online_settings(settings), policy_path)
     context = ReplayContext(tasks_path=str(Path(tasks_file).resolve()), env_options=options, max_turns=1)
     return dataclasses.replace(config, train=dataclasses.replace(config.train, rollout=context),
                                agent=AgentConfig(max_tokens=max_tokens, max_turns=1), env_options=options)

@@ -52,3 +52,30 @@ def test_shift_options_per_persona_start_each_reader_at_its_own_style():
     assert "graded" not in shift_options([150])["style_preference"]["judge"]  # off: the options as before
     with pytest.raises(ValueError, match="of persona 'Ada' must be increasing"):
         shift_options({"Ada": [20, 10]})
+
+
+def test_a_shift_can_name_the_style_the_reader_moves_to():
+    judge = shift_options({"Ada": [(150, "cute"), 300], "Cleo": [(300, "academic")]})["style_preference"]["judge"]
+    assert judge["persona_schedules"] == {
+        "Ada": {"styles": ["academic", "cute", "classical"], "shift_steps": [150, 300]},
+        "Cleo": {"styles": ["cute", "academic"], "shift_steps": [300]}}
+    with pytest.raises(ValueError, match="names style 'sarcastic', not one of academic, cute"):
+        shift_options({"Ada": [(150, "sarcastic")]})
+    with pytest.raises(ValueError, match="moves to 'academic', the style it already prefers"):
+        shift_options({"Ada": [(150, "academic")]})
+    with pytest.raises(ValueError, match="must be increasing"):
+        shift_options({"Ada": [(150, "cute"), (100, "academic")]})
+
+
+def test_a_reply_that_runs_out_of_tokens_is_not_bootstrapped():
+    """style_preference scores a reply when it ends, so a length end is an outcome; other budget ends keep
+    SAO.md's bootstrap, and what else the settings say is kept."""
+    from sao.config import RunConfig
+    from sao.online import online_settings
+
+    settings = RunConfig(run_id="online-test").with_values({"algorithm.lr_policy": 1e-4})
+    adjusted = online_settings(settings)
+    assert "length" in settings.algorithm.bootstrap_reasons
+    assert list(adjusted.algorithm.bootstrap_reasons) == [r for r in settings.algorithm.bootstrap_reasons if r != "length"]
+    assert adjusted.algorithm.lr_policy == 1e-4 and adjusted.run_id == "online-test"
+    assert online_settings(adjusted).algorithm.bootstrap_reasons == adjusted.algorithm.bootstrap_reasons

@@ -20,6 +20,22 @@ def test_the_schedule_names_readers_for_every_step_or_for_none():
         _parse(["--shifts", "Ada:500"])  # past the run's end
     with pytest.raises(SystemExit):
         _parse(["--shifts", "Ada:20,Ada:10"])
+    assert parse_shifts("Ada:150:cute,Ada:300,Cleo:") == {"Ada": [(150, "cute"), 300], "Cleo": []}
+    with pytest.raises(SystemExit):
+        _parse(["--shifts", "Ada:150:sarcastic"])  # no such style
+    with pytest.raises(SystemExit):
+        _parse(["--shifts", "Ada:150:academic"])  # the style Ada already prefers
+
+
+def test_by_default_each_reader_moves_to_a_style_another_reader_wants_at_that_moment():
+    args = _parse([])
+    shifts = events(args)
+    assert [(e["persona"], e["shift"], e["old_style"], e["new_style"]) for e in shifts] == [
+        ("Ada", 150, "academic", "cute"), ("Basil", 225, "cute", "classical"), ("Cleo", 300, "classical", "cute")]
+    for shift in shifts:  # the reader's new style is preferred by another reader just before the shift
+        others = [e for e in shifts if e["persona"] != shift["persona"]]
+        wanted = {e["new_style"] if e["shift"] < shift["shift"] else e["old_style"] for e in others}
+        assert shift["new_style"] in wanted
 
 
 def test_each_shift_runs_to_the_readers_next_shift_or_the_end():
