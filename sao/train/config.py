@@ -103,6 +103,9 @@ class UpdateConfig:
         max_grad_norm: gradient clipping (None = off).
         value_clip: PPO-style value clipping range (None = off).
         whiten_advantages: normalise policy advantages over the batch's action tokens.
+        advantage_floor: a diagnostic (None: off, SAO.md's update): policy advantages below it are raised
+            to it (after whitening); 0 trains on the positive advantages only, so a failed episode's
+            tokens are never pushed down.
         group_scale_by_std: GRPO divides by the group's std (False: mean baseline only).
         running_mean_window: window of the running-mean baseline (paper comparison 8).
         imitation_threshold: the reward at which ``self_imitation`` counts a trajectory a success (1.0:
@@ -160,6 +163,7 @@ class UpdateConfig:
     max_grad_norm: float | None = 1.0
     value_clip: float | None = None
     whiten_advantages: bool = False
+    advantage_floor: float | None = None
     group_scale_by_std: bool = True
     running_mean_window: int = 8
     imitation_threshold: float = 1.0
@@ -203,6 +207,8 @@ class UpdateConfig:
             raise ValueError(f"adam_beta2 must lie in [0, 1), got {self.adam_beta2}")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0 (a bonus for entropy), got {self.entropy_coef}")
+        if self.advantage_floor is not None and not math.isfinite(self.advantage_floor):
+            raise ValueError(f"advantage_floor must be finite or None, got {self.advantage_floor}")
         if not math.isfinite(self.imitation_threshold):
             raise ValueError(f"imitation_threshold must be a finite reward, got {self.imitation_threshold}")
         if self.token_budget < 1:

@@ -340,6 +340,10 @@ class Learner:
             advantages = broadcast_to_actions(per_sequence, batch.action_mask)
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, batch.action_mask)
+        if cfg.advantage_floor is not None:
+            raised = batch.action_mask & (advantages < cfg.advantage_floor)
+            metrics["actor/advantage_floored_frac"] = float(raised.sum()) / max(int(batch.action_mask.sum()), 1)
+            advantages = torch.where(raised, torch.full_like(advantages, cfg.advantage_floor), advantages)
         metrics["actor/advantage_mean"] = float(masked_mean(advantages, batch.action_mask))
         return advantages, returns, metrics
 

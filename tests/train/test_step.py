@@ -287,6 +287,21 @@ def test_self_imitation_trains_on_successes_only():
         UpdateConfig(algorithm="self_imitation", imitation_threshold=float("nan"))
 
 
+def test_the_advantage_floor_raises_only_action_advantages_below_it():
+    policy = tiny()
+    critic = ValueModel(tiny(1))
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    plain, _, _ = Learner(UpdateConfig(), policy, critic).advantages(batch)
+    floored, _, metrics = Learner(UpdateConfig(advantage_floor=0.0), policy, critic).advantages(batch)
+    action = batch.action_mask
+    assert bool((plain[action] < 0).any())  # the check below can fail
+    assert torch.equal(floored[action], plain[action].clamp(min=0.0))
+    assert not floored[~action].any()
+    assert metrics["actor/advantage_floored_frac"] == float((plain[action] < 0).sum()) / float(action.sum())
+    with pytest.raises(ValueError, match="advantage_floor must be finite"):
+        UpdateConfig(advantage_floor=float("-inf"))
+
+
 def test_a_critic_algorithm_without_a_critic_is_refused():
     with pytest.raises(ValueError, match="needs a critic"):
         Learner(UpdateConfig(algorithm="sao"), tiny(), None)
