@@ -187,9 +187,19 @@ def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
     return fit
 
 
-def _fit(run: dict[str, Any]) -> str:
+def _algorithm(record: dict[str, Any]) -> str:
+    """The algorithm the record's runs trained with: the demo config's unless a ``--set`` names another."""
+    from sao.config import demo_config
+
+    names = [s.partition("=")[2] for s in record["sets"] if s.partition("=")[0].strip() == "algorithm.name"]
+    return names[-1].strip() if names else demo_config().algorithm.name.value
+
+
+def _fit(run: dict[str, Any], critic: bool = True) -> str:
     """The critic's fit, and the oracle's beside it; "not recorded" for a run whose steps did not report it."""
     fit = run.get("critic_fit") or {}
+    if not critic:
+        return "no critic"
     if "critic/explained_variance" not in fit:
         return "not recorded"
     text = "{first:.2f} / {last:.2f}".format(**fit["critic/explained_variance"])
@@ -213,19 +223,23 @@ def _markdown(record: dict[str, Any], name: str) -> str:
     met = {"accuracy": summary["accuracy_after"]["median"] > TARGET_ACCURACY,
            "rise": summary["rise"]["median"] >= TARGET_RISE, "wall": summary["wall_s"]["median"] < TARGET_WALL_S}
     sets = " with " + ", ".join(f"`{s}`" for s in record["sets"]) if record["sets"] else ""
+    from sao.train.config import UpdateConfig
+
+    algorithm = _algorithm(record)
+    critic = UpdateConfig(algorithm=algorithm).uses_critic
     lines = [
         f"## The demo (`sao bench demo`){tag}",
         "",
         f"Command: `{record['command']}` (runs `{record['demo_command']}` in an empty folder each time). "
         f"{machine_line(record['machine'])} Raw data: `{DEFAULT_JSON.with_name(name + '.json')}`.",
         "",
-        f"{len(runs)} run(s) of the demo config{sets}{_seeds_text(record)}, one after another: {first['steps']} SAO "
-        "steps each; held-out "
+        f"{len(runs)} run(s) of the demo config{sets}{_seeds_text(record)}, one after another: {first['steps']} "
+        f"{algorithm} steps each; held-out "
         f"sampled accuracy (T=1) on {first['eval_tasks']} tasks, with its standard error. The wall time is the "
         "command's, in an installed environment (`make demo` on a fresh clone creates the environment first). "
         "Targets (issue 24) judged on the median over the runs.",
         "",
-        "| run | version 0 | after training | rise | wall time (min) | of which SAO training (min) | trajectories "
+        f"| run | version 0 | after training | rise | wall time (min) | of which {algorithm} training (min) | trajectories "
         "| failed after training: tool call / answer / structure | value pretraining: rollouts / held-out explained "
         f"variance | critic's explained variance in training, first / last {FIT_STEPS} steps |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
@@ -236,7 +250,7 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         lines.append(f"| {label} | {r['accuracy_before']:.3f} ± {r['stderr_before']:.3f} | "
                      f"{r['accuracy_after']:.3f} ± {r['stderr_after']:.3f} | "
                      f"{r['accuracy_after'] - r['accuracy_before']:+.3f} | {run['wall_s'] / 60:.1f} | "
-                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} | {_pretraining(run)} | {_fit(run)} |")
+                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} | {_pretraining(run)} | {_fit(run, critic)} |")
     lines += [
         "",
         "| target | median (min-max) | met |",

@@ -11,6 +11,7 @@ import pytest
 from benchmarks.demo import (
     EVAL_SEED,
     PRETRAINING_KEYS,
+    _algorithm,
     _failures,
     _fit,
     _parse,
@@ -159,6 +160,13 @@ def test_the_critics_fit_is_its_explained_variance_early_and_late(tmp_path, monk
     assert fit["oracle/explained_variance"] == {"first": 0.9, "last": 0.9}  # only the steps that have it
     assert _fit({"critic_fit": fit}) == "0.00 / 0.50 (oracle's 0.90 / 0.90)"
     assert _fit({"critic_fit": {}}) == _fit({}) == "not recorded"
+    assert _fit({"critic_fit": {}}, critic=False) == "no critic"
+
+
+def test_the_report_names_the_algorithm_the_runs_trained_with():
+    assert _algorithm({"sets": []}) == "sao"  # the demo config's
+    assert _algorithm({"sets": ["train.steps=5", "algorithm.name=self_imitation"]}) == "self_imitation"
+    assert _algorithm({"sets": ["algorithm.oracle_values=true"]}) == "sao"
 
 
 def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replaced(tmp_path, monkeypatch):
