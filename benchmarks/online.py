@@ -17,7 +17,12 @@ Cleo from classical to cute at 300: each reader moves to a style another reader 
 one the policy still writes. (A shift to a style no reader has wanted for a while, such as Cleo's
 chuunibyou at 300 when every reader moves to the next style in order, gave no method a signal: by then
 no policy wrote that style, and no reply earned more than the floor.) ``--shifts 150,300`` (steps
-without names) is the single-reader setting of the earlier design. The reward is graded (``--graded``: a finished
+without names) is the single-reader setting of the earlier design. The warm start (SFT on a reply in
+every style for every prompt) adds ``--warm-start-bias`` more in the style the prompt's reader first
+prefers (default 1 with readers: 2 of 5 demonstrations), so the version-0 policy already writes
+differently for different readers. (Without it, every policy wrote one style for every reader within
+150 steps: a tiny model does not learn from the reward alone to read the reader's name, and a shift to
+the style it already wrote for everyone earned full reward at once, with nothing tracked.) The reward is graded (``--graded``: a finished
 reply scores at least 0.2, each marker of the preferred style adds, so a shift does not zero every
 reply) and replies end on ``</answer>`` (``--answer-tag``: the warm start's demonstrations are written
 so, and a reply that never closes scores 0). ``--entropy-coef`` adds an entropy bonus to every method's
@@ -122,6 +127,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="the graded reward (a finished reply scores at least 0.2)")
     parser.add_argument("--answer-tag", action=argparse.BooleanOptionalAction, default=True,
                         help="replies end on </answer>; one that does not close scores 0")
+    parser.add_argument("--warm-start-bias", type=int, default=None,
+                        help="warm-start demonstrations per prompt in its reader's first style, beside one in every "
+                             "style (default 1 with readers, 0 without)")
     parser.add_argument("--max-tokens", type=int, default=64, help="completion budget of one reply")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--max-in-flight", type=int, default=16)
@@ -145,7 +153,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.group_size, args.smooth, args.pre_window, args.max_in_flight, args.bootstrap = 2, 2, 4, 8, 200
     try:
         args.schedule = parse_shifts(args.shifts)
-        shift_options(args.schedule)
+        if args.warm_start_bias is None:
+            args.warm_start_bias = 1 if isinstance(args.schedule, dict) else 0
+        options(args)
     except ValueError as error:
         parser.error(f"--shifts {args.shifts!r}: {error}")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -158,19 +168,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--shifts must hold at least one step, each inside (0, --steps={args.steps}), got {args.shifts}")
     if args.batch % args.group_size:
         parser.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size}")
-    if args.entropy_coef < 0 or args.smooth < 1 or args.pre_window < 1:
-        parser.error("need --entropy-coef >= 0, --smooth >= 1 and --pre-window >= 1")
+    if args.entropy_coef < 0 or args.smooth < 1 or args.pre_window < 1 or args.warm_start_bias < 0:
+        parser.error("need --entropy-coef >= 0, --smooth >= 1, --pre-window >= 1 and --warm-start-bias >= 0")
     return args
 
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
-    return shift_options(args.schedule, graded=args.graded, answer_tag=args.answer_tag)
+    return shift_options(args.schedule, graded=args.graded, answer_tag=args.answer_tag,
+                         warm_start_bias=args.warm_start_bias)
 
 
 def design(args: argparse.Namespace) -> dict[str, Any]:
     """What parts must share to be merged."""
     keys = ("steps", "shifts", "batch", "group_size", "max_staleness", "lr_policy", "entropy_coef", "graded",
-            "answer_tag", "max_tokens", "replicas", "max_in_flight", "value_samples", "sft_steps", "pre_window",
+            "answer_tag", "warm_start_bias", "max_tokens", "replicas", "max_in_flight", "value_samples", "sft_steps", "pre_window",
             "quick")
     return {key: getattr(args, key) for key in keys}
 
@@ -285,7 +296,8 @@ def warm_start(args: argparse.Namespace) -> tuple[Path, float | None]:
     """The version-0 policy (style_preference SFT on the setting's prompts and reply format, cached by
     seed 0, step count, readers and format) and the seconds its SFT took (None: cached)."""
     readers = "-".join(args.schedule) if isinstance(args.schedule, dict) else "all"
-    path = args.workdir / f"sft-style-steps{args.sft_steps}-{readers}{'-tag' if args.answer_tag else ''}"
+    bias = f"-bias{args.warm_start_bias}" if args.warm_start_bias else ""
+    path = args.workdir / f"sft-style-steps{args.sft_steps}-{readers}{'-tag' if args.answer_tag else ''}{bias}"
     cached = (path / "config.json").exists()
     started = time.monotonic()
     style_warm_start(path, seed=0, steps=args.sft_steps, style=style_config(options(args)))
@@ -325,7 +337,8 @@ def run_method(method: str, seed: int, args: argparse.Namespace, policy: Path, t
     ).with_values({"algorithm.entropy_coef": args.entropy_coef})
     config = dataclasses.replace(
         online_pipeline(settings, policy, args.schedule, tasks_file, args.max_tokens, graded=args.graded,
-                        answer_tag=args.answer_tag), use_ray_train=False, app_name=args.name)
+                        answer_tag=args.answer_tag, warm_start_bias=args.warm_start_bias),
+        use_ray_train=False, app_name=args.name)
     started = time.monotonic()
     if args.value_samples and config.train.update.uses_critic:
         _pretrain_critic(config, tasks, args.value_samples)

@@ -99,15 +99,15 @@ def _persona_schedule(index: int, name: str, shifts: Sequence[int | tuple[int, s
 
 
 def shift_options(shifts: Sequence[int] | Mapping[str, Sequence[int | tuple[int, str]]], *, graded: bool = False,
-                  answer_tag: bool = False) -> dict[str, dict[str, Any]]:
+                  answer_tag: bool = False, warm_start_bias: int = 0) -> dict[str, dict[str, Any]]:
     """``env_options`` of style_preference with the preference shifting at trainer steps ``shifts``
     (the styles in the schedule's default order, cycling after four phases). A mapping of persona to
     its shifts names the personas in the prompts instead and gives each its own schedule: the i-th
     persona starts at the i-th style, so the readers want different styles from the start and change
     at their own steps, each shift to the next style in the default order (a step) or to a named one
-    (``(step, style)``). ``graded`` and ``answer_tag``: :class:`StyleJudge.graded
-    <sao.envs.style_preference.StyleJudge>`, :class:`StylePreferenceConfig.answer_tag
-    <sao.envs.style_preference.StylePreferenceConfig>`."""
+    (``(step, style)``). ``graded``, ``answer_tag`` and ``warm_start_bias`` (readers only):
+    :class:`StyleJudge.graded <sao.envs.style_preference.StyleJudge>` and the
+    :class:`~sao.envs.style_preference.StylePreferenceConfig` options of those names."""
     judge: dict[str, Any] = {}
     options: dict[str, Any] = {"judge": judge}
     if isinstance(shifts, Mapping):
@@ -123,6 +123,10 @@ def shift_options(shifts: Sequence[int] | Mapping[str, Sequence[int | tuple[int,
         judge["graded"] = True
     if answer_tag:
         options["answer_tag"] = True
+    if warm_start_bias:
+        if not isinstance(shifts, Mapping):
+            raise ValueError("warm_start_bias favours each reader's first style: name the readers in the shifts")
+        options["warm_start_bias"] = warm_start_bias
     return {"style_preference": options}
 
 
@@ -147,16 +151,16 @@ def online_settings(settings: RunConfig) -> RunConfig:
 def online_pipeline(settings: RunConfig, policy_path: str | Path,
                     shifts: Sequence[int] | Mapping[str, Sequence[int | tuple[int, str]]],
                     tasks_file: str | Path, max_tokens: int = 64, *, graded: bool = False,
-                    answer_tag: bool = False) -> PipelineConfig:
+                    answer_tag: bool = False, warm_start_bias: int = 0) -> PipelineConfig:
     """The pipeline of a style_preference run with shifts at ``shifts`` (:func:`shift_options`, with
-    ``graded`` and ``answer_tag``) and ``settings`` as :func:`online_settings` adjusts them: one turn
+    ``graded``, ``answer_tag`` and ``warm_start_bias``) and ``settings`` as :func:`online_settings` adjusts them: one turn
     per episode, the shift schedule in the rollouts' environment options and in the run's stored
     settings (so a trajectory replay rewards under the same preference)."""
     from sao import runs
     from sao.rollout.agent import AgentConfig
     from sao.train.run_config import ReplayContext
 
-    options = shift_options(shifts, graded=graded, answer_tag=answer_tag)
+    options = shift_options(shifts, graded=graded, answer_tag=answer_tag, warm_start_bias=warm_start_bias)
     config = runs.pipeline_config(online_settings(settings), policy_path)
     context = ReplayContext(tasks_path=str(Path(tasks_file).resolve()), env_options=options, max_turns=1)
     return dataclasses.replace(config, train=dataclasses.replace(config.train, rollout=context),

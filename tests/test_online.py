@@ -79,3 +79,23 @@ def test_a_reply_that_runs_out_of_tokens_is_not_bootstrapped():
     assert list(adjusted.algorithm.bootstrap_reasons) == [r for r in settings.algorithm.bootstrap_reasons if r != "length"]
     assert adjusted.algorithm.lr_policy == 1e-4 and adjusted.run_id == "online-test"
     assert online_settings(adjusted).algorithm.bootstrap_reasons == adjusted.algorithm.bootstrap_reasons
+
+
+def test_the_warm_start_bias_favours_each_readers_first_style():
+    from sao.envs.style_preference import Style, classify_style, generate_tasks, persona_of
+    from sao.train.sft import SFTConfig, demonstrations
+
+    options = shift_options({"Ada": [150], "Basil": [225]}, warm_start_bias=2)
+    assert options["style_preference"]["warm_start_bias"] == 2
+    style = style_config(options)
+    assert style.warm_start_bias == 2
+    config = SFTConfig(env="style_preference", style=style)
+    tasks = [t for t in generate_tasks(style) if t.split.value == "train"]
+    for task, conversations in zip(tasks, demonstrations(config), strict=True):
+        replies = [classify_style(c[1]["content"]) for c in conversations]
+        first = Style.ACADEMIC if persona_of(task) == "Ada" else Style.CUTE
+        assert len(replies) == 6 and replies.count(first) == 3 and set(replies) == set(Style)
+    plain = demonstrations(SFTConfig(env="style_preference", style=style_config(shift_options({"Ada": [150]}))))
+    assert {len(c) for c in plain} == {4}
+    with pytest.raises(ValueError, match="name the readers"):
+        shift_options([150], warm_start_bias=1)

@@ -23,7 +23,9 @@ Options for online-learning experiments in which a critic has something to follo
   for a finished reply: a reply in the old style keeps the floor after a shift instead of scoring 0, and
   each preferred marker, or one fewer marker of another style, earns more;
 - ``answer_tag``: replies end on a closing tag, ``<answer>...</answer>`` (the demonstrations are written
-  so, and ``</answer>`` stops generation as in math_tool); a reply that does not close scores 0.
+  so, and ``</answer>`` stops generation as in math_tool); a reply that does not close scores 0;
+- ``warm_start_bias``: the warm start's demonstrations favour each reader's first style, so the
+  version-0 policy already writes differently for different readers.
 
 This is a simulation: the judge is a word counter, never a live user.
 """
@@ -221,6 +223,9 @@ class StylePreferenceConfig:
         personas: readers named in the prompts, one prompt per (instruction, topic, persona); none:
             the prompts name no reader.
         answer_tag: replies end on ``</answer>`` (a reply that does not close scores 0).
+        warm_start_bias: for a prompt that names a reader, this many more warm-start demonstrations in
+            the style that reader prefers at step 0, beside one in every style (0: none, every style
+            alike), so the version-0 policy already reads the reader in the prompt.
     """
 
     seed: int = 0
@@ -228,8 +233,11 @@ class StylePreferenceConfig:
     judge: StyleJudge = StyleJudge()
     personas: tuple[str, ...] = ()
     answer_tag: bool = False
+    warm_start_bias: int = 0
 
     def __post_init__(self) -> None:
+        if self.warm_start_bias < 0:
+            raise ValueError(f"StylePreferenceConfig.warm_start_bias must be >= 0, got {self.warm_start_bias}")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"StylePreferenceConfig.heldout_fraction must lie in [0, 1), got {self.heldout_fraction}")
         object.__setattr__(self, "personas", tuple(self.personas))

@@ -7,7 +7,8 @@ Demonstrations are generated, not collected, for the environment ``SFTConfig.env
 - ``style_preference``: for each train task, one reply in **every** style
   (:func:`style_demonstrations`, sentences of :func:`sao.envs.style_preference.render_in_style`), so
   the warm-started policy writes all styles about equally often and RL can move the preference
-  between them (the online-learning benchmark). No style is preferred in the demonstrations.
+  between them (the online-learning benchmark). No style is preferred in the demonstrations, unless
+  ``StylePreferenceConfig.warm_start_bias`` adds more in the first style of the reader a prompt names.
 
 Each conversation is laid out as token segments exactly as the agent loop lays out a trajectory
 (:mod:`sao.models.chat`). The loss is the token-mean
@@ -176,23 +177,32 @@ class SFTResult:
     log: tuple[LogPoint, ...]
 
 
-def style_demonstrations(task: Task, rng: random.Random, answer_tag: bool = False) -> list[list[Message]]:
-    """One conversation per style (in :class:`~sao.envs.style_preference.Style` order): ``task``'s
-    prompt answered by a sentence about its topic in that style (templates drawn from ``rng``; inside
-    ``<answer>...</answer>`` with ``answer_tag``)."""
+def style_demonstrations(task: Task, rng: random.Random, answer_tag: bool = False, favoured: Style | None = None,
+                         extra: int = 0) -> list[list[Message]]:
+    """One conversation per style (in :class:`~sao.envs.style_preference.Style` order), then ``extra``
+    more in the ``favoured`` style: ``task``'s prompt answered by a sentence about its topic in that
+    style (templates drawn from ``rng``; inside ``<answer>...</answer>`` with ``answer_tag``)."""
     topic = topic_of(task)
+    styles = [*Style, *([favoured] * extra if favoured is not None else [])]
     return [[{"role": "user", "content": task.prompt},
-             {"role": "assistant", "content": render_in_style(topic, style, rng, answer_tag)}] for style in Style]
+             {"role": "assistant", "content": render_in_style(topic, style, rng, answer_tag)}] for style in styles]
 
 
 def demonstrations(config: SFTConfig) -> list[list[list[Message]]]:
     """The demonstrations of ``config.env``, grouped by train task (task order): math_tool one per
-    task, style_preference one per style; deterministic for a config."""
+    task, style_preference one per style (and ``warm_start_bias`` more in the style of the reader the
+    prompt names); deterministic for a config."""
     if config.env == style_preference.ENV_NAME:
         rng = random.Random(config.seed)
         tasks = style_preference.generate_tasks(config.style)
-        return [style_demonstrations(task, rng, config.style.answer_tag) for task in tasks
-                if task.split is Split.TRAIN]
+        style = config.style
+
+        def favoured(task: Task) -> Style | None:
+            persona = style_preference.persona_of(task)
+            return style.judge.schedule_of(persona).preferred(0) if persona else None
+
+        return [style_demonstrations(task, rng, style.answer_tag, favoured(task), style.warm_start_bias)
+                for task in tasks if task.split is Split.TRAIN]
     return [[demonstration(task)] for task in math_tool.generate_tasks(config.math) if task.split is Split.TRAIN]
 
 
