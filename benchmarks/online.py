@@ -14,15 +14,15 @@ style named or else to the next one, so the readers want different styles from t
 different steps; a policy must read the prompt to please each, and a critic has per-reader values to
 follow. By default Ada moves from academic to cute at step 150, Basil from cute to classical at 225 and
 Cleo from classical to cute at 300: each reader moves to a style another reader wants at that moment,
-one the policy still writes. (A shift to a style no reader has wanted for a while, such as Cleo's
+one the policy should still write. (A shift to a style no reader has wanted for a while, such as Cleo's
 chuunibyou at 300 when every reader moves to the next style in order, gave no method a signal: by then
 no policy wrote that style, and no reply earned more than the floor.) ``--shifts 150,300`` (steps
 without names) is the single-reader setting of the earlier design. The warm start (SFT on a reply in
 every style for every prompt) adds ``--warm-start-bias`` more in the style the prompt's reader first
-prefers (default 1 with readers: 2 of 5 demonstrations), so the version-0 policy already writes
-differently for different readers. (Without it, every policy wrote one style for every reader within
-150 steps: a tiny model does not learn from the reward alone to read the reader's name, and a shift to
-the style it already wrote for everyone earned full reward at once, with nothing tracked.) The reward is graded (``--graded``: a finished
+prefers (default 1 with readers: 2 of 5 demonstrations), meant to start the policy telling the
+readers apart. (Without it, every policy wrote one style for every reader within 150 steps, and a
+shift to that style earned full reward at once, with nothing tracked. With it, measured on 5 seeds, the
+policies still drift onto one style: ``docs/RESULTS.md``.) The reward is graded (``--graded``: a finished
 reply scores at least 0.2, each marker of the preferred style adds, so a shift does not zero every
 reply) and replies end on ``</answer>`` (``--answer-tag``: the warm start's demonstrations are written
 so, and a reply that never closes scores 0). ``--entropy-coef`` adds an entropy bonus to every method's

@@ -25,7 +25,7 @@ Options for online-learning experiments in which a critic has something to follo
 - ``answer_tag``: replies end on a closing tag, ``<answer>...</answer>`` (the demonstrations are written
   so, and ``</answer>`` stops generation as in math_tool); a reply that does not close scores 0;
 - ``warm_start_bias``: the warm start's demonstrations favour each reader's first style, so the
-  version-0 policy already writes differently for different readers.
+  version-0 policy starts to tell the readers apart.
 
 This is a simulation: the judge is a word counter, never a live user.
 """
@@ -225,7 +225,7 @@ class StylePreferenceConfig:
         answer_tag: replies end on ``</answer>`` (a reply that does not close scores 0).
         warm_start_bias: for a prompt that names a reader, this many more warm-start demonstrations in
             the style that reader prefers at step 0, beside one in every style (0: none, every style
-            alike), so the version-0 policy already reads the reader in the prompt.
+            alike), so the version-0 policy starts to tell the readers apart.
     """
 
     seed: int = 0
