@@ -189,10 +189,10 @@ def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
 
 def _algorithm(record: dict[str, Any]) -> str:
     """The algorithm the record's runs trained with: the demo config's unless a ``--set`` names another."""
-    from sao.config import demo_config
+    from sao.config import demo_config, parse_set
 
-    names = [s.partition("=")[2] for s in record["sets"] if s.partition("=")[0].strip() == "algorithm.name"]
-    return names[-1].strip() if names else demo_config().algorithm.name.value
+    names = [value for key, value in map(parse_set, record["sets"]) if key == "algorithm.name"]
+    return str(names[-1]) if names else demo_config().algorithm.name.value
 
 
 def _fit(run: dict[str, Any], critic: bool = True) -> str:

@@ -77,7 +77,14 @@ import numpy as np
 from benchmarks._report import load_parts as seed_parts
 from benchmarks._report import machine, parts_lines, update_section, write_json
 from benchmarks.stats import interval_text, two_sample_bootstrap
-from sao.online import online_pipeline, shift_options, smooth, style_config, style_warm_start
+from sao.online import (
+    online_pipeline,
+    shift_options,
+    shift_steps,
+    smooth,
+    style_config,
+    style_warm_start,
+)
 
 METHODS: tuple[str, ...] = ("sao", "running_mean", "grpo_dis")
 LABELS = {"sao": "SAO (critic + GAE + DIS)", "running_mean": "running mean (window 8) + DIS",
@@ -103,13 +110,6 @@ def parse_shifts(text: str) -> list[int] | dict[str, list[int | tuple[int, str]]
         if step.strip():
             schedule[name.strip()].append((int(step), style.strip()) if style.strip() else int(step))
     return schedule
-
-
-def shift_steps(schedule: list[int] | dict[str, list[int | tuple[int, str]]]) -> list[int]:
-    """Every shift's step."""
-    if isinstance(schedule, list):
-        return list(schedule)
-    return [shift[0] if isinstance(shift, tuple) else shift for shifts in schedule.values() for shift in shifts]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

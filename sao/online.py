@@ -29,8 +29,8 @@ from typing import Any
 from sao.config import RunConfig
 from sao.pipeline import PipelineConfig
 
-__all__ = ["online_pipeline", "online_settings", "recovery", "shift_options", "smooth", "style_config", "style_tasks",
-           "style_warm_start"]
+__all__ = ["online_pipeline", "online_settings", "recovery", "shift_options", "shift_steps", "smooth", "style_config",
+           "style_tasks", "style_warm_start"]
 
 
 def style_warm_start(path: str | Path, seed: int = 0, steps: int = 120, style=None) -> Path:
@@ -74,12 +74,18 @@ def _check_steps(shifts: Sequence[int], who: str = "") -> None:
         raise ValueError(f"shifts{who} must be increasing positive steps, got {list(shifts)}")
 
 
+def shift_steps(shifts: Sequence[int] | Mapping[str, Sequence[int | tuple[int, str]]]) -> list[int]:
+    """Every shift's step, of every reader (a shift is a step or ``(step, style)``)."""
+    every = [shift for steps in shifts.values() for shift in steps] if isinstance(shifts, Mapping) else shifts
+    return [shift[0] if isinstance(shift, tuple) else shift for shift in every]
+
+
 def _persona_schedule(index: int, name: str, shifts: Sequence[int | tuple[int, str]]) -> dict[str, Any]:
     """The schedule of the ``index``-th persona: it starts at the ``index``-th style; a shift given as
     ``(step, style)`` moves to that style, one given as a step to the next style in the default order."""
     from sao.envs.style_preference import Style
 
-    steps = [shift[0] if isinstance(shift, tuple) else shift for shift in shifts]
+    steps = shift_steps(shifts)
     _check_steps(steps, f" of persona {name!r}")
     order = _styles_from(0, len(Style))
     styles = _styles_from(index, 1)
