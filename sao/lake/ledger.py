@@ -11,6 +11,7 @@ across trainer restarts. Re-recording an identical step (a restart after the com
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +28,7 @@ from schemas import policy_versions, train_steps
 __all__ = [
     "ConsumptionError",
     "LedgerError",
+    "StepsSeen",
     "consumed_ids",
     "newest_policy_version",
     "newest_policy_versions",
@@ -88,9 +90,18 @@ def register_policy_version(
     _run_predicate(record.run_id)
 
     def plan(delta: DeltaTable) -> pa.Table | None:
-        existing = lake.read_from(
-            delta, policy_versions.NAME, predicate=_run_predicate(record.run_id)
-        )
+        run = _run_predicate(record.run_id)
+        existing = None
+        if record.parent_version is not None and record.version == record.parent_version + 1:
+            # The parent and what follows it decide every check below (versions are registered in
+            # order), and file statistics on ``version`` skip the rest: a read of every row of the run
+            # grew with its length. Without the parent (an out-of-order call) the run is read whole.
+            existing = lake.read_from(delta, policy_versions.NAME,
+                                      predicate=f"{run} AND version >= {int(record.parent_version)}")
+            if not pc.any(pc.equal(existing["version"], record.parent_version)).as_py():
+                existing = None
+        if existing is None:
+            existing = lake.read_from(delta, policy_versions.NAME, predicate=run)
         same_version = existing.filter(pc.equal(existing["version"], record.version))
         if same_version.num_rows:
             stored = same_version.slice(0, 1).to_pylist()[0]
@@ -133,9 +144,38 @@ def _flatten_ids(lists: pa.ChunkedArray) -> pa.Array:
     return flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
 
 
+@dataclasses.dataclass
+class StepsSeen:
+    """A run's ``train_steps`` rows as :func:`record_train_step` has read and written them: the last
+    step and every trajectory id consumed up to it.
+
+    Each step is planned on the table's newest version and its commit refused if another commit took
+    that version (:func:`sao.lake.commit.append_exactly`), so steps are committed in order: the rows
+    committed after those seen are exactly the run's rows with a later step. Given one, a call reads
+    those rows alone (file statistics on ``step`` skip the rest) instead of every row of the run, a cost
+    that grew with the run's length. A caller keeps one per run (the trainer does) and passes it to
+    every call for that run."""
+
+    run_id: str
+    last_step: int | None = None
+    consumed: set[str] = dataclasses.field(default_factory=set)
+
+    def fold(self, rows: pa.Table) -> None:
+        """Take in committed ``train_steps`` rows of the run (columns ``step`` and ``trajectory_ids``)."""
+        if rows.num_rows == 0:
+            return
+        newest = int(pc.max(rows["step"]).as_py())
+        self.last_step = newest if self.last_step is None else max(self.last_step, newest)
+        self.consumed.update(_flatten_ids(rows["trajectory_ids"]).to_pylist())
+
+
+_STEP_COLUMNS = ["step", "trajectory_ids", "trajectories_version", "policy_version_before", "policy_version_after"]
+
+
 def record_train_step(
     lake: Lake, record: TrainStepRecord, config: CommitConfig | None = None, *,
     ingest_seqs: Sequence[int] | None = None, snapshot: DeltaTable | None = None, table: DeltaTable | None = None,
+    seen: StepsSeen | None = None,
 ) -> CommitResult:
     """Append ``record`` to ``train_steps``, marking its trajectories consumed.
 
@@ -146,6 +186,8 @@ def record_train_step(
     ``trajectories`` table already loaded at ``record.trajectories_version`` (the trainer's reader has
     it), which saves loading its log twice. ``table``: ``train_steps`` as loaded by an earlier call,
     brought up to date from the commits after it instead of loaded again (the trainer keeps one).
+    ``seen``: the run's rows read by earlier calls (:class:`StepsSeen`); only the rows committed since
+    are read, and it is brought up to date, this step included.
 
     Raises:
         ConsumptionError: an id is listed twice, was consumed by an earlier step of the run, or is not
@@ -163,21 +205,18 @@ def record_train_step(
             f"step {record.step}: policy_version_after {record.policy_version_after} is before "
             f"policy_version_before {record.policy_version_before}"
         )
+    if seen is not None and seen.run_id != record.run_id:
+        raise ValueError(f"step {record.step} of run {record.run_id!r} given the steps seen of run {seen.run_id!r}")
     _check_ids_in_snapshot(lake, record, ingest_seqs, snapshot)
 
     def plan(delta: DeltaTable) -> pa.Table | None:
-        existing = lake.read_from(
-            delta,
-            train_steps.NAME,
-            columns=[
-                "step",
-                "trajectory_ids",
-                "trajectories_version",
-                "policy_version_before",
-                "policy_version_after",
-            ],
-            predicate=_run_predicate(record.run_id),
-        )
+        predicate = _run_predicate(record.run_id)
+        incremental = seen is not None and seen.last_step is not None and record.step > seen.last_step
+        if incremental:
+            predicate += f" AND step > {int(seen.last_step)}"
+        existing = lake.read_from(delta, train_steps.NAME, columns=_STEP_COLUMNS, predicate=predicate)
+        if seen is not None:
+            seen.fold(existing)  # committed rows, whatever this plan decides
         # Arrow, not Python rows: the run's rows grow with it, and only one of them is ever looked at.
         same_step = existing.filter(pc.equal(existing["step"], record.step))
         if same_step.num_rows:
@@ -190,15 +229,17 @@ def record_train_step(
             ):
                 return None
             raise LedgerError(f"run {record.run_id!r} already has a different step {record.step}")
-        last = pc.max(existing["step"]).as_py()
+        last = seen.last_step if seen is not None else pc.max(existing["step"]).as_py()
         if last is not None and record.step <= last:
             raise LedgerError(
                 f"run {record.run_id!r}: step {record.step} is not after the last recorded step {last}"
             )
-        consumed = _flatten_ids(existing["trajectory_ids"])
-        again = pc.is_in(pa.array(ids, pa.string()), value_set=consumed)
-        if pc.any(again).as_py():
+        if seen is not None:
+            repeated = [i for i in ids if i in seen.consumed]
+        else:
+            again = pc.is_in(pa.array(ids, pa.string()), value_set=_flatten_ids(existing["trajectory_ids"]))
             repeated = [i for i, hit in zip(ids, again.to_pylist(), strict=True) if hit]
+        if repeated:
             raise ConsumptionError(
                 f"run {record.run_id!r} step {record.step}: {len(repeated)} trajectories were consumed "
                 f"by an earlier step, e.g. {repeated[:3]}"
@@ -209,7 +250,11 @@ def record_train_step(
         }
         return pa.Table.from_pylist([row], schema=train_steps.SCHEMA)
 
-    return append_exactly(lake, train_steps.NAME, plan, config or CommitConfig(), table=table)
+    result = append_exactly(lake, train_steps.NAME, plan, config or CommitConfig(), table=table)
+    if seen is not None and result.version is not None:
+        seen.last_step = record.step
+        seen.consumed.update(ids)
+    return result
 
 
 def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord, ingest_seqs: Sequence[int] | None,

@@ -248,7 +248,8 @@ class TrajectoryReader:
             return self._table
         current = self._table.version()
         if version is None:
-            self._table.update_incremental()
+            if self.lake.has_commit_after(trajectories.NAME, current) is not False:
+                self._table.update_incremental()
         elif version < current:
             raise ValueError(
                 f"snapshot {version} is older than the previous call's snapshot {current}"

@@ -13,6 +13,7 @@ appends are added in place (old rows read null); any other difference raises
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -138,6 +139,20 @@ class Lake:
     def version(self, name: str) -> int:
         """Latest Delta version of table ``name``."""
         return self.table(name).version()
+
+    def has_commit_after(self, name: str, version: int) -> bool | None:
+        """Whether table ``name`` has a commit after ``version``, told without listing its log; None
+        where that cannot be told cheaply (an object store: refresh as usual).
+
+        delta-rs finds new commits by listing the table's ``_delta_log`` folder, which on a local
+        filesystem costs in proportion to every commit the table ever had (its log is kept whole for
+        replay: :data:`TABLE_CONFIGURATION`): about 4 ms at 4,000 commits, against 0.6 ms at 100. On a
+        local lake the next commit's file is looked up instead. A commit landing just after the lookup
+        is no harm: a writer's commit on the older version is refused and planned again
+        (:func:`sao.lake.commit.append_exactly`), and a reader sees it at its next look."""
+        if "://" in self.root:
+            return None
+        return os.path.exists(os.path.join(self.table_uri(name), "_delta_log", f"{version + 1:020d}.json"))
 
     def read(
         self,

@@ -54,7 +54,7 @@ from sao.lake.ledger import newest_policy_version
 from sao.lake.records import RecordTypeError, TrajectoryRecord, json_safe, utc_now
 from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
 from sao.lake.validate import NO_VERSION, Rule, Violation, validate_table
-from schemas import quarantine, trajectories
+from schemas import policy_versions, quarantine, trajectories
 
 __all__ = ["FlushReport", "TrajectoryWriter", "WriterClosedError", "WriterStats"]
 
@@ -153,6 +153,7 @@ class TrajectoryWriter:
         self._runs: dict[str, _RunState] = {}
         self._newest_versions: dict[str, int] = {}
         self._table: DeltaTable | None = None
+        self._versions: DeltaTable | None = None  # policy_versions, brought up to date when it is read
         self._lock = threading.RLock()
         self._error: BaseException | None = None
         self._closed = False
@@ -346,7 +347,15 @@ class TrajectoryWriter:
         return validate_table(table, newest, self.config.limits)
 
     def _refresh_newest_version(self, run_id: str) -> None:
-        newest = newest_policy_version(self.lake, run_id) if is_valid_run_id(run_id) else None
+        """Read the run's newest registered version (a rollout of a version newer than the one known,
+        so once per new version): ``policy_versions`` is held and brought up to date, not loaded again."""
+        newest = None
+        if is_valid_run_id(run_id):
+            if self._versions is None:
+                self._versions = self.lake.table(policy_versions.NAME)
+            elif self.lake.has_commit_after(policy_versions.NAME, self._versions.version()) is not False:
+                self._versions.update_incremental()
+            newest = newest_policy_version(self.lake, run_id, table=self._versions)
         self._newest_versions[run_id] = NO_VERSION if newest is None else newest
 
     def _quarantine(

@@ -27,6 +27,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -257,9 +258,11 @@ def complete_versions(root: str | Path, *, after: int = -1) -> list[int]:
     looked into: a caller that keeps track of what it checked before keeps this from growing with the
     run)."""
     root = Path(root)
-    if not root.exists():
+    try:
+        names = os.listdir(root)  # names, not Path objects: the folder holds one entry per version of the run
+    except FileNotFoundError:
         return []
-    found = (int(p.name[1:]) for p in root.iterdir() if _is_version_dir(p.name))
+    found = (int(name[1:]) for name in names if _is_version_dir(name))
     return sorted(v for v in found if v > after and is_complete(root, v))
 
 

@@ -48,7 +48,7 @@ from deltalake import DeltaTable
 
 from sao.algos.advantages import flat_groups
 from sao.faults import crash_point
-from sao.lake.ledger import record_train_step, register_policy_version
+from sao.lake.ledger import StepsSeen, record_train_step, register_policy_version
 from sao.lake.maintenance import compact_run
 from sao.lake.reader import TrajectoryReader, read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
@@ -178,7 +178,10 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
         if broker.stop_requested():
             raise _Stopped
         want = cfg.batch_size - sum(t.num_rows for t in held)
-        micro = reader.next_micro_batch(version, cfg.max_staleness, want)
+        # With rows enough seen already, they come from the snapshot they were seen at: the oldest
+        # rows go first either way, and refreshing the table costs a listing of its log.
+        pinned = reader.snapshot_version if reader.pending >= want else None
+        micro = reader.next_micro_batch(version, cfg.max_staleness, want, version=pinned)
         stale += micro.skipped_stale
         no_actions += micro.skipped_no_actions
         cut_short += micro.skipped_passed_over
@@ -195,7 +198,8 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
                 f"run {cfg.run_id!r}: only {sum(t.num_rows for t in held)} of {cfg.batch_size} trajectories "
                 f"arrived within {cfg.wait_timeout_s} s at version {version} (max_staleness {cfg.max_staleness})"
             )
-        time.sleep(cfg.poll_s)
+        if pinned is None:  # else the rows seen were too few once the stale ones were out: look again now
+            time.sleep(cfg.poll_s)
 
 
 def compute_update(learner: Learner, rows: Sequence[Mapping], version: int, rank: int = 0,
@@ -239,6 +243,10 @@ class _Worker:
     """Rank 0: ``train_steps`` and ``policy_versions`` as last committed to, each step bringing them up to
     date from the commits since (loading one afresh replays its log from the last checkpoint: up to 99
     commits, a cost that rose and fell with the step number in ``sao bench longrun``)."""
+
+    steps_seen: StepsSeen | None = None
+    """Rank 0: the run's ``train_steps`` rows read so far, so that each step's exactly-once check reads
+    only the rows committed since (reading every row of the run grew with its length)."""
 
     retention_after: int = -1
     """Rank 0: checkpoint versions up to this one are settled by retention (the last plan's
@@ -325,7 +333,7 @@ def _start_worker(cfg: TrainConfig, device: torch.device) -> _Worker:
                      broker=_broker_calls(cfg) if rank == 0 else _Broker(),
                      reader=TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS,
                                              pass_over=cfg.update.skip_reasons) if rank == 0 else None,
-                     step=step, version=version)
+                     step=step, version=version, steps_seen=StepsSeen(cfg.run_id) if rank == 0 else None)
     if rank == 0:
         write_run_config(cfg)
         _ensure_version_registered(lake, cfg, version, policy, critic, worker.tokenizer, learner, step - 1)
@@ -389,7 +397,8 @@ def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], s
         trajectories_version=selection.snapshot, trajectory_ids=tuple(selection.ids), started_at=started_at,
         finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
         timings={**timings, "commit_s": time.perf_counter() - t2},
-    ), ingest_seqs=selection.seqs, snapshot=worker.reader.table, table=worker.ledger_table(train_steps.NAME))
+    ), ingest_seqs=selection.seqs, snapshot=worker.reader.table, table=worker.ledger_table(train_steps.NAME),
+        seen=worker.steps_seen)
     worker.reader.consumed(selection.ids)
     crash_point("after-commit", step)  # between the step's row and its version's row
     register_policy_version(worker.lake, PolicyVersionRecord(

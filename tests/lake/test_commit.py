@@ -75,3 +75,35 @@ def test_an_empty_plan_commits_nothing(local_lake):
     result = append_exactly(local_lake, "trajectories", lambda delta: None, NO_PAUSE)
     assert (result.version, result.rows, result.attempts) == (None, 0, 1)
     assert local_lake.version("trajectories") == before
+
+
+def test_a_held_table_is_refreshed_only_when_a_commit_followed_it(lake, monkeypatch):
+    """On a local lake :meth:`Lake.has_commit_after` looks up the next commit's file (delta-rs lists the
+    whole log to find new commits), so a held table that is current is not refreshed before its plan;
+    one that is behind is, and on an object store every held table is, as before."""
+    from deltalake import DeltaTable
+
+    local = "://" not in lake.root
+    with TrajectoryWriter(lake, MANUAL) as writer:
+        writer.add(base())
+    held = lake.table("trajectories")
+    latest = held.version()
+    assert lake.has_commit_after("trajectories", latest) is (False if local else None)
+    assert lake.has_commit_after("trajectories", latest - 1) is (True if local else None)
+    refreshes = []
+    real = DeltaTable.update_incremental
+    monkeypatch.setattr(DeltaTable, "update_incremental", lambda self: refreshes.append(1) or real(self))
+    versions = []
+
+    def plan(delta):
+        versions.append(delta.version())
+        return _one_row(f"held-{len(versions)}")
+
+    append_exactly(lake, "trajectories", plan, NO_PAUSE, table=held)  # current: no refresh on a local lake
+    assert (versions, len(refreshes)) == ([latest], 0 if local else 1)
+    with TrajectoryWriter(lake, MANUAL) as other:  # another handle commits: the held table is behind
+        other.add(dataclasses.replace(base(), trajectory_id="other"))
+    refreshes.clear()
+    append_exactly(lake, "trajectories", plan, NO_PAUSE, table=held)
+    assert (versions[-1], len(refreshes)) == (latest + 2, 1)
+    assert {"held-1", "held-2", "other"} <= stored_ids(lake)

@@ -8,6 +8,7 @@ from sao.lake.config import WriterConfig
 from sao.lake.ledger import (
     ConsumptionError,
     LedgerError,
+    StepsSeen,
     consumed_ids,
     newest_policy_version,
     protected_versions,
@@ -129,3 +130,46 @@ def test_a_held_ledger_table_sees_what_was_committed_through_other_handles_and_c
     assert register_policy_version(lake, _version(3, 2), table=versions).rows == 1
     assert newest_policy_version(lake, RUN) == 3
     assert sorted(consumed_ids(lake, RUN).to_pylist()) == sorted(ids[:4])
+
+
+def test_steps_seen_reads_only_later_steps_and_still_sees_every_commit(lake):
+    """With a :class:`StepsSeen` a call reads the run's rows after the last step seen, yet refuses
+    what a full read refuses: ids consumed by steps it saw, by steps another handle committed since, and
+    steps out of order; a compaction in between changes nothing."""
+    ids = _stored_ids(lake, 8)
+    version = lake.version("trajectories")
+    seen = StepsSeen(RUN)
+    assert record_train_step(lake, _step(0, ids[:2], version), seen=seen).rows == 1
+    assert (seen.last_step, seen.consumed) == (0, set(ids[:2]))
+    record_train_step(lake, _step(1, ids[2:4], version))  # another handle, which this seen has not read
+    compact_ledger(lake)
+    with pytest.raises(ConsumptionError, match="consumed by an earlier step"):
+        record_train_step(lake, _step(2, [ids[3], ids[4]], version), seen=seen)  # step 1's id
+    assert (seen.last_step, seen.consumed) == (1, set(ids[:4]))  # it took in step 1 while refusing
+    with pytest.raises(ConsumptionError, match="consumed by an earlier step"):
+        record_train_step(lake, _step(2, [ids[0], ids[4]], version), seen=seen)  # step 0's id, not read again
+    with pytest.raises(LedgerError, match="not after the last recorded step 1"):
+        record_train_step(lake, _step(-1, ids[4:6], version), seen=seen)
+    with pytest.raises(LedgerError, match="already has a different step 1"):
+        record_train_step(lake, _step(1, ids[4:6], version), seen=seen)
+    assert record_train_step(lake, _step(1, ids[2:4], version), seen=seen).version is None  # identical: no-op
+    assert record_train_step(lake, _step(2, ids[4:6], version), seen=seen).rows == 1
+    with pytest.raises(ValueError, match="steps seen of run"):
+        record_train_step(lake, _step(3, ids[6:], version, run_id="other-run"), seen=seen)
+    resumed = StepsSeen(RUN)  # a restarted trainer starts with nothing seen and reads the run once
+    assert record_train_step(lake, _step(3, ids[6:], version), seen=resumed).rows == 1
+    assert resumed.consumed == set(ids) == set(consumed_ids(lake, RUN).to_pylist())
+
+
+def test_a_version_registered_after_its_parent_reads_from_the_parent_on(lake, monkeypatch):
+    """The next version's checks read the run's rows from its parent on (statistics skip the rest); a
+    call without its parent stored reads the whole run and fails as before."""
+    predicates = []
+    real = lake.read_from
+    monkeypatch.setattr(lake, "read_from", lambda *a, **k: predicates.append(k.get("predicate")) or real(*a, **k))
+    assert register_policy_version(lake, _version(2, 1)).rows == 1
+    assert predicates == [f"run_id = '{RUN}' AND version >= 1"]
+    predicates.clear()
+    with pytest.raises(LedgerError, match="next version is 3"):
+        register_policy_version(lake, _version(5, 4))
+    assert predicates == [f"run_id = '{RUN}' AND version >= 4", f"run_id = '{RUN}'"]

@@ -150,6 +150,26 @@ def test_rows_passed_over_are_reported_while_the_trainer_waits_so_their_batch_ca
     assert table.num_rows == 4 and "e" * 32 not in table.column("trajectory_id").to_pylist()
 
 
+
+def test_a_batch_from_rows_the_reader_has_seen_comes_from_their_snapshot(cfg, policy_dir, tokenizer):
+    """With rows enough already seen the trainer takes them at the snapshot they were seen at, without
+    refreshing the table (a refresh lists its log); once they are used up it looks for new commits."""
+    from sao.lake.reader import TrajectoryReader
+    from sao.train.loop import _wait_for_batch
+
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    early = roll_out(policy_dir, tokenizer, lake, cfg.run_id, 2 * cfg.batch_size)
+    reader = TrajectoryReader(lake, cfg.run_id, columns=["trajectory_id", "min_policy_version"])
+    seen_at, first, *_ = _wait_for_batch(reader, cfg, 0)
+    late = roll_out(policy_dir, tokenizer, lake, cfg.run_id, cfg.batch_size, seed=1)
+    assert lake.version("trajectories") > seen_at
+    pinned, second, *_ = _wait_for_batch(reader, cfg, 0)
+    refreshed, third, *_ = _wait_for_batch(reader, cfg, 0)
+    assert pinned == seen_at and refreshed == lake.version("trajectories")
+    batches = [t.column("trajectory_id").to_pylist() for t in (first, second, third)]
+    assert batches == [early[:cfg.batch_size], early[cfg.batch_size:], late]
+
 KILL_SCRIPT = textwrap.dedent('''
     import sys, time
     from sao.train.loop import run_training
