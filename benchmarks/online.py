@@ -19,10 +19,12 @@ chuunibyou at 300 when every reader moves to the next style in order, gave no me
 no policy wrote that style, and no reply earned more than the floor.) ``--shifts 150,300`` (steps
 without names) is the single-reader setting of the earlier design. The warm start (SFT on a reply in
 every style for every prompt) adds ``--warm-start-bias`` more in the style the prompt's reader first
-prefers (default 1 with readers: 2 of 5 demonstrations), meant to start the policy telling the
-readers apart. (Without it, every policy wrote one style for every reader within 150 steps, and a
-shift to that style earned full reward at once, with nothing tracked. With it, measured on 5 seeds, the
-policies still drift onto one style: ``docs/RESULTS.md``.) The reward is graded (``--graded``: a finished
+prefers (default 4 with readers: 5 of 8 demonstrations), so that the policy tells the readers apart.
+(Without it, every policy wrote one style for every reader within 150 steps, and a shift to that style
+earned full reward at once, with nothing tracked; with 1, 2 of 5 demonstrations, the policies still
+drifted onto one style. With 4, every method pleased every reader before each shift, 5 seeds:
+``docs/RESULTS.md``.) The policy learning rate, the same for every method, defaults to 1e-4: at 3e-4
+with that warm start SAO's replies ran on past the token budget after a shift, one seed. The reward is graded (``--graded``: a finished
 reply scores at least 0.2, each marker of the preferred style adds, so a shift does not zero every
 reply) and replies end on ``</answer>`` (``--answer-tag``: the warm start's demonstrations are written
 so, and a reply that never closes scores 0). ``--entropy-coef`` adds an entropy bonus to every method's
@@ -121,7 +123,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="trajectories per update")
     parser.add_argument("--group-size", type=int, default=4, help="rollouts per task of grpo_dis")
     parser.add_argument("--max-staleness", type=int, default=2)
-    parser.add_argument("--lr-policy", type=float, default=3e-4)
+    parser.add_argument("--lr-policy", type=float, default=1e-4, help="policy learning rate of every method")
     parser.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus of every method (0: none)")
     parser.add_argument("--graded", action=argparse.BooleanOptionalAction, default=True,
                         help="the graded reward (a finished reply scores at least 0.2)")
@@ -129,7 +131,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="replies end on </answer>; one that does not close scores 0")
     parser.add_argument("--warm-start-bias", type=int, default=None,
                         help="warm-start demonstrations per prompt in its reader's first style, beside one in every "
-                             "style (default 1 with readers, 0 without)")
+                             "style (default 4 with readers, 0 without)")
     parser.add_argument("--max-tokens", type=int, default=64, help="completion budget of one reply")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--max-in-flight", type=int, default=16)
@@ -154,7 +156,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     try:
         args.schedule = parse_shifts(args.shifts)
         if args.warm_start_bias is None:
-            args.warm_start_bias = 1 if isinstance(args.schedule, dict) else 0
+            args.warm_start_bias = 4 if isinstance(args.schedule, dict) else 0
         options(args)
     except ValueError as error:
         parser.error(f"--shifts {args.shifts!r}: {error}")

@@ -29,7 +29,7 @@ def test_the_schedule_names_readers_for_every_step_or_for_none():
 
 def test_by_default_each_reader_moves_to_a_style_another_reader_wants_at_that_moment():
     args = _parse([])
-    assert args.warm_start_bias == 1 and _parse(["--shifts", "150,300"]).warm_start_bias == 0
+    assert args.warm_start_bias == 4 and _parse(["--shifts", "150,300"]).warm_start_bias == 0
     with pytest.raises(SystemExit):
         _parse(["--shifts", "150,300", "--warm-start-bias", "1"])  # no readers to favour
     shifts = events(args)
