@@ -79,7 +79,7 @@ def append_exactly(
             the table's schema) or None / an empty table for nothing. It may be called several times
             and must decide from the snapshot it is given.
         table: a ``DeltaTable`` of ``name`` to reuse (its loaded state saves reading the log again;
-            on a local lake it is refreshed only when a commit followed it: :meth:`Lake.has_commit_after`).
+            refreshed by :meth:`Lake.refresh`, which skips the log listing when no commit followed it).
         metadata: recorded in the commit's ``commitInfo``.
 
     Raises:
@@ -88,8 +88,10 @@ def append_exactly(
     spec = table_spec(name)
     delta = table if table is not None else lake.table(name)
     for attempt in range(1, config.max_attempts + 1):
-        if attempt > 1 or (table is not None and lake.has_commit_after(name, delta.version()) is not False):
+        if attempt > 1:
             delta.update_incremental()
+        elif table is not None:
+            lake.refresh(name, delta)
         rows = plan(delta)
         if rows is None or rows.num_rows == 0:
             return CommitResult(None, 0, attempt)

@@ -248,8 +248,7 @@ class TrajectoryReader:
             return self._table
         current = self._table.version()
         if version is None:
-            if self.lake.has_commit_after(trajectories.NAME, current) is not False:
-                self._table.update_incremental()
+            self.lake.refresh(trajectories.NAME, self._table)
         elif version < current:
             raise ValueError(
                 f"snapshot {version} is older than the previous call's snapshot {current}"

@@ -154,6 +154,12 @@ class Lake:
             return None
         return os.path.exists(os.path.join(self.table_uri(name), "_delta_log", f"{version + 1:020d}.json"))
 
+    def refresh(self, name: str, table: DeltaTable) -> None:
+        """Bring ``table`` (a loaded ``DeltaTable`` of table ``name``) up to its latest version, skipping
+        the listing of its log when :meth:`has_commit_after` tells that no commit followed it."""
+        if self.has_commit_after(name, table.version()) is not False:
+            table.update_incremental()
+
     def read(
         self,
         name: str,

@@ -353,8 +353,8 @@ class TrajectoryWriter:
         if is_valid_run_id(run_id):
             if self._versions is None:
                 self._versions = self.lake.table(policy_versions.NAME)
-            elif self.lake.has_commit_after(policy_versions.NAME, self._versions.version()) is not False:
-                self._versions.update_incremental()
+            else:
+                self.lake.refresh(policy_versions.NAME, self._versions)
             newest = newest_policy_version(self.lake, run_id, table=self._versions)
         self._newest_versions[run_id] = NO_VERSION if newest is None else newest
 
