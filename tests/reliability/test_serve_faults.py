@@ -58,10 +58,18 @@ def test_a_killed_replica_loses_and_doubles_nothing(tmp_path, policy_dir, ray_se
         killed = []
 
         def kill_one_replica_mid_run(record) -> None:
-            if driver.stats.finished >= 6 and not killed:
-                actor = replica_actors()[0]
-                killed.append(actor["name"])
-                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            """Once 6 rollouts finished, kill the replica holding the most requests; a wave of rollouts can
+            end together and leave both idle (then nothing would fail), so wait for a record after which
+            one holds a request."""
+            if driver.stats.finished < 6 or killed:
+                return
+            named = replica_actors()
+            actors = [ray.get_actor(a["name"], namespace=a["namespace"]) for a in named]
+            ongoing = ray.get([actor.get_num_ongoing_requests.remote() for actor in actors])
+            busiest = max(range(len(actors)), key=ongoing.__getitem__)
+            if ongoing[busiest] >= 1:
+                killed.append(named[busiest]["name"])
+                ray.kill(actors[busiest], no_restart=True)
 
         driver.on_record = kill_one_replica_mid_run
         tasks = generate_tasks(MathToolConfig(num_train=40, num_heldout=0))
