@@ -23,8 +23,17 @@ proxy; the driver and the trainer talk to it through handles). Each replica:
   agent of one's own where the environment names one (``env.agent``), else the environment's own
   (:mod:`sao.rollout.env_agent`, whose records are the agent loop's, token for token);
 * answers ``rollout(task, run_id, trajectory_id, seed) -> list[TrajectoryRecord]`` (one trajectory, or
-  the parts of an episode its agent split by rewriting its history), ``generate(prompt_ids, sampling) ->
-  Generation`` (raw, for benchmarks), ``health()`` and ``version()``.
+  the parts of an episode its agent split by rewriting its history), ``rollout_stream(requests)`` (several
+  rollouts in one request, their records streamed back as each finishes), ``generate(prompt_ids,
+  sampling) -> Generation`` (raw, for benchmarks), ``health()`` and ``version()``.
+
+The handle :func:`start_rollout_app` and :func:`rollout_handle` return is a :class:`RolloutClient`: its
+requests go by value over Serve's gRPC channel (:func:`by_value`), and its ``rollout.remote(...)`` gathers
+the rollouts started in one turn of the event loop into one ``rollout_stream`` request per replica
+(:class:`RolloutBatcher`). Serve's cost is per request; measured on 128 single-turn rollouts over 2
+replicas on 2 cores (7 batches), a batch took 1.2 s as one actor task per rollout, 0.85-1.0 s by value,
+and 0.66-0.76 s batched by value, with the driver's CPU 3.4 s, 1.3-1.6 s and 0.5 s and each replica's
+2.1 s, 1.4-1.7 s and 0.8 s.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import pickle
 import time
 from typing import Any
 
@@ -57,8 +67,8 @@ from sao.rollout.user_agent import UserAgentRunner
 from sao.rollout.vllm_engine import VLLMEngineConfig
 from sao.rollout.weights import WeightSubscriber, get_or_create_broker
 
-__all__ = ["RolloutConfig", "RolloutReplica", "build_engine", "build_rollout_app", "by_value", "rollout_handle",
-           "start_rollout_app"]
+__all__ = ["RolloutBatcher", "RolloutClient", "RolloutConfig", "RolloutReplica", "build_engine", "build_rollout_app",
+           "by_value", "rollout_handle", "start_rollout_app"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +206,27 @@ class RolloutReplica:
         agent = self.agents.agent(spec, tuple(env.config.paths)) if spec else environment_agent(env, task, self._tools)
         return await self.agents.run(agent, env, task, run_id, trajectory_id, seed, built_in=not spec)
 
+    async def rollout_stream(self, requests: list[tuple], min_version: int | None = None):
+        """Several rollouts in one request (:class:`RolloutBatcher`): ``requests`` are ``(task, run_id,
+        trajectory_id, seed)`` tuples; yields, as they finish, lists of ``(index, records, exception)``, one
+        entry per rollout that ended since the last yield (``records`` None where :meth:`rollout` raised).
+        Cancelling the request cancels every rollout of it still running."""
+
+        async def one(index: int, request: tuple) -> tuple[int, list[TrajectoryRecord] | None, Exception | None]:
+            try:
+                return index, await self.rollout(*request, min_version=min_version), None
+            except Exception as exc:
+                return index, None, _sendable(exc)
+
+        pending = {asyncio.ensure_future(one(i, request)) for i, request in enumerate(requests)}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                yield [future.result() for future in done]
+        finally:
+            for future in pending:
+                future.cancel()
+
     async def _reach_version(self, min_version: int) -> None:
         """Wait until the engine runs ``min_version`` or newer (at most ``version_wait_s``). A synchronous
         batch's rollouts all wait for the same version, so they share one wait that checks the version
@@ -266,15 +297,121 @@ def build_rollout_app(config: RolloutConfig) -> Application:
     return serve.deployment(RolloutReplica, **deployment_options(config)).bind(config)
 
 
-def start_rollout_app(config: RolloutConfig):
-    """Start Serve (no HTTP proxy) and deploy the app; returns its deployment handle (:func:`by_value`)."""
+def start_rollout_app(config: RolloutConfig) -> RolloutClient:
+    """Start Serve (no HTTP proxy) and deploy the app; returns its handle as a :class:`RolloutClient`."""
     serve.start(proxy_location="Disabled")
-    return by_value(serve.run(build_rollout_app(config), name=config.app_name, route_prefix=None))
+    handle = serve.run(build_rollout_app(config), name=config.app_name, route_prefix=None)
+    return RolloutClient(by_value(handle), config.num_replicas)
 
 
-def rollout_handle(app_name: str = "rollout"):
-    """The handle of a running rollout app (from any driver connected to the same Ray; :func:`by_value`)."""
-    return by_value(serve.get_deployment_handle("RolloutReplica", app_name=app_name))
+def rollout_handle(app_name: str = "rollout", replicas: int | None = None) -> RolloutClient:
+    """The handle of a running rollout app, from any driver connected to the same Ray, as a
+    :class:`RolloutClient` that splits a burst of rollouts into ``replicas`` requests (None: as many as
+    the app has replicas running)."""
+    if replicas is None:
+        states = serve.status().applications[app_name].deployments["RolloutReplica"].replica_states
+        replicas = max(1, states.get("RUNNING", 0))
+    return RolloutClient(by_value(serve.get_deployment_handle("RolloutReplica", app_name=app_name)), replicas)
+
+
+def _sendable(exc: Exception) -> Exception:
+    """``exc`` if it pickles (it goes back to the driver), else a ``RuntimeError`` naming it."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class RolloutBatcher:
+    """The ``rollout`` method of :class:`RolloutClient`: ``remote(task, run_id, trajectory_id, seed,
+    min_version=None)`` returns an awaitable of the rollout's records, as a handle's method does, but
+    the rollouts started in one turn of the event loop go to the replicas together, split into at most
+    ``replicas`` requests of :meth:`RolloutReplica.rollout_stream`, each of which streams its rollouts'
+    records back as they finish. Serve's cost is per request, and a synchronous batch starts all its
+    rollouts in one turn: 128 rollouts then cost 2 requests instead of 128.
+
+    Serve's router (:class:`~sao.rollout.routing.LeastOutstandingRouter`) counts a request as one however
+    many rollouts it holds: a burst is split evenly over the replicas by this class, and the few
+    rollouts started as others finish go where fewer requests run.
+
+    A rollout whose replica fails (the request's stream raises) gets that exception, as from a handle;
+    so does every other rollout of the same request still running. Cancelling a rollout's awaitable
+    cancels the request once every rollout of it is cancelled (a driver cancels all it runs at once);
+    until then the others go on and the cancelled one's records are dropped, as a cancelled
+    ``DeploymentResponse``'s are.
+    """
+
+    def __init__(self, handle, replicas: int) -> None:
+        self._stream = handle.options(stream=True)
+        self.replicas = replicas
+        self._queued: dict[int | None, list[tuple[tuple, asyncio.Future]]] = {}
+        self._requests: set[asyncio.Future] = set()
+
+    def remote(self, task: Task, run_id: str, trajectory_id: str, seed: int | None = None,
+               min_version: int | None = None) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._queued:
+            loop.call_soon(self._send)
+        self._queued.setdefault(min_version, []).append(((task, run_id, trajectory_id, seed), future))
+        return future
+
+    def _send(self) -> None:
+        queued, self._queued = self._queued, {}
+        for min_version, calls in queued.items():
+            calls = [(request, future) for request, future in calls if not future.cancelled()]
+            parts = min(self.replicas, len(calls))
+            for k in range(parts):
+                chunk = calls[k::parts]
+                request = asyncio.ensure_future(self._run(chunk, min_version))
+                self._requests.add(request)  # held until done (the loop keeps only a weak reference)
+                request.add_done_callback(self._requests.discard)
+
+    async def _run(self, chunk: list[tuple[tuple, asyncio.Future]], min_version: int | None) -> None:
+        futures = [future for _, future in chunk]
+        stream = self._stream.rollout_stream.remote([request for request, _ in chunk], min_version=min_version)
+
+        def on_done(_: asyncio.Future) -> None:
+            if all(future.cancelled() for future in futures):
+                stream.cancel()
+
+        for future in futures:
+            future.add_done_callback(on_done)
+        try:
+            async for finished in stream:
+                for index, records, exc in finished:
+                    if futures[index].done():
+                        continue
+                    if exc is None:
+                        futures[index].set_result(records)
+                    else:
+                        futures[index].set_exception(exc)
+        except asyncio.CancelledError:
+            if not all(future.cancelled() for future in futures):
+                stream.cancel()
+                for future in futures:
+                    future.cancel()
+                raise
+        except Exception as exc:  # the replica failed: every rollout of the request still running gets it
+            for future in futures:
+                if not future.done():
+                    future.set_exception(exc)
+        for future in futures:
+            if not future.done():
+                future.set_exception(RuntimeError("the rollout request ended without this rollout's records"))
+
+
+class RolloutClient:
+    """A rollout app's handle (:func:`by_value`) whose ``rollout`` is a :class:`RolloutBatcher`; every
+    other method is the handle's."""
+
+    def __init__(self, handle, replicas: int) -> None:
+        self._handle = handle
+        self.rollout = RolloutBatcher(handle, replicas)
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
 
 
 def by_value(handle):

@@ -180,3 +180,139 @@ def test_requests_waiting_for_a_version_share_one_wait_and_fail_together_when_it
     failures = asyncio.run(batch())
     assert polls == [1, 2]
     assert all(isinstance(f, TimeoutError) and "runs version 1, not 2" in str(f) for f in failures)
+
+
+class _FakeStream:
+    """A streaming ``DeploymentResponseGenerator`` stand-in: yields what the test puts in, raises what
+    it is told to, records a cancel."""
+
+    def __init__(self, requests, min_version):
+        self.requests, self.min_version = requests, min_version
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+        self.items.put_nowait(asyncio.CancelledError())
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.items.get()
+        if item is StopAsyncIteration or isinstance(item, BaseException):
+            raise item if isinstance(item, BaseException) else StopAsyncIteration
+        return item
+
+
+class _FakeHandle:
+    """``handle.options(stream=True).rollout_stream.remote(requests, min_version=...)``, kept per call."""
+
+    def __init__(self):
+        self.streams: list[_FakeStream] = []
+        self.rollout_stream = self
+
+    def options(self, stream=False):
+        assert stream
+        return self
+
+    def remote(self, requests, min_version=None):
+        self.streams.append(_FakeStream(requests, min_version))
+        return self.streams[-1]
+
+
+def _batch(min_versions):
+    """Rollouts started in one turn of the loop, through a RolloutBatcher of 2 replicas."""
+    from sao.rollout.serve import RolloutBatcher
+
+    handle = _FakeHandle()
+    batcher = RolloutBatcher(handle, replicas=2)
+    futures = [batcher.remote(f"task{i}", "run", f"t{i}", i, min_version=v) for i, v in enumerate(min_versions)]
+    return handle, futures
+
+
+def test_rollouts_started_together_go_as_one_request_per_replica_and_come_back_one_by_one():
+    async def scenario():
+        handle, futures = _batch([3] * 5)
+        await asyncio.sleep(0.01)
+        assert [s.requests for s in handle.streams] == [
+            [(f"task{i}", "run", f"t{i}", i) for i in (0, 2, 4)], [(f"task{i}", "run", f"t{i}", i) for i in (1, 3)]]
+        assert {s.min_version for s in handle.streams} == {3}
+        first, second = handle.streams
+        first.items.put_nowait([(1, ["records of t2"], None)])  # index within the request
+        await asyncio.sleep(0.01)
+        assert futures[2].result() == ["records of t2"] and not futures[0].done()
+        first.items.put_nowait([(0, ["records of t0"], None), (2, None, TimeoutError("no version 3"))])
+        first.items.put_nowait(StopAsyncIteration)
+        second.items.put_nowait([(1, ["records of t3"], None)])
+        second.items.put_nowait(ConnectionError("the replica died"))  # t1 was still running there
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert results[0] == ["records of t0"] and results[2] == ["records of t2"] and results[3] == ["records of t3"]
+        assert isinstance(results[4], TimeoutError) and isinstance(results[1], ConnectionError)
+
+    asyncio.run(scenario())
+
+
+def test_rollouts_of_different_minimum_versions_go_in_separate_requests():
+    async def scenario():
+        handle, futures = _batch([None, 1, None])
+        await asyncio.sleep(0.01)
+        sent = sorted((str(s.min_version), [r[2] for r in s.requests]) for s in handle.streams)
+        assert sent == [("1", ["t1"]), ("None", ["t0"]), ("None", ["t2"])]  # t0 and t2 split over the 2 replicas
+        for stream in handle.streams:
+            stream.items.put_nowait([(i, [r[2]], None) for i, r in enumerate(stream.requests)])
+            stream.items.put_nowait(StopAsyncIteration)
+        assert await asyncio.gather(*futures) == [["t0"], ["t1"], ["t2"]]
+
+    asyncio.run(scenario())
+
+
+def test_a_request_is_cancelled_once_every_rollout_of_it_is_and_a_request_that_ends_short_fails_the_rest():
+    async def scenario():
+        handle, futures = _batch([None] * 4)
+        await asyncio.sleep(0.01)
+        first, second = handle.streams  # t0, t2 and t1, t3
+        futures[0].cancel()
+        await asyncio.sleep(0.01)
+        assert not first.cancelled  # t2 still runs
+        futures[2].cancel()
+        await asyncio.sleep(0.01)
+        assert first.cancelled and not second.cancelled
+        second.items.put_nowait([(0, ["t1"], None)])
+        second.items.put_nowait(StopAsyncIteration)  # t3 never reported
+        results = await asyncio.gather(futures[1], futures[3], return_exceptions=True)
+        assert results[0] == ["t1"] and "ended without this rollout's records" in str(results[1])
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_streams_each_rollout_as_it_finishes_and_sends_failures_as_values():
+    import types
+
+    from sao.rollout import serve as serve_module
+
+    replica = object.__new__(serve_module.RolloutReplica)
+    delays = {"a": 0.05, "b": 0.0, "c": 0.02}
+    seen_versions = []
+
+    async def rollout(task, run_id, trajectory_id, seed=None, min_version=None):
+        seen_versions.append(min_version)
+        await asyncio.sleep(delays[task])
+        if task == "c":
+            raise ValueError("bad task")
+        return [f"{task}:{run_id}:{trajectory_id}:{seed}"]
+
+    replica.rollout = rollout
+    replica.config = types.SimpleNamespace()
+
+    async def scenario():
+        out = []
+        async for finished in replica.rollout_stream([("a", "r", "ta", 0), ("b", "r", "tb", 1), ("c", "r", "tc", 2)],
+                                                     min_version=4):
+            out += finished
+        return out
+
+    out = asyncio.run(scenario())
+    assert [index for index, _, _ in out] == [1, 2, 0] and seen_versions == [4, 4, 4]
+    assert out[0][1] == ["b:r:tb:1"] and out[2][1] == ["a:r:ta:0"]
+    assert out[1][1] is None and isinstance(out[1][2], ValueError)
