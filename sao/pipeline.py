@@ -253,15 +253,20 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     async def trainer_skipped() -> int:
         return await broker.skipped_total.remote()
 
+    async def trainer_newer(seen: int, timeout_s: float) -> int:
+        return await broker.wait_version.remote(seen, timeout_s)
+
     issue_log = IssueLog(lake, cfg.writer_config(), issuer_id=issuer_id)
     # No record is committed before its launch: the issue log is flushed before each trajectory commit.
-    writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush)
+    # Each commit is announced at the broker, where a trainer waiting for its batch is told at once.
+    writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush,
+                              after_commit=broker.rows_committed.remote)
     driver = RolloutDriver(
         handle, writer, train.run_id,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
                      max_staleness=train.max_staleness, seed=cfg.seed + version, synchronous=cfg.synchronous),
         trainer_version=trainer_version, initial_version=version, on_record=on_record, issue_log=issue_log,
-        trainer_skipped=trainer_skipped,
+        trainer_skipped=trainer_skipped, trainer_newer=trainer_newer,
     )
     stop_rollouts = threading.Event()
     driver_result: dict[str, object] = {}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import threading
 import time
 import uuid
@@ -57,6 +58,8 @@ from sao.lake.validate import NO_VERSION, Rule, Violation, validate_table
 from schemas import policy_versions, quarantine, trajectories
 
 __all__ = ["FlushReport", "TrajectoryWriter", "WriterClosedError", "WriterStats"]
+
+log = logging.getLogger(__name__)
 
 
 class WriterClosedError(LakeError):
@@ -141,11 +144,16 @@ class TrajectoryWriter:
         *,
         writer_id: str | None = None,
         before_flush: Callable[[], object] | None = None,
+        after_commit: Callable[[], object] | None = None,
     ) -> None:
         """``before_flush`` runs (under the writer's lock) before each flush that has records: the
-        pipeline flushes its issue log there, so no record is committed before its launch is."""
+        pipeline flushes its issue log there, so no record is committed before its launch is.
+        ``after_commit`` runs after each commit that wrote rows: the pipeline tells the trainer there
+        (:meth:`sao.rollout.weights.WeightBroker.rows_committed`); a failure of it is logged, the rows
+        stay committed."""
         self.lake = lake
         self.before_flush = before_flush
+        self.after_commit = after_commit
         self.config = config or WriterConfig()
         self.writer_id = writer_id or f"writer-{uuid.uuid4().hex[:12]}"
         self.stats = WriterStats()
@@ -272,6 +280,11 @@ class TrajectoryWriter:
             arrived = [delivery.arrived_at for delivery in pending]
             valid = table if len(valid_rows) == table.num_rows else table.take(valid_rows)
             written, duplicates, version, conflicts = self._commit(valid, arrived)
+            if written and self.after_commit is not None:
+                try:
+                    self.after_commit()
+                except Exception as exc:  # the rows are in: a trainer not told looks at its next poll
+                    log.warning("the writer's after_commit call failed: %s", exc)
         self._buffer = rest
         report = FlushReport(
             received=len(batch),

@@ -180,13 +180,18 @@ class RolloutDriver:
         issue_log: optional record of every launch (the lake's ``rollout_tasks``).
         trainer_skipped: async callable returning how many trajectories the trainer has passed over
             so far (too stale when it reached them, or without an action token).
+        trainer_newer: async callable ``(version, timeout_s)`` that returns as soon as the trainer's
+            version is newer than ``version``, or after ``timeout_s``: while its gate lets nothing
+            start, the driver waits there (told of the trainer's next version) instead of sleeping
+            ``version_poll_s`` between looks.
     """
 
     def __init__(self, rollout, sink: TrajectorySink, run_id: str, config: DriverConfig | None = None,
                  trainer_version: Callable[[], Awaitable[int]] | None = None, initial_version: int = 0,
                  on_record: Callable[[TrajectoryRecord], None] | None = None,
                  issue_log: IssueSink | None = None,
-                 trainer_skipped: Callable[[], Awaitable[int]] | None = None) -> None:
+                 trainer_skipped: Callable[[], Awaitable[int]] | None = None,
+                 trainer_newer: Callable[[int, float], Awaitable[object]] | None = None) -> None:
         self.rollout = rollout
         self.sink = sink
         self.run_id = run_id
@@ -195,6 +200,8 @@ class RolloutDriver:
         self.on_record = on_record
         self.issue_log = issue_log
         self.trainer_skipped = trainer_skipped
+        self.trainer_newer = trainer_newer
+        self._version_seen: int | None = None  # the trainer's version at the last look
         self._skipped_seen = 0
         cfg = self.config
         self.gate = (StalenessGate(cfg.batch_size, cfg.max_staleness, initial_version)
@@ -207,7 +214,7 @@ class RolloutDriver:
         room = self.config.max_in_flight
         if self.gate is None:
             return room, None
-        version = await self.trainer_version()
+        version = self._version_seen = await self.trainer_version()
         if self.trainer_skipped is not None:
             skipped = await self.trainer_skipped()
             if skipped > self._skipped_seen:
@@ -235,7 +242,7 @@ class RolloutDriver:
                     break
                 if not state.idle_flushed:
                     self._flush_when_idle(state)
-                await asyncio.sleep(self.config.version_poll_s)  # gate closed: wait for the trainer
+                await self._wait_for_trainer()  # gate closed
                 continue
             state.idle_flushed = False
             if cancel is not None and cancel.is_set():
@@ -282,6 +289,14 @@ class RolloutDriver:
         if self.gate is not None:
             self.gate.start()
         return issued
+
+    async def _wait_for_trainer(self) -> None:
+        """Wait while the gate lets nothing start: until the trainer's next version (``trainer_newer``),
+        at most ``version_poll_s``, which is also when places the trainer passed over are looked for."""
+        if self.trainer_newer is not None and self._version_seen is not None:
+            await self.trainer_newer(self._version_seen, self.config.version_poll_s)
+        else:
+            await asyncio.sleep(self.config.version_poll_s)
 
     def _collect(self, state: _RunState, done: Iterable[asyncio.Future], may_retry: bool) -> list[TrajectoryRecord]:
         """The records of the ``done`` rollouts (a cancelled one becomes a ``cancelled`` record); with

@@ -40,6 +40,8 @@ class WeightBroker:
         self._acks: dict[str, tuple[int, float]] = {}
         self._newer: asyncio.Event | None = None  # set (and replaced) on each publish
         self._stop_requested = False
+        self._commits = 0  # trajectory commits announced since the last reset
+        self._committed: asyncio.Event | None = None  # set (and replaced) on each announced commit or stop
 
     async def publish(self, version: int, refs: list) -> int:
         """Announce ``version``.
@@ -65,6 +67,8 @@ class WeightBroker:
         self._version, self._refs = version, []
         self._skipped = 0
         self._stop_requested = False
+        self._commits = 0
+        self._wake_committed()
         self._published_at.clear()
         self._acks.clear()
         if self._newer is not None:
@@ -81,6 +85,33 @@ class WeightBroker:
             except TimeoutError:
                 pass
         return self._version, self._refs
+
+    async def wait_version(self, version: int, timeout_s: float) -> int:
+        """The newest version as soon as it is newer than ``version``, or after ``timeout_s`` (the rollout
+        driver waits here while its gate is closed, instead of asking again and again)."""
+        return (await self.wait_newer(version, timeout_s))[0]
+
+    def rows_committed(self) -> None:
+        """The rollout writer committed trajectories: a trainer waiting for its batch looks at once."""
+        self._commits += 1
+        self._wake_committed()
+
+    async def wait_committed(self, seen: int, timeout_s: float) -> int:
+        """The count of announced commits as soon as it exceeds ``seen`` (or a stop is requested), or
+        after ``timeout_s``: the trainer waits here for its batch between reads of the lake."""
+        if self._commits <= seen and not self._stop_requested:
+            if self._committed is None:
+                self._committed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._committed.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        return self._commits
+
+    def _wake_committed(self) -> None:
+        if self._committed is not None:
+            self._committed.set()
+            self._committed = None
 
     def latest(self) -> tuple[int, list]:
         return self._version, self._refs
@@ -105,6 +136,7 @@ class WeightBroker:
         """Ask the run's trainer to stop after the step it is in (a Ctrl-C of the run: the trainer
         polls :meth:`stop_requested` between steps and while it waits for a batch)."""
         self._stop_requested = True
+        self._wake_committed()
 
     def stop_requested(self) -> bool:
         return self._stop_requested

@@ -276,7 +276,9 @@ class TrainConfig:
         deterministic: ``torch.use_deterministic_algorithms`` (bit-exact replay on CPU).
         torch_threads: intra-op threads per worker.
         wait_timeout_s: longest wait for a batch to arrive before the run fails.
-        poll_s: how often the reader looks for new trajectories while waiting.
+        poll_s: longest wait between two looks for new trajectories while waiting for a batch: the
+            rollout writer announces each commit at the run's weight broker and the trainer looks at
+            once; without a broker (``app_name`` None) the lake is polled at this interval.
         app_name: rollout app whose replicas receive new weights (None: do not publish).
         num_workers: Ray Train workers (data parallel; gradients are summed across them).
         cpus_per_worker: Ray CPUs per worker (fractions leave room for dataset reads and rollouts).

@@ -255,3 +255,26 @@ def test_before_flush_runs_before_each_commit_that_has_records(local_lake):
     writer.close()
     assert seen == [start, start + 1, start + 2]
     assert local_lake.version("trajectories") == start + 3
+
+
+def test_after_commit_runs_after_each_commit_that_wrote_rows_and_its_failure_loses_nothing(local_lake, caplog):
+    """The pipeline tells the trainer here that rows are in: after the commit, never for duplicates only."""
+    seen = []
+
+    def after_commit():
+        seen.append(local_lake.version("trajectories"))
+        if len(seen) == 2:
+            raise ConnectionError("the broker is gone")
+
+    writer = TrajectoryWriter(local_lake, WriterConfig(flush_rows=4, background_flush=False),
+                              after_commit=after_commit)
+    start = local_lake.version("trajectories")
+    records = make_trajectories(9, seed=6, run_id=RUN)
+    writer.add_many(records)  # two commits of 4, the second call fails
+    writer.flush()
+    writer.add_many(records[:3])  # duplicates only: nothing written, no call
+    writer.flush()
+    writer.close()
+    assert seen == [start + 1, start + 2, start + 3]
+    assert "after_commit call failed: the broker is gone" in caplog.text
+    assert_exactly_once(local_lake, {r.trajectory_id for r in records})

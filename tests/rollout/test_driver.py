@@ -2,6 +2,7 @@
 failed replicas become error records and retries, the staleness gate holds generation back."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -170,6 +171,43 @@ def test_a_synchronous_driver_launches_one_batch_per_version_at_that_version():
     first, waiting = asyncio.run(run())
     assert first == 4  # one batch at version 0
     assert waiting == 4  # the second batch was launched but waits for its replica to run version 1
+    assert [(v, m) for _, v, m in app.started_at] == [(0, 0)] * 4 + [(1, 1)] * 4
+
+
+def test_a_driver_told_of_the_trainers_versions_launches_the_next_batch_at_once():
+    """With ``trainer_newer`` the driver waits there while its gate is closed, from the version it last
+    saw: a new version launches the next batch without waiting out ``version_poll_s`` (here 30 s)."""
+    trainer = {"v": 0}
+    app, sink = VersionedApp(trainer), ListSink()
+    waits = []
+
+    async def trainer_version():
+        return trainer["v"]
+
+    async def trainer_newer(seen, timeout_s):
+        waits.append((seen, timeout_s))
+        while trainer["v"] <= seen:
+            await asyncio.sleep(0.001)
+        return trainer["v"]
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0,
+                                                        version_poll_s=30, synchronous=True),
+                           trainer_version=trainer_version, trainer_newer=trainer_newer)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=8))
+        while len(sink.records) < 4:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        batch_one = driver.stats.launched
+        started = time.monotonic()
+        trainer["v"] = 1
+        await asyncio.wait_for(job, timeout=10)
+        return batch_one, time.monotonic() - started
+
+    batch_one, second_batch_s = asyncio.run(run())
+    assert batch_one == 4 and second_batch_s < 5  # not the 30 s poll
+    assert waits and waits[0] == (0, 30)
     assert [(v, m) for _, v, m in app.started_at] == [(0, 0)] * 4 + [(1, 1)] * 4
 
 

@@ -79,6 +79,44 @@ def test_wait_newer_returns_at_a_publication_or_after_its_timeout():
     assert woken == (1, ["v1"]) and at_once == (1, ["v1"])
 
 
+def test_wait_version_returns_the_version_at_a_publication_or_after_its_timeout():
+    async def run():
+        broker = WeightBroker()
+        await broker.publish(3, ["v3"])
+        timed_out = await broker.wait_version(3, timeout_s=0.02)
+        waiter = asyncio.ensure_future(broker.wait_version(3, timeout_s=30))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        await broker.publish(4, ["v4"])
+        return timed_out, await asyncio.wait_for(waiter, 1)
+
+    assert asyncio.run(run()) == (3, 4)
+
+
+def test_a_trainer_waiting_for_rows_wakes_at_a_commit_a_stop_or_its_timeout():
+    async def run():
+        broker = WeightBroker()
+        started = asyncio.get_running_loop().time()
+        timed_out = await broker.wait_committed(0, timeout_s=0.05)
+        waited = asyncio.get_running_loop().time() - started
+        waiter = asyncio.ensure_future(broker.wait_committed(0, timeout_s=30))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # no commit yet
+        broker.rows_committed()
+        woken = await asyncio.wait_for(waiter, 1)
+        at_once = await broker.wait_committed(0, timeout_s=30)  # a commit since the count seen: no wait
+        stopped = asyncio.ensure_future(broker.wait_committed(1, timeout_s=30))
+        await asyncio.sleep(0.01)
+        broker.request_stop()
+        on_stop = await asyncio.wait_for(stopped, 1)
+        await broker.reset(0)
+        return timed_out, waited, woken, at_once, on_stop, await broker.wait_committed(-1, timeout_s=30)
+
+    timed_out, waited, woken, at_once, on_stop, after_reset = asyncio.run(run())
+    assert timed_out == 0 and waited >= 0.05
+    assert woken == at_once == on_stop == 1 and after_reset == 0
+
+
 def test_publish_latency_is_the_time_until_the_nth_replica_runs_the_version(monkeypatch):
     import sao.rollout.weights as weights
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -169,6 +170,32 @@ def test_a_batch_from_rows_the_reader_has_seen_comes_from_their_snapshot(cfg, po
     assert pinned == seen_at and refreshed == lake.version("trajectories")
     batches = [t.column("trajectory_id").to_pylist() for t in (first, second, third)]
     assert batches == [early[:cfg.batch_size], early[cfg.batch_size:], late]
+
+
+def test_a_trainer_waiting_for_its_batch_is_told_of_each_commit(cfg, policy_dir, tokenizer):
+    """Between two looks at the lake the trainer waits at the broker with the count of commits it has
+    seen (the first wait only learns it) and looks again when a commit is announced, not after poll_s."""
+    from sao.lake.reader import TrajectoryReader
+    from sao.train.loop import _Broker, _wait_for_batch
+
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    roll_out(policy_dir, tokenizer, lake, cfg.run_id, cfg.batch_size - 1)
+    waits, announced = [], {"commits": 5}
+
+    def wait_rows(seen, timeout):  # the broker's side: the writer commits the missing row, announced
+        waits.append((seen, timeout))
+        if len(waits) == 2:
+            roll_out(policy_dir, tokenizer, lake, cfg.run_id, 1, seed=3)
+            announced["commits"] += 1
+        return announced["commits"]
+
+    slow_poll = cfg.__class__(**{**cfg.__dict__, "poll_s": 30.0})
+    reader = TrajectoryReader(lake, cfg.run_id, columns=["trajectory_id", "min_policy_version"])
+    started = time.monotonic()
+    _, table, *_ = _wait_for_batch(reader, slow_poll, 0, _Broker(wait_rows=wait_rows))
+    assert table.num_rows == cfg.batch_size and time.monotonic() - started < 20
+    assert waits == [(-1, 30.0), (5, 30.0)]
 
 KILL_SCRIPT = textwrap.dedent('''
     import sys, time
