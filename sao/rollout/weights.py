@@ -27,6 +27,27 @@ def broker_name(app_name: str) -> str:
     return f"{app_name}-weights"
 
 
+class _Signal:
+    """Wakes the broker's current waiters at once; a wait that starts later waits for the next wake."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the next :meth:`wake`, or ``timeout_s``."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    def wake(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+
 class WeightBroker:
     """Holds the newest (version, object ref), the versions replicas report, and how many
     trajectories the trainer has passed over without training on them (a Ray actor; the rollout
@@ -38,10 +59,10 @@ class WeightBroker:
         self._refs: list = []
         self._published_at: dict[int, float] = {}
         self._acks: dict[str, tuple[int, float]] = {}
-        self._newer: asyncio.Event | None = None  # set (and replaced) on each publish
+        self._newer = _Signal()  # on each publish and reset
         self._stop_requested = False
         self._commits = 0  # trajectory commits announced since the last reset
-        self._committed: asyncio.Event | None = None  # set (and replaced) on each announced commit or stop
+        self._committed = _Signal()  # on each announced commit, stop request and reset
 
     async def publish(self, version: int, refs: list) -> int:
         """Announce ``version``.
@@ -56,9 +77,7 @@ class WeightBroker:
             return version
         self._version, self._refs = version, refs
         self._published_at[version] = time.time()
-        if self._newer is not None:
-            self._newer.set()
-            self._newer = None
+        self._newer.wake()
         return version
 
     async def reset(self, version: int) -> None:
@@ -68,22 +87,15 @@ class WeightBroker:
         self._skipped = 0
         self._stop_requested = False
         self._commits = 0
-        self._wake_committed()
+        self._committed.wake()
         self._published_at.clear()
         self._acks.clear()
-        if self._newer is not None:
-            self._newer.set()
-            self._newer = None
+        self._newer.wake()
 
     async def wait_newer(self, version: int, timeout_s: float) -> tuple[int, list]:
         """The newest (version, refs) as soon as it is newer than ``version``, or after ``timeout_s``."""
         if self._version <= version:
-            if self._newer is None:
-                self._newer = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._newer.wait(), timeout_s)
-            except TimeoutError:
-                pass
+            await self._newer.wait(timeout_s)
         return self._version, self._refs
 
     async def wait_version(self, version: int, timeout_s: float) -> int:
@@ -94,24 +106,14 @@ class WeightBroker:
     def rows_committed(self) -> None:
         """The rollout writer committed trajectories: a trainer waiting for its batch looks at once."""
         self._commits += 1
-        self._wake_committed()
+        self._committed.wake()
 
     async def wait_committed(self, seen: int, timeout_s: float) -> int:
         """The count of announced commits as soon as it exceeds ``seen`` (or a stop is requested), or
         after ``timeout_s``: the trainer waits here for its batch between reads of the lake."""
         if self._commits <= seen and not self._stop_requested:
-            if self._committed is None:
-                self._committed = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._committed.wait(), timeout_s)
-            except TimeoutError:
-                pass
+            await self._committed.wait(timeout_s)
         return self._commits
-
-    def _wake_committed(self) -> None:
-        if self._committed is not None:
-            self._committed.set()
-            self._committed = None
 
     def latest(self) -> tuple[int, list]:
         return self._version, self._refs
@@ -136,7 +138,7 @@ class WeightBroker:
         """Ask the run's trainer to stop after the step it is in (a Ctrl-C of the run: the trainer
         polls :meth:`stop_requested` between steps and while it waits for a batch)."""
         self._stop_requested = True
-        self._wake_committed()
+        self._committed.wake()
 
     def stop_requested(self) -> bool:
         return self._stop_requested
