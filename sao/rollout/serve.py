@@ -417,9 +417,8 @@ class RolloutClient:
 def by_value(handle):
     """``handle`` sending its requests to the replicas over Serve's inter-deployment gRPC channel, with the
     arguments and results passed by value, rather than as Ray actor tasks whose results go through the
-    object store. A rollout is one small request and a few records back, and the per-request cost of the
-    actor-task path dominated: 128 single-turn rollouts on 2 replicas (2 cores, the peer benchmark's
-    shape) took the driver 3.4 CPU-s per 7 batches and each replica 2.1, against 1.3 and 1.4 by value,
-    and a batch 1.2 s against 0.85 s. Every replica serves this channel (Serve starts it with the
-    replica); a response cannot become an ``ObjectRef``, which nothing here asks for."""
+    object store: a rollout is one small request and a few records back, and the actor-task path's cost
+    per request dominated (the figures are in the module docstring). Every replica serves this channel
+    (Serve starts it with the replica); a response cannot become an ``ObjectRef``, which nothing here
+    asks for."""
     return handle.options(_by_reference=False)
