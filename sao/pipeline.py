@@ -261,6 +261,11 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     # Each commit is announced at the broker, where a trainer waiting for its batch is told at once.
     writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush,
                               after_commit=broker.rows_committed.remote)
+    # And the rows a waiting trainer still needs are committed the moment the writer holds them.
+    stop_demand = threading.Event()
+    demand = threading.Thread(
+        target=_follow_demand, name="writer-demand", daemon=True,
+        args=(lambda seen, wait_s: ray.get(broker.wait_demand.remote(seen, wait_s)), writer, stop_demand))
     driver = RolloutDriver(
         handle, writer, train.run_id,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
@@ -283,6 +288,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     watcher = _StepWatcher(lake, train.run_id, done_before, on_step) if on_step is not None else None
     train_started = time.monotonic()
     with interrupt.graceful():
+        demand.start()
         thread.start()
         try:
             _train_until_done_or_stopped(cfg.use_ray_train, train, broker, lambda: "error" in driver_result)
@@ -292,6 +298,8 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
             if watcher is not None:
                 watcher.close()
             thread.join(timeout=max(cfg.agent.timeout_s * 2, 60.0))
+            stop_demand.set()
+            demand.join(timeout=10.0)
             issue_log.flush()
             writer.close()
             serve.delete(cfg.app_name)
@@ -302,6 +310,25 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     return PipelineResult(steps=steps, version=0 if last is None else last[1], driver=driver_result["stats"],
                           wall_s=time.monotonic() - started, train_s=train_s,
                           interrupted=interrupt.requested() and steps < train.total_steps, relaunched=len(relaunch))
+
+
+def _follow_demand(wait_demand: Callable[[int, float], tuple[int, int]], writer: TrajectoryWriter,
+                   stop: threading.Event, wait_s: float = 0.5) -> None:
+    """Until ``stop``: each time the trainer starts waiting for rows, ask the writer to commit that many
+    as soon as it holds them (:meth:`TrajectoryWriter.demand`), rather than at its batch size or age
+    (an asynchronous run's age flush, :data:`ASYNC_FLUSH_S` per 16 rows, would hold them).
+    ``wait_demand``: :meth:`sao.rollout.weights.WeightBroker.wait_demand`. A failure to reach the
+    broker is logged, and the writer keeps its own flush rules."""
+    seen = 0
+    while not stop.is_set():
+        try:
+            count, wanted = wait_demand(seen, wait_s)
+        except Exception as exc:  # the writer still flushes by rows and age
+            log.warning("the writer no longer follows the trainer's waits: %s", exc)
+            return
+        if count > seen and not stop.is_set():  # a new wait (else the wait for one timed out)
+            writer.demand(wanted)
+        seen = count  # a reset of the broker starts the count over
 
 
 def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker,

@@ -55,6 +55,39 @@ def test_the_writer_commits_half_batches_asynchronously_and_whole_batches_synchr
     assert PipelineConfig(train=_train(tmp_path), synchronous=False, writer=chosen).writer_config() == chosen
 
 
+def test_each_wait_of_the_trainer_for_rows_becomes_one_demand_at_the_writer():
+    """The follower passes each newly announced wait on once (a timed-out wait for one passes nothing
+    on), starts over after a broker reset, and stops when told or when the broker is gone."""
+    import threading
+
+    from sao.pipeline import _follow_demand
+
+    stop = threading.Event()
+    answers = iter([(0, 0), (1, 5), (1, 5), (2, 3), (0, 0), (1, 9), ConnectionError("the broker is gone")])
+    asked = []
+
+    def wait_demand(seen, wait_s):
+        asked.append(seen)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    class Writer:
+        demands = []
+
+        def demand(self, rows):
+            self.demands.append(rows)
+
+    writer = Writer()
+    _follow_demand(wait_demand, writer, stop)  # returns when the broker is gone
+    assert writer.demands == [5, 3, 9]
+    assert asked == [0, 0, 1, 1, 2, 0, 1]
+    stop.set()
+    _follow_demand(lambda seen, wait_s: (1, 4), writer, stop)  # stopped: asks nothing
+    assert writer.demands == [5, 3, 9]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_a_synchronous_grpo_run_trains_whole_groups_of_its_own_version(tmp_path, policy_dir, ray_session):

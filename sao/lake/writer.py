@@ -158,6 +158,7 @@ class TrajectoryWriter:
         self.writer_id = writer_id or f"writer-{uuid.uuid4().hex[:12]}"
         self.stats = WriterStats()
         self._buffer: list[_Delivery] = []
+        self._demand: int | None = None  # a reader waits for this many rows (see demand)
         self._runs: dict[str, _RunState] = {}
         self._newest_versions: dict[str, int] = {}
         self._table: DeltaTable | None = None
@@ -193,8 +194,27 @@ class TrajectoryWriter:
             self._buffer.extend(_Delivery(record, now, received) for record in records)
             while len(self._buffer) >= self.config.flush_rows:
                 self._flush_locked(self.config.flush_rows)
-            if self._is_old():
+            if self._is_old() or self._demanded():
                 self._flush_locked()
+
+    def demand(self, rows: int) -> None:
+        """A reader waits for ``rows`` more rows: flush as soon as that many are buffered (at once if
+        they are), rather than at ``flush_rows`` or ``flush_seconds``. The demand holds until the next
+        flush that commits rows; a reader still short then asks again. The pipeline passes on the
+        trainer's wait for its batch here (:meth:`sao.rollout.weights.WeightBroker.wait_demand`).
+        A flush this call makes fails as the age flush does: the next ``add``, ``flush`` or ``close``
+        raises its error."""
+        if rows < 1:
+            return
+        with self._lock:
+            if self._closed or self._error is not None:
+                return
+            self._demand = rows
+            if self._demanded():
+                try:
+                    self._flush_locked()
+                except BaseException as error:  # raised again by the next add/flush/close
+                    self._error = error
 
     def flush(self) -> FlushReport:
         """Commit everything buffered now (a report of zeros when the buffer is empty)."""
@@ -231,6 +251,9 @@ class TrajectoryWriter:
         self.close()
 
     # Flushing -----------------------------------------------------------------------------------
+
+    def _demanded(self) -> bool:
+        return self._demand is not None and len(self._buffer) >= self._demand
 
     def _is_old(self) -> bool:
         return (
@@ -280,6 +303,8 @@ class TrajectoryWriter:
             arrived = [delivery.arrived_at for delivery in pending]
             valid = table if len(valid_rows) == table.num_rows else table.take(valid_rows)
             written, duplicates, version, conflicts = self._commit(valid, arrived)
+            if written:
+                self._demand = None
             if written and self.after_commit is not None:
                 try:
                     self.after_commit()

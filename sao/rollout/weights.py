@@ -63,6 +63,9 @@ class WeightBroker:
         self._stop_requested = False
         self._commits = 0  # trajectory commits announced since the last reset
         self._committed = _Signal()  # on each announced commit, stop request and reset
+        self._demands = 0  # waits for rows the trainer has announced (see wait_demand)
+        self._wanted = 0  # rows the trainer waits for in its newest wait
+        self._demanded = _Signal()  # on each announced wait for rows, and reset
 
     async def publish(self, version: int, refs: list) -> int:
         """Announce ``version``.
@@ -88,6 +91,8 @@ class WeightBroker:
         self._stop_requested = False
         self._commits = 0
         self._committed.wake()
+        self._demands = self._wanted = 0
+        self._demanded.wake()
         self._published_at.clear()
         self._acks.clear()
         self._newer.wake()
@@ -108,12 +113,26 @@ class WeightBroker:
         self._commits += 1
         self._committed.wake()
 
-    async def wait_committed(self, seen: int, timeout_s: float) -> int:
+    async def wait_committed(self, seen: int, timeout_s: float, wanted: int = 0) -> int:
         """The count of announced commits as soon as it exceeds ``seen`` (or a stop is requested), or
-        after ``timeout_s``: the trainer waits here for its batch between reads of the lake."""
+        after ``timeout_s``: the trainer waits here for its batch between reads of the lake. ``wanted``:
+        the rows it still needs, passed on to the rollout writer while it waits (:meth:`wait_demand`)."""
         if self._commits <= seen and not self._stop_requested:
+            if wanted > 0:
+                self._demands += 1
+                self._wanted = wanted
+                self._demanded.wake()
             await self._committed.wait(timeout_s)
         return self._commits
+
+    async def wait_demand(self, seen: int, timeout_s: float) -> tuple[int, int]:
+        """(waits announced, rows wanted in the newest) as soon as the trainer has announced a wait for
+        rows beyond the first ``seen``, or after ``timeout_s``: the pipeline waits here beside the rollout
+        writer and asks it to commit the rows the trainer waits for the moment it holds them
+        (:meth:`sao.lake.writer.TrajectoryWriter.demand`), instead of at its batch size or age."""
+        if self._demands <= seen:
+            await self._demanded.wait(timeout_s)
+        return self._demands, self._wanted
 
     def latest(self) -> tuple[int, list]:
         return self._version, self._refs

@@ -143,9 +143,10 @@ class _Broker:
     publish: Callable[[int, torch.nn.Module], float] | None = None
     stop_requested: Callable[[], bool] = lambda: False
     skipped: Callable[[int], None] = lambda count: None
-    # (commits seen, longest wait) -> commits announced: returns at the next commit the rollout writer
-    # announces, else after the wait; with no broker, the wait itself (the lake is polled)
-    wait_rows: Callable[[int, float], int] = lambda seen, timeout: (time.sleep(timeout), seen)[1]
+    # (commits seen, longest wait, rows still wanted) -> commits announced: returns at the next commit
+    # the rollout writer announces (which it makes as soon as it holds the rows wanted), else after the
+    # wait; with no broker, the wait itself (the lake is polled)
+    wait_rows: Callable[[int, float, int], int] = lambda seen, timeout, wanted: (time.sleep(timeout), seen)[1]
 
 
 def _broker_calls(cfg: TrainConfig) -> _Broker:
@@ -160,7 +161,7 @@ def _broker_calls(cfg: TrainConfig) -> _Broker:
     return _Broker(publish=lambda version, policy: publish_weights(broker, version, policy.state_dict()),
                    stop_requested=lambda: ray.get(broker.stop_requested.remote()),
                    skipped=lambda count: ray.get(broker.add_skipped.remote(count)),
-                   wait_rows=lambda seen, timeout: ray.get(broker.wait_committed.remote(seen, timeout)))
+                   wait_rows=lambda seen, timeout, wanted: ray.get(broker.wait_committed.remote(seen, timeout, wanted)))
 
 
 class _Stopped(Exception):
@@ -178,7 +179,9 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
     held: list[pa.Table] = []
     snapshot = None
     stale = no_actions = cut_short = 0
-    commits = -1  # the rollout writer's announced commits seen: the first wait only learns the count
+    # The rollout writer's announced commits so far, counted before the first look at the lake: a wait
+    # then returns at the first commit that look did not see.
+    commits = broker.wait_rows(-1, 0.0, 0)
     while True:
         if broker.stop_requested():
             raise _Stopped
@@ -204,7 +207,8 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
                 f"arrived within {cfg.wait_timeout_s} s at version {version} (max_staleness {cfg.max_staleness})"
             )
         if pinned is None:  # else the rows seen were too few once the stale ones were out: look again now
-            commits = broker.wait_rows(commits, cfg.poll_s)  # told of the next commit, or polls
+            # told of the next commit, or polls
+            commits = broker.wait_rows(commits, cfg.poll_s, cfg.batch_size - sum(t.num_rows for t in held))
 
 
 def compute_update(learner: Learner, rows: Sequence[Mapping], version: int, rank: int = 0,

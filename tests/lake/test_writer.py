@@ -278,3 +278,36 @@ def test_after_commit_runs_after_each_commit_that_wrote_rows_and_its_failure_los
     assert seen == [start + 1, start + 2, start + 3]
     assert "after_commit call failed: the broker is gone" in caplog.text
     assert_exactly_once(local_lake, {r.trajectory_id for r in records})
+
+
+def test_a_demand_commits_the_rows_a_reader_waits_for_as_soon_as_they_are_buffered(local_lake, monkeypatch):
+    """demand(n): a flush the moment n rows are buffered (at once when they already are), not at
+    flush_rows or the age; it holds until a flush commits rows; a failure of a flush it makes is
+    raised by the next call and loses nothing."""
+    import sao.lake.writer as writer_module
+
+    writer = TrajectoryWriter(local_lake, MANUAL)
+    records = make_trajectories(12, seed=14, run_id=RUN)
+    writer.add_many(records[:2])
+    writer.demand(3)  # two buffered: nothing yet
+    assert writer.buffered == 2 and writer.stats.flushes == 0
+    writer.add(records[2])  # the third: flushed with the others
+    assert writer.buffered == 0 and writer.stats.written == 3
+    writer.add_many(records[3:7])  # the demand was met: back to flush_rows
+    assert writer.buffered == 4
+    writer.demand(4)  # already buffered: flushed at once, on the caller's thread
+    assert writer.buffered == 0 and writer.stats.written == 7
+    writer.demand(0)  # nothing wanted: no demand
+    writer.add(records[7])
+    assert writer.buffered == 1
+
+    real = writer_module.append_exactly
+    monkeypatch.setattr(writer_module, "append_exactly", lambda *a, **k: (_ for _ in ()).throw(OSError("down")))
+    writer.demand(1)  # the flush it makes fails: raised by the next call, which takes nothing
+    assert writer.buffered == 1
+    with pytest.raises(OSError, match="down"):
+        writer.add(records[8])
+    monkeypatch.setattr(writer_module, "append_exactly", real)
+    writer.add_many(records[8:])
+    writer.close()
+    assert_exactly_once(local_lake, {r.trajectory_id for r in records})

@@ -117,6 +117,27 @@ def test_a_trainer_waiting_for_rows_wakes_at_a_commit_a_stop_or_its_timeout():
     assert woken == at_once == on_stop == 1 and after_reset == 0
 
 
+def test_the_rows_a_trainer_waits_for_reach_the_writers_side_only_when_it_waits():
+    """wait_demand returns at the trainer's next announced wait with the rows it wants; a wait that
+    returns at once (a commit it has not seen) or wants nothing announces nothing; a reset starts over."""
+    async def run():
+        broker = WeightBroker()
+        nothing = await broker.wait_demand(0, timeout_s=0.05)  # no wait announced yet
+        follower = asyncio.ensure_future(broker.wait_demand(0, timeout_s=30))
+        trainer = asyncio.ensure_future(broker.wait_committed(0, timeout_s=30, wanted=7))
+        demanded = await asyncio.wait_for(follower, 1)
+        broker.rows_committed()
+        assert await asyncio.wait_for(trainer, 1) == 1
+        await broker.wait_committed(0, timeout_s=30, wanted=3)  # returns at once: commit 1 is unseen
+        await broker.wait_committed(1, timeout_s=0.01)  # waits, wanting nothing
+        unchanged = await broker.wait_demand(demanded[0], timeout_s=0.05)
+        await broker.reset(0)
+        return nothing, demanded, unchanged, await broker.wait_demand(0, timeout_s=0.01)
+
+    nothing, demanded, unchanged, after_reset = asyncio.run(run())
+    assert nothing == (0, 0) and demanded == (1, 7) and unchanged == (1, 7) and after_reset == (0, 0)
+
+
 def test_publish_latency_is_the_time_until_the_nth_replica_runs_the_version(monkeypatch):
     import sao.rollout.weights as weights
 

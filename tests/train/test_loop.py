@@ -173,8 +173,10 @@ def test_a_batch_from_rows_the_reader_has_seen_comes_from_their_snapshot(cfg, po
 
 
 def test_a_trainer_waiting_for_its_batch_is_told_of_each_commit(cfg, policy_dir, tokenizer):
-    """Between two looks at the lake the trainer waits at the broker with the count of commits it has
-    seen (the first wait only learns it) and looks again when a commit is announced, not after poll_s."""
+    """Between two looks at the lake the trainer waits at the broker with the count of commits counted
+    before its first look (asked for without waiting) and the rows it still wants, and looks again when
+    a commit is announced, not after poll_s: one look before the wait, one after, none spent on
+    learning the count."""
     from sao.lake.reader import TrajectoryReader
     from sao.train.loop import _Broker, _wait_for_batch
 
@@ -183,8 +185,8 @@ def test_a_trainer_waiting_for_its_batch_is_told_of_each_commit(cfg, policy_dir,
     roll_out(policy_dir, tokenizer, lake, cfg.run_id, cfg.batch_size - 1)
     waits, announced = [], {"commits": 5}
 
-    def wait_rows(seen, timeout):  # the broker's side: the writer commits the missing row, announced
-        waits.append((seen, timeout))
+    def wait_rows(seen, timeout, wanted):  # the broker's side: the writer commits the missing row, announced
+        waits.append((seen, timeout, wanted))
         if len(waits) == 2:
             roll_out(policy_dir, tokenizer, lake, cfg.run_id, 1, seed=3)
             announced["commits"] += 1
@@ -195,7 +197,7 @@ def test_a_trainer_waiting_for_its_batch_is_told_of_each_commit(cfg, policy_dir,
     started = time.monotonic()
     _, table, *_ = _wait_for_batch(reader, slow_poll, 0, _Broker(wait_rows=wait_rows))
     assert table.num_rows == cfg.batch_size and time.monotonic() - started < 20
-    assert waits == [(-1, 30.0), (5, 30.0)]
+    assert waits == [(-1, 0.0, 0), (5, 30.0, 1)]
 
 KILL_SCRIPT = textwrap.dedent('''
     import sys, time
