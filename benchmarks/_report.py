@@ -75,7 +75,8 @@ def machine() -> dict[str, Any]:
 def machine_line(info: dict[str, Any]) -> str:
     return (f"Machine: {info['cpus']} CPU cores, {info['memory_gib']} GiB memory, {info['platform']}; "
             f"Python {info['python']}, torch {info.get('torch')}, ray {info.get('ray')}. Date: {info['date']}; "
-            f"1-minute load average at the start {info.get('load_average_1m')}.")
+            f"1-minute load average at the start {info.get('load_average_1m')}."
+            + (f" Commit `{info['commit']}`." if info.get("commit") else ""))
 
 
 def update_section(path: Path, name: str, markdown: str) -> None:
@@ -114,7 +115,7 @@ def parts_lines(commands: list[str], parts: list[dict[str, Any]]) -> list[str]:
     """The lines of a merged section that name each part's command and its seed, machine, commit and
     wall time (``parts``: ``seed``, ``machine`` (:func:`machine`), ``wall_s``)."""
     return ["Commands (one per part, then merged): " + "; ".join(f"`{c}`" for c in commands) + ".", "",
-            "Parts: " + "; ".join(f"seed {p['seed']}: {machine_line(p['machine'])} Commit {p['machine']['commit']}; "
+            "Parts: " + "; ".join(f"seed {p['seed']}: {machine_line(p['machine'])} "
                                   f"{p['wall_s'] / 60:.1f} min" for p in parts)]
 
 

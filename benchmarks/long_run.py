@@ -188,7 +188,7 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         "## Flat cost over long runs (`sao bench longrun`)",
         "",
-        f"Command: `{result['command']}` at commit `{result['machine']['commit']}`. {machine_line(result['machine'])}",
+        f"Command: `{result['command']}`. {machine_line(result['machine'])}",
         "",
         f"The training loop in one process ({result['steps']} steps of {result['batch_size']} synthetic "
         f"trajectories, {result['commits_per_step']} commits to `trajectories` per step, a producer two "

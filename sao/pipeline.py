@@ -7,7 +7,9 @@
     stop                 the driver drains in-flight rollouts into the lake; the app is deleted
 
 The trainer and the rollouts meet only in the lake and the weight broker: the driver's staleness gate
-reads the trainer's version from the broker, the trainer reads what the writer committed. Stopping the
+reads the trainer's version from the broker, the trainer reads what the writer committed. The broker
+also carries who waits for whom: each commit is announced to a trainer waiting for its batch, and the
+rows that trainer still wants are committed the moment the writer holds them. Stopping the
 run never loses a trajectory: in-flight rollouts finish and are written; those the trainer did not
 consume stay in the table for a resumed run.
 
