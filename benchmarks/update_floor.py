@@ -1,6 +1,7 @@
 """Benchmark: the SAO update against its arithmetic floor.
 
-    sao bench update [--batch 128] [--max-tokens 64] [--repeats 5] [--threads 1] [--quick]
+    sao bench update [--batch 128] [--max-tokens 64] [--repeats 5] [--threads 1]
+                     [--budgets 2048,4096,8192] [--sweep-threads 1,2] [--quick]
 
 The update is :meth:`sao.train.step.Learner.update` at the run config's defaults (the demo's algorithm
 section: SAO, K critic updates, the token budget that forms micro-batches), on one batch of the peer
@@ -28,6 +29,10 @@ The update and the floor run alternately (update, floor, update, floor, ...), af
 each; the ratio of each pair is the update's time over the floor's, and the figure is the median of
 ``--repeats`` pairs with min and max. Target: at most 1.3.
 
+Then the update alone at each of ``--budgets`` (and the default token budget) on each of
+``--sweep-threads`` torch threads, round-robin after a warm-up round (:func:`sweep_budgets`): what the
+default token budget (``UpdateConfig.token_budget``) is chosen from.
+
 Writes ``docs/results/update.json`` and the ``update`` section of ``docs/RESULTS.md``.
 """
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import random
 import sys
 import time
@@ -55,6 +61,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="update/floor pairs measured")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: the trainer's default, TrainConfig.torch_threads)")
+    parser.add_argument("--budgets", default="2048,4096,8192",
+                        help="token budgets the update is also timed at (the default's is added), comma-separated")
+    parser.add_argument("--sweep-threads", default="1,2", help="torch thread counts of that sweep, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny run for the tests (16 rows, 2 repeats)")
     parser.add_argument("--out", type=Path, default=None)
@@ -64,6 +73,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.batch, args.max_tokens, args.repeats = 16, 16, 2
     if args.batch < 1 or args.max_tokens < 8 or args.repeats < 1:
         parser.error("--batch and --repeats must be >= 1 and --max-tokens >= 8")
+    try:
+        args.budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})
+        args.sweep_threads = sorted({int(t) for t in args.sweep_threads.split(",") if t.strip()})
+    except ValueError:
+        parser.error("--budgets and --sweep-threads take comma-separated integers")
+    if any(b < 1 for b in args.budgets) or any(t < 1 for t in args.sweep_threads):
+        parser.error("--budgets and --sweep-threads must be >= 1")
     return args
 
 
@@ -124,6 +140,7 @@ class Floor:
         import torch
 
         from sao.train.batch import completion_positions
+        from sao.train.step import forward_mask
 
         self.policy, self.critic, self.k = policy, critic, critic_updates
         self.inputs = []
@@ -138,7 +155,8 @@ class Floor:
                 self.inputs.append(({"input_ids": ids, "position_ids": position_ids}, flat, targets, mb.action_mask))
             else:
                 flat = torch.arange(len(positions)).unsqueeze(-1) * mb.input_ids.shape[1] + positions
-                self.inputs.append(({"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}, flat,
+                # the mask the update's forwards pass (None for these right-padded rows), so both run one kernel path
+                self.inputs.append(({"input_ids": mb.input_ids, "attention_mask": forward_mask(mb)}, flat,
                                     targets, mb.action_mask))
         self.tokens = sum(int(kwargs["input_ids"].numel()) for kwargs, *_ in self.inputs)
 
@@ -225,14 +243,54 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"repeat {repeat + 1}/{args.repeats}: update {update_s:.3f} s, floor {timed[best]['total_s']:.3f} s "
               f"({best}), ratio {pairs[-1]['ratio']:.3f}", file=sys.stderr)
     real = int(batch.attention_mask.sum())
+    sweep = sweep_budgets(learner, batch, sorted(set(args.budgets) | {config.token_budget}), args.sweep_threads,
+                          args.repeats)
+    torch.set_num_threads(threads)
     return {
-        "pairs": pairs, "threads": threads, "batch": args.batch, "max_tokens": args.max_tokens,
+        "pairs": pairs, "budget_sweep": sweep, "threads": threads, "batch": args.batch, "max_tokens": args.max_tokens,
         "critic_updates": config.critic_updates, "token_budget": config.token_budget, "algorithm": config.algorithm.value,
         "tokens": {"real": real, "action": int(batch.action_mask.sum()),
                    "update_micro_batches": sum(int(mb.input_ids.numel()) for mb in micro),
                    **{f"floor_{name}": floor.tokens for name, floor in floors.items()}},
         "micro_batches": [list(mb.input_ids.shape) for mb in micro],
     }
+
+
+def sweep_budgets(learner, batch, budgets: list[int], thread_counts: list[int], repeats: int) -> list[dict[str, Any]]:
+    """The update's seconds at each token budget and torch thread count: ``repeats`` rounds, each timing every
+    (threads, budget) once after one warm-up round; the default budget's time in the same round is the
+    reference of each ratio. The learner's config is restored afterwards."""
+    import torch
+
+    from sao.train.batch import split_by_token_budget
+
+    default = learner.config
+    cells = [(t, b) for t in thread_counts for b in budgets]
+    times: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
+    try:
+        for round_ in range(repeats + 1):
+            for t, b in cells:
+                torch.set_num_threads(t)
+                learner.config = dataclasses.replace(default, token_budget=b)
+                started = time.perf_counter()
+                learner.update(batch)
+                if round_:  # the first round warms each cell up
+                    times[(t, b)].append(time.perf_counter() - started)
+            if round_:
+                print(f"budget sweep round {round_}/{repeats}: "
+                      + ", ".join(f"{t}t/{b}: {times[(t, b)][-1]:.3f} s" for t, b in cells), file=sys.stderr)
+    finally:
+        learner.config = default
+    lengths = batch.prompt_lens + batch.completion_lens
+    rows = []
+    for t, b in cells:
+        groups = split_by_token_budget(batch, b)
+        reference = times[(t, default.token_budget)]
+        rows.append({"threads": t, "token_budget": b, "default": b == default.token_budget,
+                     "micro_batches": len(groups), "token_places": sum(len(g) * int(lengths[g].max()) for g in groups),
+                     "update_s": times[(t, b)],
+                     "vs_default": [x / r for x, r in zip(times[(t, b)], reference, strict=True)]})
+    return rows
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
@@ -248,6 +306,9 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         "floor_s": {part: spread([p["floor"][p["floor_used"]][part] for p in pairs]) for part in floor_parts},
         "floor_padded_s": spread([p["floor"]["padded"]["total_s"] for p in pairs]),
         "floor_packed_s": spread([p["floor"]["packed"]["total_s"] for p in pairs]),
+        "budget_sweep": [{key: row[key] for key in ("threads", "token_budget", "default")}
+                         | {"update_s": median_spread(row["update_s"]), "vs_default": median_spread(row["vs_default"])}
+                         for row in result["budget_sweep"]],
     }
 
 
@@ -296,6 +357,18 @@ def _markdown(result: dict[str, Any]) -> str:
         f"critic forward and backward passes), it takes {cell(s['strict_ratio'], '.2f')}x; its own cost beyond "
         "them (optimiser steps, gradient clipping, advantages, DIS, the losses, the metrics) is "
         f"{rest:.3f} s at the medians.",
+        "",
+        "The same update at other token budgets (the most rows x padded length in one micro-batch, "
+        "`UpdateConfig.token_budget`) and torch thread counts (1: the trainer's default in an asynchronous run; "
+        "every core: its default in a synchronous one), timed round-robin in the same process, median of "
+        f"{len(result['pairs'])} rounds (min-max); the ratio is to the default budget's time in the same round:",
+        "",
+        "| torch threads | token budget | micro-batches | token places | update s | vs default |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *(f"| {row['threads']} | {row['token_budget']:,}{' (default)' if row['default'] else ''} | "
+          f"{row['micro_batches']} | {row['token_places']:,} | {cell(summary['update_s'])} | "
+          f"{cell(summary['vs_default'], '.2f')} |"
+          for row, summary in zip(result["budget_sweep"], s["budget_sweep"], strict=True)),
     ])
 
 

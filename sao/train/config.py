@@ -125,7 +125,10 @@ class UpdateConfig:
             only): the policy's advantages use the values the tasks' demonstrations give (the chance
             that the current policy completes the demonstration from a state on its path, 0 off it)
             in place of the critic's, which is still trained and reported.
-        token_budget: most (sequences x padded length) tokens in one micro-batch.
+        token_budget: most (sequences x padded length) tokens in one micro-batch; the default is the
+            fastest of the budgets `sao bench update` sweeps on CPU at one and two torch threads (smaller
+            micro-batches pad less and keep the attention's blocks short; docs/RESULTS.md, section
+            ``update``). On a GPU a larger budget usually fills the device better.
         routing_replay: R3 (:mod:`sao.models.routing`): the actor's forward routes every token the
             rollout recorded a routing for to the recorded experts (weights from the live router, which
             keeps its gradient). None: on for a mixture-of-experts policy, a no-op for a dense one; False:
@@ -171,7 +174,7 @@ class UpdateConfig:
     bootstrap_reasons: tuple[str, ...] = BOOTSTRAP_REASONS
     skip_reasons: tuple[str, ...] = SKIP_REASONS
     oracle_values: bool = False
-    token_budget: int = 8192
+    token_budget: int = 3072
     routing_replay: bool | None = None
     routing_metrics: bool = True
     routing_compare_every: int = 10

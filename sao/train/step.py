@@ -57,7 +57,7 @@ from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
 from sao.train.device import autocast
 
 __all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_returns", "critic_values",
-           "explained_variance", "lr_factor", "policy_logprobs", "scoring_logits"]
+           "explained_variance", "forward_mask", "lr_factor", "policy_logprobs", "scoring_logits"]
 
 FILTERED_LOGPROB = -1.0e4
 # Upper bounds (action tokens) of the length buckets the kept fraction is reported by.
@@ -67,6 +67,20 @@ LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Causal LMs whose logits are their output layer applied to the decoder's last hidden state and nothing
 # else (no soft-capping or scaling): their logits are computed at the scoring positions only.
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
+def forward_mask(batch: TrainBatch) -> torch.Tensor | None:
+    """The attention mask the trainer's forward passes give the models: None when every row is padded at
+    its end only (what :func:`sao.train.batch.collate` and ``select`` make), else ``batch.attention_mask``.
+
+    In a causal model a right-padded row's real tokens attend to real tokens only, with or without the
+    mask; the pad positions' outputs score nothing. Without a mask the attention runs causal without a
+    (B, 1, L, L) mask, which on CPU is the faster kernel path (about 3% of the SAO update on the peer
+    single-turn shape; the values agree to float32 rounding, tested)."""
+    mask = batch.attention_mask
+    if mask.shape[1] < 2 or bool((mask[:, 1:] <= mask[:, :-1]).all()):
+        return None
+    return mask
 
 
 def scoring_logits(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
@@ -79,11 +93,11 @@ def scoring_logits(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     positions = completion_positions(batch)
     config = getattr(policy, "config", None)
     if getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and hasattr(policy, "get_decoder"):
-        hidden = policy.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        hidden = policy.get_decoder()(input_ids=batch.input_ids, attention_mask=forward_mask(batch),
                                       use_cache=False).last_hidden_state
         scoring = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return policy.get_output_embeddings()(scoring).float()
-    logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits.float()
+    logits = policy(input_ids=batch.input_ids, attention_mask=forward_mask(batch), use_cache=False).logits.float()
     return logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
 
@@ -113,7 +127,7 @@ def policy_logprobs(policy: torch.nn.Module, batch: TrainBatch, *, entropy: bool
 def critic_values(critic: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` (B, T) float32: V of the state each completion token was sampled in; ``v_end`` (B,):
     the value after the last token."""
-    all_values = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask).float()  # (B, L)
+    all_values = critic(input_ids=batch.input_ids, attention_mask=forward_mask(batch)).float()  # (B, L)
     values = all_values.gather(1, completion_positions(batch))
     last = (batch.prompt_lens + batch.completion_lens - 1).unsqueeze(-1)
     v_end = all_values.gather(1, last).squeeze(-1)

@@ -48,3 +48,26 @@ def test_a_quick_run_times_update_and_floor_on_the_same_tokens(tmp_path):
         assert floor["total_s"] == floor["actor_s"] + floor["critic_forward_s"] + floor["critic_updates_s"]
         assert pair["strict_ratio"] > pair["ratio"]
     assert data["summary"]["ratio"]["median"] > 0 and "sao bench update --quick" in results.read_text()
+
+
+def test_the_budget_sweep_times_every_budget_and_thread_count_against_the_default(tmp_path):
+    from sao.train.config import UpdateConfig
+
+    out = tmp_path / "update.json"
+    argv = ["--quick", "--budgets", "64,256", "--sweep-threads", "1,2", "--out", str(out),
+            "--results-md", str(tmp_path / "RESULTS.md")]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    default = UpdateConfig().token_budget
+    sweep = data["budget_sweep"]
+    assert [(r["threads"], r["token_budget"]) for r in sweep] == [(t, b) for t in (1, 2) for b in (64, 256, default)]
+    for r in sweep:
+        assert len(r["update_s"]) == len(r["vs_default"]) == 2 and all(x > 0 for x in r["update_s"])
+        assert r["default"] == (r["token_budget"] == default)
+        if r["default"]:
+            assert r["vs_default"] == [1.0, 1.0]
+    # quick rows are about 60 tokens: at budget 64 each is a micro-batch of its own, with no padding
+    alone = next(r for r in sweep if r["token_budget"] == 64)
+    assert alone["micro_batches"] == 16 and alone["token_places"] == data["tokens"]["real"]
+    assert next(r for r in sweep if r["token_budget"] == 256)["micro_batches"] < 16
+    assert data["threads"] == 1 and torch.get_num_threads() == data["threads"]  # the sweep put the threads back

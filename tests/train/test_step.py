@@ -221,6 +221,23 @@ def test_logits_at_the_scoring_positions_are_the_whole_forwards_logits(monkeypat
     assert torch.equal(head_only == 0, batch.action_mask == 0)
 
 
+def test_right_padded_rows_are_forwarded_without_a_mask_and_score_as_with_it(monkeypatch):
+    # collate pads each row at its end: a causal model's real tokens see real tokens only either way, so the
+    # trainer's forwards pass no mask (the faster causal path); a mask padded anywhere else is passed on.
+    policy, critic = tiny(), ValueModel(tiny(1))
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    assert bool((batch.attention_mask == 0).any())  # the rows are padded
+    assert step_module.forward_mask(batch) is None
+    left = batch._replace(attention_mask=batch.attention_mask.flip(-1))
+    assert step_module.forward_mask(left) is left.attention_mask
+    unmasked = policy_logprobs(policy, batch), step_module.critic_values(critic, batch)
+    monkeypatch.setattr(step_module, "forward_mask", lambda b: b.attention_mask)
+    masked = policy_logprobs(policy, batch), step_module.critic_values(critic, batch)
+    assert torch.allclose(unmasked[0], masked[0], rtol=0, atol=1e-6)
+    for a, b in zip(unmasked[1], masked[1], strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_k_critic_updates_means_exactly_k_critic_optimiser_steps():
     for k in (0, 1, 2, 3):
         policy = tiny()
