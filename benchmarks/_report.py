@@ -31,15 +31,16 @@ def spread_text(figure: dict[str, float], digits: str, unit: str = "", sep: str 
     return f"{median} ({low}{sep}{high})"
 
 
-def git_commit() -> str:
-    """The checkout's commit (short), with ``+changes`` when its tracked files differ from it; "unknown"
-    outside a git checkout."""
-    root = Path(__file__).resolve().parent.parent
+def git_commit(root: Path | None = None) -> str:
+    """The checkout's commit (short), with ``+changes`` when its tracked files outside ``docs/`` differ from
+    it (what the benchmarks write there, result files and RESULTS sections, is not code the figures ran);
+    "unknown" outside a git checkout. ``root``: the checkout (default: this one)."""
+    root = Path(__file__).resolve().parent.parent if root is None else root
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"],
+                               cwd=root, capture_output=True, text=True, check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+changes" if dirty else "")
