@@ -140,6 +140,14 @@ class UpdateConfig:
         routing_compare_every: every this many actor steps (0: never), also run each micro-batch under
             the routing the step does not use (one extra no-grad forward, about a third of the actor's
             cost), for the kept fraction under both; other steps report the step's own routing only.
+        critic_beside_actor: run the critic steps after the first (K - 1 of them) on a second thread while
+            the actor step runs: the two touch disjoint models and optimisers and each runs the same
+            kernels on the same number of torch threads as when they run one after the other, so the
+            result is bit for bit the same (tested); only the wall time changes. None: on where it can
+            use a core the trainer leaves idle: a CPU trainer alone (no data-parallel peers, whose
+            gradient all-reduces must keep one order) with fewer torch threads than the CPUs it may run
+            on, which is an asynchronous run's default (one thread; the replicas generate on the other
+            cores, and the critic's thread takes what they leave).
     """
 
     algorithm: Algorithm = Algorithm.SAO
@@ -178,6 +186,7 @@ class UpdateConfig:
     routing_replay: bool | None = None
     routing_metrics: bool = True
     routing_compare_every: int = 10
+    critic_beside_actor: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))

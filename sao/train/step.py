@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -381,8 +383,9 @@ class Learner:
         use: that step runs first, on the critic as it was before the update, and its forward with
         gradients gives the same values as a separate no-gradient forward would (tested), so the
         separate forward is not run. The actor step does not depend on the critic's steps, so the order
-        changes no result. ``policy_values`` (``oracle_values``): the values the policy's advantages
-        use instead of the critic's; the critic's own targets still come from its values."""
+        changes no result, and the later critic steps may run beside the actor step on a second thread
+        (:attr:`critic_beside_actor`). ``policy_values`` (``oracle_values``): the values the policy's
+        advantages use instead of the critic's; the critic's own targets still come from its values."""
         started = time.perf_counter()
         batch = batch.to(self.device)
         critic_metrics: dict[str, float] = {}
@@ -394,16 +397,22 @@ class Learner:
             advantages, returns, metrics = self.advantages(batch, sequence_advantages, policy_values)
             remaining = self.config.critic_updates if returns is not None else 0
         critic_s = time.perf_counter() - started
+
+        def critic_steps() -> tuple[dict[str, float], float]:
+            step_started, step_metrics = time.perf_counter(), critic_metrics
+            for _ in range(remaining):
+                step_metrics, _ = self._critic_step(batch, returns)
+            return step_metrics, time.perf_counter() - step_started
+
+        beside = _Beside(critic_steps) if remaining and self.critic_beside_actor else None
         actor_started = time.perf_counter()
         metrics |= self._actor_step(batch, advantages)
         actor_s = time.perf_counter() - actor_started
-        critic_started = time.perf_counter()
-        for _ in range(remaining):
-            critic_metrics, _ = self._critic_step(batch, returns)
+        critic_metrics, rest_s = beside.join() if beside is not None else critic_steps()
         metrics |= critic_metrics
         metrics |= {
             "time/actor_s": actor_s,
-            "time/critic_s": critic_s + time.perf_counter() - critic_started,
+            "time/critic_s": critic_s + rest_s,
             "batch/trajectories": float(batch.action_mask.shape[0]),
             "batch/action_tokens": float(batch.action_mask.sum()),
             "batch/reward_mean": float(batch.scalar_rewards.mean()),
@@ -411,6 +420,19 @@ class Learner:
             "batch/staleness_max": float(batch.staleness.max()),
         }
         return metrics
+
+    @property
+    def critic_beside_actor(self) -> bool:
+        """Whether :meth:`update` runs its later critic steps beside the actor step
+        (``UpdateConfig.critic_beside_actor``; None: a CPU trainer alone with a core it leaves idle)."""
+        setting = self.config.critic_beside_actor
+        alone = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        if setting and not alone:
+            raise ValueError("critic_beside_actor needs a trainer alone: with data-parallel peers the actor's and "
+                             "the critic's gradient all-reduces would run in no fixed order")
+        if setting is not None:
+            return setting
+        return alone and self.device.type == "cpu" and torch.get_num_threads() < len(os.sched_getaffinity(0))
 
     def critic_update(self, batch: TrainBatch, returns: torch.Tensor | None = None,
                       steps: int | None = None) -> dict[str, float]:
@@ -537,6 +559,34 @@ class Learner:
             return 0.0
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+class _Beside:
+    """``work()`` on a thread of its own, started now, with the caller's torch thread count and grad mode
+    (both per thread in torch; the steps set their own autocast); :meth:`join` returns its result or
+    raises its error."""
+
+    def __init__(self, work: Callable[[], object]) -> None:
+        threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+        self._result: object = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            torch.set_num_threads(threads)
+            try:
+                with torch.set_grad_enabled(grad):
+                    self._result = work()
+            except BaseException as error:  # re-raised in the caller's thread
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name="critic-steps", daemon=True)
+        self._thread.start()
+
+    def join(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class _RoutingAudit:

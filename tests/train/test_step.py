@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import math
+import threading
 
 import pytest
 import torch
@@ -133,8 +134,9 @@ def reference_update(cfg, policy, critic, rows, trainer_version):
         critic_optimizer.step()
 
 
+# critic steps after the actor step's, one after the other (the order some tests below check)
 CFG = UpdateConfig(eps_low=0.3, eps_high=0.5, lr_policy=1e-5, lr_critic=1e-5, warmup_steps_critic=2,
-                   critic_updates=2, token_budget=12)
+                   critic_updates=2, token_budget=12, critic_beside_actor=False)
 
 
 def record_optimizer_steps(monkeypatch, optimizers=None):
@@ -236,6 +238,72 @@ def test_right_padded_rows_are_forwarded_without_a_mask_and_score_as_with_it(mon
     assert torch.allclose(unmasked[0], masked[0], rtol=0, atol=1e-6)
     for a, b in zip(unmasked[1], masked[1], strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("critic_updates", [2, 3])
+def test_critic_steps_beside_the_actor_step_change_nothing_but_the_thread(critic_updates, monkeypatch):
+    # The later critic steps run on a thread of their own while the actor step runs: every parameter and
+    # metric (but the timings) comes out bit for bit as with the steps one after the other.
+    policy = tiny()
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    threads = []
+    original = Learner._critic_step
+
+    def critic_step(self, *args, **kwargs):
+        threads.append((self.config.critic_beside_actor, threading.current_thread().name))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Learner, "_critic_step", critic_step)
+    runs = []
+    for beside in (False, True):
+        cfg = dataclasses.replace(CFG, critic_updates=critic_updates, critic_beside_actor=beside)
+        learner = Learner(cfg, copy.deepcopy(policy), ValueModel(tiny(1)))
+        assert learner.critic_beside_actor is beside
+        metrics = [learner.update(batch) for _ in range(2)]
+        runs.append((learner, [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]))
+    (one_by_one, plain), (beside, overlapped) = runs
+    assert plain == overlapped and len(plain[0]) > 10
+    for a, b in zip(list(one_by_one.policy.parameters()) + list(one_by_one.critic.parameters()),
+                    list(beside.policy.parameters()) + list(beside.critic.parameters()), strict=True):
+        assert torch.equal(a, b)
+    main = threading.current_thread().name
+    per_update = [name for flag, name in threads if flag][:critic_updates]
+    assert per_update == [main] + ["critic-steps"] * (critic_updates - 1)  # the first gives GAE its values
+    assert {name for flag, name in threads if not flag} == {main}
+
+
+def test_an_error_in_the_critic_steps_beside_the_actor_reaches_the_caller(monkeypatch):
+    policy = tiny()
+    learner = Learner(dataclasses.replace(CFG, critic_beside_actor=True), policy, ValueModel(tiny(1)))
+    original, calls = Learner._critic_step, []
+
+    def critic_step(self, batch, returns):
+        calls.append(threading.current_thread().name)
+        if returns is not None:
+            raise RuntimeError("critic step failed")
+        return original(self, batch, returns)
+
+    monkeypatch.setattr(Learner, "_critic_step", critic_step)
+    with pytest.raises(RuntimeError, match="critic step failed"):
+        learner.update(collate(hand_built_rows(policy), trainer_version=5))
+    assert calls[-1] == "critic-steps" and learner.policy_steps == 1  # the actor step ran meanwhile
+
+
+def test_critic_steps_go_beside_the_actor_by_default_only_where_a_core_is_left_idle(monkeypatch):
+    policy = tiny()
+    learner = Learner(dataclasses.replace(CFG, critic_beside_actor=None), policy, ValueModel(tiny(1)))
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(step_module.os, "sched_getaffinity", lambda pid: set(range(threads + 1)))
+    assert learner.critic_beside_actor is True
+    monkeypatch.setattr(step_module.os, "sched_getaffinity", lambda pid: set(range(threads)))
+    assert learner.critic_beside_actor is False
+    monkeypatch.setattr(step_module.os, "sched_getaffinity", lambda pid: set(range(threads + 1)))
+    monkeypatch.setattr(step_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(step_module.dist, "get_world_size", lambda: 2)
+    assert learner.critic_beside_actor is False  # data-parallel peers: one order of all-reduces
+    forced = Learner(dataclasses.replace(CFG, critic_beside_actor=True), tiny(), ValueModel(tiny(1)))
+    with pytest.raises(ValueError, match="critic_beside_actor needs a trainer alone"):
+        _ = forced.critic_beside_actor
 
 
 def test_k_critic_updates_means_exactly_k_critic_optimiser_steps():
