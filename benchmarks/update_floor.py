@@ -29,6 +29,11 @@ The update and the floor run alternately (update, floor, update, floor, ...), af
 each; the ratio of each pair is the update's time over the floor's, and the figure is the median of
 ``--repeats`` pairs with min and max. Target: at most 1.3.
 
+The update runs its passes one after the other for that comparison (``critic_beside_actor`` off, as on
+one core); where the machine has a core more than the torch threads, the update with its later critic
+steps beside the actor step (the default there) is timed in the same repeats on a copy of the models,
+and reported beside it.
+
 Then the update alone at each of ``--budgets`` (and the default token budget) on each of
 ``--sweep-threads`` torch threads, round-robin after a warm-up round (:func:`sweep_budgets`): what the
 default token budget (``UpdateConfig.token_budget``) is chosen from.
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 import random
 import sys
 import time
@@ -221,12 +227,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         row["logprobs"] = logp[b, : len(row["completion_ids"])].tolist()
     batch = collate(rows, trainer_version=0, bootstrap_reasons=config.bootstrap_reasons)
     critic = Critic.from_policy(policy)
+    # against the floor, the update runs its passes one after the other on the floor's threads; with the
+    # later critic steps beside the actor step (the default where a core is left idle) it is timed apart
+    beside = None
+    if torch.get_num_threads() < len(os.sched_getaffinity(0)):
+        beside = Learner(dataclasses.replace(config, critic_beside_actor=True), copy.deepcopy(policy),
+                         copy.deepcopy(critic))
+    config = dataclasses.replace(config, critic_beside_actor=False)
     learner = Learner(config, policy, critic)
     micro = [batch.select(r) for r in split_by_token_budget(batch, config.token_budget)]
     floor_models = (copy.deepcopy(policy), copy.deepcopy(critic))
     floors = {name: Floor(*floor_models, micro, config.critic_updates, packed=name == "packed")
               for name in ("padded", "packed")}
-    learner.update(batch)  # warm-up
+    for warm in (learner, beside):
+        if warm is not None:
+            warm.update(batch)
     for floor in floors.values():
         floor.run()
     pairs = []
@@ -234,10 +249,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         metrics = learner.update(batch)
         update_s = time.perf_counter() - started
+        beside_s = None
+        if beside is not None:
+            started = time.perf_counter()
+            beside.update(batch)
+            beside_s = time.perf_counter() - started
         timed = {name: floor.run() for name, floor in floors.items()}
         best = min(timed, key=lambda name: timed[name]["total_s"])
         strict = timed[best]["total_s"] - timed[best]["critic_forward_s"]
-        pairs.append({"update_s": update_s, "update_actor_s": metrics["time/actor_s"],
+        pairs.append({"update_s": update_s, "update_beside_s": beside_s, "update_actor_s": metrics["time/actor_s"],
                       "update_critic_s": metrics["time/critic_s"], "floor": timed, "floor_used": best,
                       "ratio": update_s / timed[best]["total_s"], "strict_ratio": update_s / strict})
         print(f"repeat {repeat + 1}/{args.repeats}: update {update_s:.3f} s, floor {timed[best]['total_s']:.3f} s "
@@ -306,6 +326,9 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         "floor_s": {part: spread([p["floor"][p["floor_used"]][part] for p in pairs]) for part in floor_parts},
         "floor_padded_s": spread([p["floor"]["padded"]["total_s"] for p in pairs]),
         "floor_packed_s": spread([p["floor"]["packed"]["total_s"] for p in pairs]),
+        "update_beside_s": spread([p["update_beside_s"] for p in pairs]) if pairs[0]["update_beside_s"] else None,
+        "beside_vs_update": (spread([p["update_beside_s"] / p["update_s"] for p in pairs])
+                             if pairs[0]["update_beside_s"] else None),
         "budget_sweep": [{key: row[key] for key in ("threads", "token_budget", "default")}
                          | {"update_s": median_spread(row["update_s"]), "vs_default": median_spread(row["vs_default"])}
                          for row in result["budget_sweep"]],
@@ -358,6 +381,13 @@ def _markdown(result: dict[str, Any]) -> str:
         "them (optimiser steps, gradient clipping, advantages, DIS, the losses, the metrics) is "
         f"{rest:.3f} s at the medians.",
         "",
+        *([f"With its later critic steps on a second thread beside the actor step (`critic_beside_actor`, the "
+           "default of a CPU trainer alone with fewer torch threads than CPUs: here, a core the update above "
+           f"leaves idle), the same update took {cell(s['update_beside_s'])} s, "
+           f"{cell(s['beside_vs_update'], '.2f')} of its time one step after the other, timed in the same "
+           "repeats on its own copy of the models. That uses a second core, which the floor does not, so "
+           "it is not the figure held against the floor; in a run the replicas share that core.", ""]
+          if s["update_beside_s"] else []),
         "The same update at other token budgets (the most rows x padded length in one micro-batch, "
         "`UpdateConfig.token_budget`) and torch thread counts (1: the trainer's default in an asynchronous run; "
         "every core: its default in a synchronous one), timed round-robin in the same process, median of "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -48,6 +49,11 @@ def test_a_quick_run_times_update_and_floor_on_the_same_tokens(tmp_path):
         assert floor["total_s"] == floor["actor_s"] + floor["critic_forward_s"] + floor["critic_updates_s"]
         assert pair["strict_ratio"] > pair["ratio"]
     assert data["summary"]["ratio"]["median"] > 0 and "sao bench update --quick" in results.read_text()
+    # the update with its critic steps beside the actor is timed apart where a core is left idle
+    idle_core = len(os.sched_getaffinity(0)) > data["threads"]
+    assert all((pair["update_beside_s"] is not None and pair["update_beside_s"] > 0) == idle_core
+               for pair in data["pairs"])
+    assert ("critic steps on a second thread" in results.read_text()) == idle_core
 
 
 def test_the_budget_sweep_times_every_budget_and_thread_count_against_the_default(tmp_path):
