@@ -31,7 +31,7 @@ each; the ratio of each pair is the update's time over the floor's, and the figu
 
 The update runs its passes one after the other for that comparison (``critic_beside_actor`` off, as on
 one core); where the machine has a core more than the torch threads, the update with its later critic
-steps beside the actor step (the default there) is timed in the same repeats on a copy of the models,
+steps beside the actor step (``critic_beside_actor``, off by default) is timed in the same repeats on a copy of the models,
 and reported beside it.
 
 Then the update alone at each of ``--budgets`` (and the default token budget) on each of
@@ -228,7 +228,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     batch = collate(rows, trainer_version=0, bootstrap_reasons=config.bootstrap_reasons)
     critic = Critic.from_policy(policy)
     # against the floor, the update runs its passes one after the other on the floor's threads; with the
-    # later critic steps beside the actor step (the default where a core is left idle) it is timed apart
+    # later critic steps beside the actor step (an option, off by default) it is timed apart
     beside = None
     if torch.get_num_threads() < len(os.sched_getaffinity(0)):
         beside = Learner(dataclasses.replace(config, critic_beside_actor=True), copy.deepcopy(policy),
@@ -381,9 +381,8 @@ def _markdown(result: dict[str, Any]) -> str:
         "them (optimiser steps, gradient clipping, advantages, DIS, the losses, the metrics) is "
         f"{rest:.3f} s at the medians.",
         "",
-        *([f"With its later critic steps on a second thread beside the actor step (`critic_beside_actor`, the "
-           "default of a CPU trainer alone with fewer torch threads than CPUs: here, a core the update above "
-           f"leaves idle), the same update took {cell(s['update_beside_s'])} s, "
+        *([f"With its later critic steps on a second thread beside the actor step (`critic_beside_actor`, "
+           "off by default; here on a core the update above leaves idle), the same update took {cell(s['update_beside_s'])} s, "
            f"{cell(s['beside_vs_update'], '.2f')} of its time one step after the other, timed in the same "
            "repeats on its own copy of the models. That uses a second core, which the floor does not, so "
            "it is not the figure held against the floor; in a run the replicas share that core.", ""]

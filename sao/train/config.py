@@ -143,11 +143,10 @@ class UpdateConfig:
         critic_beside_actor: run the critic steps after the first (K - 1 of them) on a second thread while
             the actor step runs: the two touch disjoint models and optimisers and each runs the same
             kernels on the same number of torch threads as when they run one after the other, so the
-            result is bit for bit the same (tested); only the wall time changes. None: on where it can
-            use a core the trainer leaves idle: a CPU trainer alone (no data-parallel peers, whose
-            gradient all-reduces must keep one order) with fewer torch threads than the CPUs it may run
-            on, which is an asynchronous run's default (one thread; the replicas generate on the other
-            cores, and the critic's thread takes what they leave).
+            result is bit for bit the same (tested); only the wall time changes. Off by default: in an
+            asynchronous run on 2 cores it took the core the replicas generate on, and SAO single-turn
+            fell from 0.73x to 0.61x TRL's completions/s, its trainer waiting 0.91 s a step for rollouts
+            (docs/RESULTS.md, section ``peer-beside``). Refused with data-parallel peers.
     """
 
     algorithm: Algorithm = Algorithm.SAO
@@ -186,7 +185,7 @@ class UpdateConfig:
     routing_replay: bool | None = None
     routing_metrics: bool = True
     routing_compare_every: int = 10
-    critic_beside_actor: bool | None = None
+    critic_beside_actor: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))

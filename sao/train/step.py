@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -424,15 +423,12 @@ class Learner:
     @property
     def critic_beside_actor(self) -> bool:
         """Whether :meth:`update` runs its later critic steps beside the actor step
-        (``UpdateConfig.critic_beside_actor``; None: a CPU trainer alone with a core it leaves idle)."""
-        setting = self.config.critic_beside_actor
+        (``UpdateConfig.critic_beside_actor``); refused with data-parallel peers."""
         alone = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-        if setting and not alone:
+        if self.config.critic_beside_actor and not alone:
             raise ValueError("critic_beside_actor needs a trainer alone: with data-parallel peers the actor's and "
                              "the critic's gradient all-reduces would run in no fixed order")
-        if setting is not None:
-            return setting
-        return alone and self.device.type == "cpu" and torch.get_num_threads() < len(os.sched_getaffinity(0))
+        return self.config.critic_beside_actor
 
     def critic_update(self, batch: TrainBatch, returns: torch.Tensor | None = None,
                       steps: int | None = None) -> dict[str, float]:

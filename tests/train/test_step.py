@@ -289,19 +289,12 @@ def test_an_error_in_the_critic_steps_beside_the_actor_reaches_the_caller(monkey
     assert calls[-1] == "critic-steps" and learner.policy_steps == 1  # the actor step ran meanwhile
 
 
-def test_critic_steps_go_beside_the_actor_by_default_only_where_a_core_is_left_idle(monkeypatch):
-    policy = tiny()
-    learner = Learner(dataclasses.replace(CFG, critic_beside_actor=None), policy, ValueModel(tiny(1)))
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(step_module.os, "sched_getaffinity", lambda pid: set(range(threads + 1)))
-    assert learner.critic_beside_actor is True
-    monkeypatch.setattr(step_module.os, "sched_getaffinity", lambda pid: set(range(threads)))
-    assert learner.critic_beside_actor is False
-    monkeypatch.setattr(step_module.os, "sched_getaffinity", lambda pid: set(range(threads + 1)))
+def test_critic_steps_go_beside_the_actor_only_when_asked_and_never_with_data_parallel_peers(monkeypatch):
+    assert Learner(UpdateConfig(), tiny(), ValueModel(tiny(1))).critic_beside_actor is False  # the default
+    forced = Learner(dataclasses.replace(CFG, critic_beside_actor=True), tiny(), ValueModel(tiny(1)))
+    assert forced.critic_beside_actor is True
     monkeypatch.setattr(step_module.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(step_module.dist, "get_world_size", lambda: 2)
-    assert learner.critic_beside_actor is False  # data-parallel peers: one order of all-reduces
-    forced = Learner(dataclasses.replace(CFG, critic_beside_actor=True), tiny(), ValueModel(tiny(1)))
     with pytest.raises(ValueError, match="critic_beside_actor needs a trainer alone"):
         _ = forced.critic_beside_actor
 
