@@ -382,7 +382,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"{rest:.3f} s at the medians.",
         "",
         *([f"With its later critic steps on a second thread beside the actor step (`critic_beside_actor`, "
-           "off by default; here on a core the update above leaves idle), the same update took {cell(s['update_beside_s'])} s, "
+           f"off by default; here on a core the update above leaves idle), the same update took {cell(s['update_beside_s'])} s, "
            f"{cell(s['beside_vs_update'], '.2f')} of its time one step after the other, timed in the same "
            "repeats on its own copy of the models. That uses a second core, which the floor does not, so "
            "it is not the figure held against the floor; in a run the replicas share that core.", ""]
