@@ -375,7 +375,7 @@ def ratio_stats(run: dict[str, Any], clip: tuple[float, float], dis: tuple[float
         batch = collate(rows, trainer_version=version, bootstrap_reasons=update.bootstrap_reasons)
         log_rho = torch.zeros(batch.action_mask.shape)
         with torch.no_grad():
-            for index in split_by_token_budget(batch, update.token_budget):
+            for index in split_by_token_budget(batch, update.micro_batch_tokens(torch.get_num_threads())):
                 micro = batch.select(index)
                 logp = policy_logprobs(policy, micro)
                 log_rho[index, : logp.shape[1]] = torch.where(micro.action_mask, logp - micro.logp_rollout, 0.0)

@@ -34,9 +34,10 @@ one core); where the machine has a core more than the torch threads, the update 
 steps beside the actor step (``critic_beside_actor``, off by default) is timed in the same repeats on a copy of the models,
 and reported beside it.
 
-Then the update alone at each of ``--budgets`` (and the default token budget) on each of
+Then the update alone at each of ``--budgets`` (and the default token budgets) on each of
 ``--sweep-threads`` torch threads, round-robin after a warm-up round (:func:`sweep_budgets`): what the
-default token budget (``UpdateConfig.token_budget``) is chosen from.
+default token budgets (``UpdateConfig.micro_batch_tokens``: one for one thread, one for more) are
+chosen from.
 
 Writes ``docs/results/update.json`` and the ``update`` section of ``docs/RESULTS.md``.
 """
@@ -235,7 +236,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                          copy.deepcopy(critic))
     config = dataclasses.replace(config, critic_beside_actor=False)
     learner = Learner(config, policy, critic)
-    micro = [batch.select(r) for r in split_by_token_budget(batch, config.token_budget)]
+    budget = config.micro_batch_tokens(threads)
+    micro = [batch.select(r) for r in split_by_token_budget(batch, budget)]
     floor_models = (copy.deepcopy(policy), copy.deepcopy(critic))
     floors = {name: Floor(*floor_models, micro, config.critic_updates, packed=name == "packed")
               for name in ("padded", "packed")}
@@ -263,12 +265,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"repeat {repeat + 1}/{args.repeats}: update {update_s:.3f} s, floor {timed[best]['total_s']:.3f} s "
               f"({best}), ratio {pairs[-1]['ratio']:.3f}", file=sys.stderr)
     real = int(batch.attention_mask.sum())
-    sweep = sweep_budgets(learner, batch, sorted(set(args.budgets) | {config.token_budget}), args.sweep_threads,
-                          args.repeats)
+    defaults = {config.micro_batch_tokens(t) for t in args.sweep_threads}
+    sweep = sweep_budgets(learner, batch, sorted(set(args.budgets) | defaults), args.sweep_threads, args.repeats)
     torch.set_num_threads(threads)
     return {
         "pairs": pairs, "budget_sweep": sweep, "threads": threads, "batch": args.batch, "max_tokens": args.max_tokens,
-        "critic_updates": config.critic_updates, "token_budget": config.token_budget, "algorithm": config.algorithm.value,
+        "critic_updates": config.critic_updates, "token_budget": budget, "algorithm": config.algorithm.value,
         "tokens": {"real": real, "action": int(batch.action_mask.sum()),
                    "update_micro_batches": sum(int(mb.input_ids.numel()) for mb in micro),
                    **{f"floor_{name}": floor.tokens for name, floor in floors.items()}},
@@ -278,8 +280,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def sweep_budgets(learner, batch, budgets: list[int], thread_counts: list[int], repeats: int) -> list[dict[str, Any]]:
     """The update's seconds at each token budget and torch thread count: ``repeats`` rounds, each timing every
-    (threads, budget) once after one warm-up round; the default budget's time in the same round is the
-    reference of each ratio. The learner's config is restored afterwards."""
+    (threads, budget) once after one warm-up round; the default budget's time at the same thread count
+    (``UpdateConfig.micro_batch_tokens``) in the same round is the reference of each ratio. The learner's
+    config is restored afterwards."""
     import torch
 
     from sao.train.batch import split_by_token_budget
@@ -305,8 +308,9 @@ def sweep_budgets(learner, batch, budgets: list[int], thread_counts: list[int], 
     rows = []
     for t, b in cells:
         groups = split_by_token_budget(batch, b)
-        reference = times[(t, default.token_budget)]
-        rows.append({"threads": t, "token_budget": b, "default": b == default.token_budget,
+        chosen = default.micro_batch_tokens(t)
+        reference = times[(t, chosen)]
+        rows.append({"threads": t, "token_budget": b, "default": b == chosen,
                      "micro_batches": len(groups), "token_places": sum(len(g) * int(lengths[g].max()) for g in groups),
                      "update_s": times[(t, b)],
                      "vs_default": [x / r for x, r in zip(times[(t, b)], reference, strict=True)]})
@@ -390,7 +394,7 @@ def _markdown(result: dict[str, Any]) -> str:
         "The same update at other token budgets (the most rows x padded length in one micro-batch, "
         "`UpdateConfig.token_budget`) and torch thread counts (1: the trainer's default in an asynchronous run; "
         "every core: its default in a synchronous one), timed round-robin in the same process, median of "
-        f"{len(result['pairs'])} rounds (min-max); the ratio is to the default budget's time in the same round:",
+        f"{len(result['pairs'])} rounds (min-max); the ratio is to the default budget's time at the same thread count in the same round:",
         "",
         "| torch threads | token budget | micro-batches | token places | update s | vs default |",
         "|---:|---:|---:|---:|---:|---:|",

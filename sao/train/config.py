@@ -63,6 +63,13 @@ class PolicyLossKind(enum.StrEnum):
     PPO_CLIP = "ppo_clip"
 
 
+# The default token budgets (``UpdateConfig.token_budget`` None): on the peer single-turn shape and on one
+# with completions up to 160 tokens, `sao bench update` found 2,048 fastest on one torch thread (3,072
+# took 1.03x its time) and 3,072 on two (2,048 took 1.00x and 1.06x); docs/results/update*.json.
+TOKEN_BUDGET_ONE_THREAD = 2048
+TOKEN_BUDGET = 3072
+
+
 _PRESETS: dict[Algorithm, tuple[AdvantageEstimator, PolicyLossKind]] = {
     Algorithm.SAO: (AdvantageEstimator.CRITIC_GAE, PolicyLossKind.DIS),
     Algorithm.GRPO: (AdvantageEstimator.GROUP, PolicyLossKind.PPO_CLIP),
@@ -125,10 +132,13 @@ class UpdateConfig:
             only): the policy's advantages use the values the tasks' demonstrations give (the chance
             that the current policy completes the demonstration from a state on its path, 0 off it)
             in place of the critic's, which is still trained and reported.
-        token_budget: most (sequences x padded length) tokens in one micro-batch; the default is the
-            fastest of the budgets `sao bench update` sweeps on CPU at one and two torch threads (smaller
-            micro-batches pad less and keep the attention's blocks short; docs/RESULTS.md, section
-            ``update``). On a GPU a larger budget usually fills the device better.
+        token_budget: most (sequences x padded length) tokens in one micro-batch. None (the default):
+            :data:`TOKEN_BUDGET_ONE_THREAD` when the update runs on one torch thread (an asynchronous
+            run's trainer), else :data:`TOKEN_BUDGET` (:meth:`micro_batch_tokens`): the fastest budgets
+            of those `sao bench update` sweeps on CPU at one and two torch threads (smaller micro-batches
+            pad less and keep the attention's blocks short, until each one's fixed cost wins;
+            docs/RESULTS.md, section ``update``). Replay runs on the run's thread count, so it splits a
+            batch as the run did. On a GPU a larger budget usually fills the device better.
         routing_replay: R3 (:mod:`sao.models.routing`): the actor's forward routes every token the
             rollout recorded a routing for to the recorded experts (weights from the live router, which
             keeps its gradient). None: on for a mixture-of-experts policy, a no-op for a dense one; False:
@@ -181,7 +191,7 @@ class UpdateConfig:
     bootstrap_reasons: tuple[str, ...] = BOOTSTRAP_REASONS
     skip_reasons: tuple[str, ...] = SKIP_REASONS
     oracle_values: bool = False
-    token_budget: int = 3072
+    token_budget: int | None = None
     routing_replay: bool | None = None
     routing_metrics: bool = True
     routing_compare_every: int = 10
@@ -222,7 +232,7 @@ class UpdateConfig:
             raise ValueError(f"advantage_floor must be finite or None, got {self.advantage_floor}")
         if not math.isfinite(self.imitation_threshold):
             raise ValueError(f"imitation_threshold must be a finite reward, got {self.imitation_threshold}")
-        if self.token_budget < 1:
+        if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
         if self.oracle_values and self.advantage_estimator is not AdvantageEstimator.CRITIC_GAE:
             raise ValueError(f"oracle_values replaces a critic's values; algorithm {self.algorithm.value!r} has none")
@@ -240,6 +250,13 @@ class UpdateConfig:
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator is AdvantageEstimator.CRITIC_GAE
+
+    def micro_batch_tokens(self, threads: int) -> int:
+        """The token budget of a micro-batch for an update on ``threads`` torch threads:
+        ``token_budget``, or when None the default for that thread count."""
+        if self.token_budget is not None:
+            return self.token_budget
+        return TOKEN_BUDGET_ONE_THREAD if threads <= 1 else TOKEN_BUDGET
 
 
 @dataclasses.dataclass(frozen=True)

@@ -166,13 +166,13 @@ def _collate(rows: Sequence[Mapping], update: UpdateConfig) -> TrainBatch:
 def value_metrics(critic: torch.nn.Module, rows: Sequence[Mapping], update: UpdateConfig
                   ) -> tuple[float, float | None]:
     """(value loss, explained variance) of ``critic`` on ``rows`` against Monte-Carlo returns, over
-    every action token (micro-batches by ``update.token_budget``, run on the critic's device in float32;
+    every action token (micro-batches by ``update.micro_batch_tokens``, run on the critic's device in float32;
     the figures are reduced on CPU)."""
     batch = _collate(rows, update)
     returns = monte_carlo_returns(batch, update.gamma).double()
     values = torch.zeros_like(returns)
     device = next(critic.parameters()).device
-    for index in split_by_token_budget(batch, update.token_budget):
+    for index in split_by_token_budget(batch, update.micro_batch_tokens(torch.get_num_threads())):
         micro = batch.select(index).to(device)
         micro_values, _ = critic_values(critic, micro)
         values[index, : micro_values.shape[1]] = micro_values.double().cpu()

@@ -279,7 +279,7 @@ class Learner:
     # ----- the update ---------------------------------------------------------------------------
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch]]:
-        for rows in split_by_token_budget(batch, self.config.token_budget):
+        for rows in split_by_token_budget(batch, self.config.micro_batch_tokens(torch.get_num_threads())):
             yield rows, batch.select(rows)
 
     def _denominator(self, batch: TrainBatch) -> float:

@@ -64,12 +64,13 @@ def test_the_budget_sweep_times_every_budget_and_thread_count_against_the_defaul
             "--results-md", str(tmp_path / "RESULTS.md")]
     assert main(argv) == 0
     data = json.loads(out.read_text())
-    default = UpdateConfig().token_budget
+    defaults = {t: UpdateConfig().micro_batch_tokens(t) for t in (1, 2)}  # one thread's differs from two's
+    budgets = sorted({64, 256, *defaults.values()})
     sweep = data["budget_sweep"]
-    assert [(r["threads"], r["token_budget"]) for r in sweep] == [(t, b) for t in (1, 2) for b in (64, 256, default)]
+    assert [(r["threads"], r["token_budget"]) for r in sweep] == [(t, b) for t in (1, 2) for b in budgets]
     for r in sweep:
         assert len(r["update_s"]) == len(r["vs_default"]) == 2 and all(x > 0 for x in r["update_s"])
-        assert r["default"] == (r["token_budget"] == default)
+        assert r["default"] == (r["token_budget"] == defaults[r["threads"]])
         if r["default"]:
             assert r["vs_default"] == [1.0, 1.0]
     # quick rows are about 60 tokens: at budget 64 each is a micro-batch of its own, with no padding

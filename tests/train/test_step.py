@@ -336,6 +336,33 @@ def test_split_by_token_budget_buckets_by_length():
     assert split_by_token_budget(batch, 100) == [[0, 1, 2]]
 
 
+def test_the_default_token_budget_depends_on_the_update_threads(monkeypatch):
+    from sao.train.config import TOKEN_BUDGET, TOKEN_BUDGET_ONE_THREAD
+
+    default = UpdateConfig()
+    assert default.token_budget is None
+    assert (default.micro_batch_tokens(1), default.micro_batch_tokens(2), default.micro_batch_tokens(16)) == (
+        TOKEN_BUDGET_ONE_THREAD, TOKEN_BUDGET, TOKEN_BUDGET) == (2048, 3072, 3072)
+    assert UpdateConfig(token_budget=12).micro_batch_tokens(1) == UpdateConfig(token_budget=12).micro_batch_tokens(8) == 12
+    with pytest.raises(ValueError, match="token_budget must be >= 1"):
+        UpdateConfig(token_budget=0)
+    # the learner splits by the budget of the threads torch runs on when it updates
+    seen = []
+    monkeypatch.setattr("sao.train.step.split_by_token_budget", lambda batch, budget: seen.append(budget) or [
+        list(range(batch.action_mask.shape[0]))])
+    learner = Learner(default, tiny(), ValueModel(tiny(1)))
+    batch = collate(hand_built_rows(learner.policy), trainer_version=5)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            seen.clear()
+            learner.update(batch)
+            assert seen and set(seen) == {default.micro_batch_tokens(count)}
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "grpo_dis", "ppo_async", "running_mean", "self_imitation"])
 def test_every_algorithm_runs_through_the_same_loop(algorithm):
     policy = tiny()
