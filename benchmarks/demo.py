@@ -2,7 +2,7 @@
 
     sao bench demo [--runs 3 | --seeds 0,1,2 [--against FILE]] [--workdir DIR] [--set KEY=VALUE ...] [--tag NAME]
                    [--quick]
-    sao bench demo --reread RECORD.json --workdir DIR
+    sao bench demo --reread RECORD.json [--workdir DIR] [--against FILE]
 
 Runs ``sao demo`` (``configs/demo.yaml``: SFT warm start, evaluation, value pretraining, SAO with Serve
 rollouts into a local Delta lake and Ray Train updates, evaluation again) as a child process in an empty
@@ -22,7 +22,9 @@ their mean and its standard error over the seeds.
 Beside each run: its value pretraining (rollouts, the critic's explained variance on held-out ones) and
 the critic's explained variance on its targets in training, early and late (with
 ``algorithm.oracle_values``, the oracle's beside it). ``--reread RECORD.json --workdir DIR`` adds these
-to a record written before they were recorded, from the folders its runs ran in.
+to a record written before they were recorded, from the folders its runs ran in; ``--reread RECORD.json
+--against FILE`` pairs a seeded record's runs with another base (a default run again at the same code, say),
+in place of the one it was written against.
 
 Target (issue 24): held-out sampled accuracy above 0.8, a rise of at least +0.25, in under 10 minutes.
 Writes ``docs/results/demo.json`` and the ``demo`` section of ``docs/RESULTS.md`` (``--tag T``:
@@ -90,16 +92,25 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         seeded = [s for s in args.sets if s.partition("=")[0].strip() in SEED_KEYS]
         if seeded:
             parser.error(f"--seeds sets {', '.join(SEED_KEYS)} itself; drop {seeded}")
-    if args.reread is not None and (args.workdir is None or not args.reread.is_file()):
-        parser.error("--reread RECORD.json needs the record and --workdir, the folder its runs ran in")
+    if args.reread is not None:
+        if not args.reread.is_file():
+            parser.error(f"--reread {args.reread}: no such record")
+        if args.workdir is None and args.against is None:
+            parser.error("--reread RECORD.json needs --workdir (the folder its runs ran in) or --against (a base "
+                         "to pair its runs with)")
     if args.against is not None:
-        if args.seeds is None:
+        seeds = args.seeds
+        if args.reread is not None:
+            seeds = [run.get("seed") for run in json.loads(args.reread.read_text())["runs"]]
+            if None in seeds:
+                parser.error(f"--against compares seed by seed: {args.reread} has runs without a seed")
+        elif seeds is None:
             parser.error("--against compares seed by seed: give --seeds")
         if not args.against.is_file():
             parser.error(f"--against {args.against}: no such file")
         args.base = json.loads(args.against.read_text())
         recorded = {run.get("seed") for run in args.base["runs"]}
-        if missing := sorted(set(args.seeds) - recorded):
+        if missing := sorted(set(seeds) - recorded):
             parser.error(f"--against {args.against} has no run of seed(s) {missing}")
     if args.quick:
         args.runs = 1
@@ -326,11 +337,12 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     }
 
 
-def reread(record_path: Path, workdir: Path, argv: list[str]) -> dict[str, Any]:
+def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str, Any]:
     """``record_path``'s record with what its runs' folders under ``workdir`` (``run-1``, ...) hold added
-    where it is missing (value pretraining, the critic's fit), for a record written before they were."""
+    where it is missing (value pretraining, the critic's fit), for a record written before they were;
+    ``workdir`` None: the record as it is (only paired again)."""
     record = json.loads(record_path.read_text())
-    for index, run in enumerate(record["runs"]):
+    for index, run in enumerate(record["runs"] if workdir is not None else ()):
         folder = workdir / f"run-{index + 1}"
         if not (folder / "runs").is_dir():
             raise FileNotFoundError(f"{folder} holds no run: --reread needs the folder the record's runs ran in")
@@ -346,6 +358,8 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     if args.reread is not None:
         record = reread(args.reread, args.workdir, argv)
+        if args.against is not None:
+            record["against"] = {"file": str(args.against), **paired(args.base, record["runs"])}
         name = f"demo-{record['tag']}" if record.get("tag") else "demo"
         publish(name, record, _markdown(record, name), out=args.out_json, results_md=args.results_md, quick=False,
                 default_json=args.reread, default_results=DEFAULT_RESULTS)

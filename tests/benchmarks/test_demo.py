@@ -122,6 +122,31 @@ def test_against_needs_seeds_and_a_file_with_each_of_them(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_a_seeded_record_is_paired_again_with_another_base(tmp_path, capsys):
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    record, base = results / "demo-oracle.json", tmp_path / "base.json"
+    runs = json.loads(record.read_text())["runs"]
+    base.write_text(json.dumps({"runs": [_seeded(run["seed"], 0.5) for run in runs]}))
+    out, md = tmp_path / "demo-oracle.json", tmp_path / "RESULTS.md"
+    assert main(["--reread", str(record), "--against", str(base), "--out-json", str(out), "--results-md", str(md)]) == 0
+    again = json.loads(out.read_text())
+    assert again["runs"] == runs  # the runs as recorded: only the pairing is new
+    assert again["against"]["file"] == str(base)
+    assert [p["diff"] for p in again["against"]["pairs"]] == pytest.approx(
+        [run["result"]["accuracy_after"] - 0.5 for run in runs])
+    assert f"Against `{base}`, seed by seed" in md.read_text()
+    # a base must hold every seed of the record; a reread needs a folder or a base
+    base.write_text(json.dumps({"runs": [_seeded(runs[0]["seed"], 0.5)]}))
+    for argv, message in ((["--reread", str(record), "--against", str(base)], "no run of seed(s)"),
+                          (["--reread", str(record)], "needs --workdir"),
+                          (["--reread", str(tmp_path / "none.json"), "--against", str(base)], "no such record")):
+        with pytest.raises(SystemExit):
+            _parse(argv)
+        assert message in capsys.readouterr().err
+
+
 def test_value_pretraining_is_read_from_the_runs_report_and_shown_with_its_explained_variance(tmp_path):
     from sao.train.pretrain import REPORT_FILE
 
