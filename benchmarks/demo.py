@@ -282,6 +282,10 @@ def _markdown(record: dict[str, Any], name: str) -> str:
                                               for p in against["pairs"])
             + f"; mean difference {against['mean_diff']:+.3f}{error}.",
         ]
+    if record.get("reread"):
+        again = record["reread"]
+        lines += ["", f"Read again with `{again['command']}` (commit `{again['machine'].get('commit')}`): the runs are "
+                  "as recorded; what it added or paired anew is above."]
     return "\n".join(lines)
 
 

@@ -137,6 +137,7 @@ def test_a_seeded_record_is_paired_again_with_another_base(tmp_path, capsys):
     assert [p["diff"] for p in again["against"]["pairs"]] == pytest.approx(
         [run["result"]["accuracy_after"] - 0.5 for run in runs])
     assert f"Against `{base}`, seed by seed" in md.read_text()
+    assert f"Read again with `sao bench demo --reread {record} --against {base}" in md.read_text()
     # a base must hold every seed of the record; a reread needs a folder or a base
     base.write_text(json.dumps({"runs": [_seeded(runs[0]["seed"], 0.5)]}))
     for argv, message in ((["--reread", str(record), "--against", str(base)], "no run of seed(s)"),
