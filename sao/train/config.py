@@ -63,9 +63,10 @@ class PolicyLossKind(enum.StrEnum):
     PPO_CLIP = "ppo_clip"
 
 
-# The default token budgets (``UpdateConfig.token_budget`` None): on the peer single-turn shape and on one
-# with completions up to 160 tokens, `sao bench update` found 2,048 fastest on one torch thread (3,072
-# took 1.03x its time) and 3,072 on two (2,048 took 1.00x and 1.06x); docs/results/update*.json.
+# The default token budgets (``UpdateConfig.token_budget`` None): in three sweeps of `sao bench update`
+# (the peer single-turn shape twice, one with completions up to 160 tokens) 2,048 was the fastest on one
+# torch thread (3,072 took 1.01-1.04x its time) and 3,072 on two (2,048 took 1.00-1.06x its time);
+# docs/results/update.json, update-long.json and the update section of docs/RESULTS.md.
 TOKEN_BUDGET_ONE_THREAD = 2048
 TOKEN_BUDGET = 3072
 
