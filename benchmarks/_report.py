@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import json
 import os
 import platform
@@ -47,7 +48,10 @@ def git_commit(root: Path | None = None) -> str:
 
 
 def machine() -> dict[str, Any]:
-    """Cores, memory, platform, load, the commit and the versions that decide the figures."""
+    """Cores, memory, platform, load, the commit and the versions that decide the figures; ``packages``:
+    every distribution installed in the environment with its version (two result files then show which
+    package differs when the same code gives other figures: the demo's sampled evaluation moved with
+    the environment once, docs/RESULTS.md, "Plateau experiments at a later commit")."""
     memory_gib = None
     try:
         with open("/proc/meminfo") as handle:
@@ -70,6 +74,8 @@ def machine() -> dict[str, Any]:
             info[package] = __import__(package).__version__
         except ImportError:
             continue
+    info["packages"] = dict(sorted({dist.metadata["Name"].lower(): dist.version
+                                    for dist in importlib.metadata.distributions() if dist.metadata["Name"]}.items()))
     return info
 
 

@@ -16,6 +16,19 @@ def test_the_machine_line_names_the_commit_once_and_leaves_it_out_when_unknown()
     assert parts[-1].count("35df562") == 1 and parts[-1].endswith("1.5 min")
 
 
+def test_the_machine_record_lists_every_installed_package_with_its_version():
+    import importlib.metadata
+
+    import torch
+
+    from benchmarks._report import machine
+
+    packages = machine()["packages"]
+    assert list(packages) == sorted(packages) and len(packages) > 50
+    assert packages["torch"] == importlib.metadata.version("torch") and torch.__version__.startswith(packages["torch"])
+    assert packages["transformers"] == importlib.metadata.version("transformers")
+
+
 def test_the_commit_is_marked_changed_by_code_but_not_by_what_the_benchmarks_write_under_docs(tmp_path):
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
