@@ -114,6 +114,7 @@ def test_set_values_are_read_as_yaml():
     (["algorithm.name=ppo"], "algorithm.name: Input should be 'sao', 'grpo', 'grpo_dis', 'ppo_async', 'running_mean' or"),
     (["algorithm.critic_updates=-2"], "algorithm.critic_updates: critic_updates must be >= 0, got -2"),
     (["algorithm.gamma=2"], "algorithm.gamma: gamma must lie in [0, 1], got 2"),
+    (["algorithm.lam_policy=1.5"], "algorithm.lam_policy: lam_policy must lie in [0, 1] or be None"),
     (["rollout.top_p=0"], "rollout.top_p: Input should be greater than 0 (got 0)"),
     (["run_id=../up"], "run_id: '../up' is not a valid run id"),
     (["train.steps"], "--set 'train.steps': expected SECTION.KEY=VALUE"),

@@ -94,6 +94,8 @@ class UpdateConfig:
         gamma: discount per action token.
         lam_critic: GAE lambda for the critic's targets (paper 1.0).
         alpha: length-adaptive lambda for the policy advantage, ``1 - 1/(alpha * l)`` (paper 1.5).
+        lam_policy: a fixed GAE lambda for the policy advantage in place of the length-adaptive rule
+            (None, the default and SAO.md's: the rule with ``alpha``); an ablation of the rule.
         critic_updates: K critic optimiser steps per actor step (paper 2).
         lr_policy, lr_critic: AdamW learning rates.
         warmup_steps_critic, warmup_steps_policy: linear warm-up of the learning rate, in optimiser steps.
@@ -170,6 +172,7 @@ class UpdateConfig:
     gamma: float = 1.0
     lam_critic: float = 1.0
     alpha: float = 1.5
+    lam_policy: float | None = None
     critic_updates: int = 2
     lr_policy: float = 2e-4
     lr_critic: float = 5e-4
@@ -220,6 +223,9 @@ class UpdateConfig:
             raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}")
         if not 0.0 <= self.lam_critic <= 1.0:
             raise ValueError(f"lam_critic must lie in [0, 1], got {self.lam_critic}")
+        if self.lam_policy is not None and not 0.0 <= self.lam_policy <= 1.0:
+            raise ValueError(f"lam_policy must lie in [0, 1] or be None (the length-adaptive rule), "
+                             f"got {self.lam_policy}")
         for name in ("warmup_steps_policy", "warmup_steps_critic", "cosine_steps_policy"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

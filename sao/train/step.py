@@ -344,7 +344,8 @@ class Learner:
                 values = oracle
             metrics |= {name: value for name, value in explained.items() if value is not None}
             bootstrap = torch.where(batch.bootstrap, v_end, torch.zeros_like(v_end))
-            lam_policy = length_adaptive_lambda(batch.num_action_tokens, cfg.alpha)
+            lam_policy = (length_adaptive_lambda(batch.num_action_tokens, cfg.alpha) if cfg.lam_policy is None
+                          else cfg.lam_policy)
             advantages, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, bootstrap, cfg.gamma,
                                                  lam_policy)
         else:

@@ -96,7 +96,7 @@ def reference_update(cfg, policy, critic, rows, trainer_version):
             v_end = float(v[-1]) if r["termination_reason"] in ("length", "turns", "timeout") else 0.0
             rewards = [0.0] * len(actions)
             rewards[-1] = r["reward"]
-            lam_policy = 1 - 1 / (cfg.alpha * len(actions))
+            lam_policy = 1 - 1 / (cfg.alpha * len(actions)) if cfg.lam_policy is None else cfg.lam_policy
             adv = reference_gae(rewards, values, v_end, cfg.gamma, lam_policy)
             ret = [a + b for a, b in zip(reference_gae(rewards, values, v_end, cfg.gamma, cfg.lam_critic), values, strict=True)]
             per_row.append((actions, adv, ret))
@@ -155,7 +155,8 @@ def record_optimizer_steps(monkeypatch, optimizers=None):
     return seen
 
 
-def test_one_sao_step_matches_the_slow_reference(monkeypatch):
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, lam_policy=0.95)], ids=["adaptive", "fixed-0.95"])
+def test_one_sao_step_matches_the_slow_reference(monkeypatch, cfg):
     # Gradients are compared at every optimiser step: Adam's first step moves each parameter by about
     # lr * sign(grad), so comparing parameters would amplify float noise in near-zero gradients.
     policy = tiny()
@@ -164,7 +165,7 @@ def test_one_sao_step_matches_the_slow_reference(monkeypatch):
     ref_policy, ref_critic = copy.deepcopy(policy), copy.deepcopy(critic)
     optimizers = []
     seen = record_optimizer_steps(monkeypatch, optimizers)
-    learner = Learner(CFG, policy, critic)
+    learner = Learner(cfg, policy, critic)
     metrics = learner.update(collate(rows, trainer_version=5))
     # The learner's order: the first critic step (its forward gives the values), the actor, the others;
     # the reference's: the actor, then K critic steps.
@@ -172,15 +173,15 @@ def test_one_sao_step_matches_the_slow_reference(monkeypatch):
     order += [k for k in range(len(seen)) if optimizers[k] is not learner.policy_optimizer]
     assert order == [1, 0, 2]
     ours, seen[:] = [seen[k] for k in order], []
-    reference_update(CFG, ref_policy, ref_critic, rows, trainer_version=5)
-    assert len(ours) == len(seen) == 1 + CFG.critic_updates
+    reference_update(cfg, ref_policy, ref_critic, rows, trainer_version=5)
+    assert len(ours) == len(seen) == 1 + cfg.critic_updates
     for step, (a_grads, b_grads) in enumerate(zip(ours, seen, strict=True)):
         assert len(a_grads) == len(b_grads)
         for a, b in zip(a_grads, b_grads, strict=True):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), f"optimiser step {step}"
     for a, b in zip(list(policy.parameters()) + list(critic.parameters()),
                     list(ref_policy.parameters()) + list(ref_critic.parameters()), strict=True):
-        assert torch.allclose(a, b, atol=3 * CFG.lr_policy)
+        assert torch.allclose(a, b, atol=3 * cfg.lr_policy)
     assert 0 < metrics["actor/kept_frac"] < 1  # the shifts above push some rho out of (0.7, 1.5)
     assert metrics["batch/staleness_count/1"] == 1.0 and metrics["batch/staleness_count/3"] == 1.0
 
