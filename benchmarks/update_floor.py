@@ -22,7 +22,10 @@ nothing of the update around them:
 It is measured twice, on the micro-batches the update forms (``split_by_token_budget``: rows padded to
 the longest of their bucket) and on the same sequences packed several to a row (first-fit decreasing
 into rows twice as wide as the longest, each sequence its own block of a block-diagonal causal mask
-through its position ids); the floor of a repeat is the faster of the two. Optimiser steps, clipping,
+through its position ids); the floor of a repeat is the faster of the two. On the padded micro-batches
+the passes run the decoders' last layer at the positions read only, as the update does
+(:func:`sao.models.trimmed.decoder_at`); packed rows have no such positions apart, so they run it
+everywhere. Optimiser steps, clipping,
 advantages, DIS and the losses' bookkeeping are not in the floor: they are the update's own cost.
 
 The update and the floor run alternately (update, floor, update, floor, ...), after one warm-up of
@@ -161,30 +164,47 @@ class Floor:
                 flat = (starts.unsqueeze(-1) + positions).clamp(max=ids.numel() - 1)
                 self.inputs.append(({"input_ids": ids, "position_ids": position_ids}, flat, targets, mb.action_mask))
             else:
-                flat = torch.arange(len(positions)).unsqueeze(-1) * mb.input_ids.shape[1] + positions
-                # the mask the update's forwards pass (None for these right-padded rows), so both run one kernel path
-                self.inputs.append(({"input_ids": mb.input_ids, "attention_mask": forward_mask(mb)}, flat,
+                # the mask the update's forwards pass (None for these right-padded rows), so both run one kernel
+                # path; the positions read, where the last layers run
+                self.inputs.append(({"input_ids": mb.input_ids, "attention_mask": forward_mask(mb)}, positions,
                                     targets, mb.action_mask))
+        self.packed = packed
         self.tokens = sum(int(kwargs["input_ids"].numel()) for kwargs, *_ in self.inputs)
 
     def actor(self) -> None:
         import torch
 
+        from sao.models.trimmed import decoder_at, supports_decoder_at
+
         decoder, head = self.policy.get_decoder(), self.policy.get_output_embeddings()
-        for kwargs, flat, targets, mask in self.inputs:
-            hidden = decoder(**kwargs, use_cache=False).last_hidden_state
-            scoring = hidden.reshape(-1, hidden.shape[-1])[flat]  # (B, T, H)
+        trimmed = not self.packed and supports_decoder_at(decoder)
+        for kwargs, at, targets, mask in self.inputs:
+            if trimmed and kwargs["attention_mask"] is None:
+                scoring = decoder_at(decoder, kwargs["input_ids"], at)  # (B, T, H)
+            else:
+                hidden = decoder(**kwargs, use_cache=False).last_hidden_state
+                scoring = self._read(hidden, at)
             logp = torch.log_softmax(head(scoring).float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             (logp * mask).sum().backward()
 
     def critic_forward(self, grad: bool) -> None:
         import torch
 
-        for kwargs, flat, _, mask in self.inputs:
+        for kwargs, at, _, mask in self.inputs:
             with torch.set_grad_enabled(grad):
-                values = self.critic(**kwargs).reshape(-1)[flat]
+                if not self.packed and kwargs["attention_mask"] is None:
+                    values = self.critic.values_at(kwargs["input_ids"], at)  # the last layer where read only
+                else:
+                    values = self._read(self.critic(**kwargs).unsqueeze(-1), at).squeeze(-1)
             if grad:
                 (((values - 0.5) ** 2) * mask).sum().backward()
+
+    def _read(self, out, at):
+        """``out`` (rows, width, C) at the positions read ``at``: (B, T) per row of a padded micro-batch,
+        flat indices into the packed rows' places."""
+        if self.packed:
+            return out.reshape(-1, out.shape[-1])[at]
+        return out.gather(1, at.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
 
     def run(self) -> dict[str, float]:
         """One pass of everything, timed by part (seconds)."""

@@ -39,6 +39,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
+from sao.models.trimmed import decoder_at, supports_decoder_at
+
 __all__ = [
     "Critic",
     "CriticConfig",
@@ -164,6 +166,14 @@ class Critic(nn.Module):
             use_cache=False,
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
+
+    def values_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, T) float32 ``state_values`` at ``positions`` (B, T) of right-padded ``input_ids`` (B, L): the
+        backbone's last layer runs at those positions only where :func:`~sao.models.trimmed.decoder_at`
+        supports it, else the whole forward is gathered. Both give the same values to float rounding."""
+        if supports_decoder_at(self.backbone):
+            return self.value_head(decoder_at(self.backbone, input_ids, positions)).squeeze(-1).float()
+        return self(input_ids).gather(1, positions)
 
     def action_values(
         self,

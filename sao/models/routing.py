@@ -30,6 +30,10 @@ Tokens without a recorded routing (``mask`` False: padding, the final token of a
 engine never ran, observation tokens appended after the last generation, rows written before routing
 was recorded) are routed live.
 
+A forward may run a layer at some positions only (:func:`sao.models.trimmed.decoder_at` runs the last
+layer where its outputs are read): :func:`replay_at` tells that layer's routers which of the recorded
+positions their tokens are, and they replay and count those.
+
 Only :class:`Qwen3MoeTopKRouter` routers are recognised (the architecture of the policy and critic);
 :func:`moe_routers` of a dense model is empty and both context managers then do nothing.
 """
@@ -49,7 +53,9 @@ __all__ = [
     "RoutingRecorder",
     "moe_routers",
     "record_routing",
+    "replay_at",
     "replay_routing",
+    "replaying",
     "replayed_weights",
 ]
 
@@ -139,7 +145,8 @@ class ReplayStats:
 
     Attributes:
         disagree: (B, M) float, recorded tokens whose live top-k *set* differs from the recorded set.
-        recorded: (B,) float, tokens with a recorded routing per row (the denominator of each layer).
+        recorded: (B, M) float, tokens with a recorded routing that each layer routed, per row (the
+            denominator of each layer; a layer run at some positions only routes fewer).
     """
 
     disagree: torch.Tensor
@@ -164,7 +171,8 @@ def replay_routing(model: nn.Module, experts: torch.Tensor, mask: torch.Tensor) 
             f"{tuple(mask.shape)}"
         )
     batch = mask.shape[0]
-    stats = ReplayStats(disagree=torch.zeros(batch, len(routers), device=mask.device), recorded=mask.sum(-1).float())
+    stats = ReplayStats(disagree=torch.zeros(batch, len(routers), device=mask.device),
+                        recorded=torch.zeros(batch, len(routers), device=mask.device))
     flat_mask = mask.reshape(-1)
     for router in routers:
         if experts.shape[3] != router.top_k:
@@ -186,21 +194,50 @@ def replay_routing(model: nn.Module, experts: torch.Tensor, mask: torch.Tensor) 
                 router.forward = original
 
 
+def replaying(router: nn.Module) -> bool:
+    """Whether ``router`` replays a recorded routing (inside :func:`replay_routing`)."""
+    return getattr(router.__dict__.get("forward"), "replays", False)
+
+
+@contextlib.contextmanager
+def replay_at(module: nn.Module, tokens: torch.Tensor, counted: torch.Tensor) -> Iterator[None]:
+    """Within the block, the replaying routers inside ``module`` route token i of their input as recorded
+    for flat position ``tokens[i]`` (of the ``B * L`` the record covers); ``counted`` (same shape, bool)
+    marks the tokens their statistics count (False: a repeat of a position already counted). Routers
+    that do not replay are left alone."""
+    routers = [router for router in moe_routers(module) if replaying(router)]
+    for router in routers:
+        router.replay_tokens = (tokens.reshape(-1), counted.reshape(-1))
+    try:
+        yield
+    finally:
+        for router in routers:
+            del router.replay_tokens
+
+
 def _replaying_forward(router: Qwen3MoeTopKRouter, recorded: torch.Tensor, mask: torch.Tensor,
                        stats: ReplayStats, layer: int, batch: int):
     """The router's forward with the selection replaced by ``recorded`` where ``mask`` (both flat, N)."""
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.reshape(-1, router.hidden_dim)
-        if hidden_states.shape[0] != mask.shape[0]:
+        chosen, where, counted = recorded, mask, mask
+        subset = router.__dict__.get("replay_tokens")
+        if subset is not None:  # a layer run at some positions only (replay_at)
+            tokens, counts = subset
+            chosen, where = recorded[tokens], mask[tokens]
+            counted = where & counts
+        if hidden_states.shape[0] != where.shape[0]:
             raise ValueError(f"replay_routing: the forward has {hidden_states.shape[0]} tokens, the recorded "
-                             f"routing covers {mask.shape[0]} (B * L of the batch it was built for)")
+                             f"routing covers {where.shape[0]} (B * L of the batch it was built for)")
         router_logits = nn.functional.linear(hidden_states, router.weight)  # (N, E)
         with torch.no_grad():
             live = torch.topk(torch.softmax(router_logits, dtype=torch.float, dim=-1), router.top_k, dim=-1).indices
-            differs = (live.sort(-1).values != recorded.sort(-1).values).any(-1) & mask
+            differs = (live.sort(-1).values != chosen.sort(-1).values).any(-1) & counted
             stats.disagree[:, layer] += differs.reshape(batch, -1).sum(-1).float()
-        selected = torch.where(mask.unsqueeze(-1), recorded, live)
+            stats.recorded[:, layer] += counted.reshape(batch, -1).sum(-1).float()
+        selected = torch.where(where.unsqueeze(-1), chosen, live)
         return router_logits, replayed_weights(router_logits, selected, router.norm_topk_prob), selected
 
+    forward.replays = True
     return forward

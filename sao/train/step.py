@@ -52,7 +52,9 @@ from sao.algos.dis import dis_weights
 from sao.algos.losses import dis_policy_loss, ppo_clip_loss, value_loss
 from sao.algos.masked import LossAggregation, aggregate, masked_mean, masked_whiten
 from sao.algos.sampling import sampling_logprobs
+from sao.models.critic import Critic
 from sao.models.routing import ReplayStats, moe_routers, replay_routing
+from sao.models.trimmed import decoder_at, supports_decoder_at
 from sao.train.batch import TrainBatch, completion_positions, split_by_token_budget
 from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
 from sao.train.device import autocast
@@ -89,14 +91,19 @@ def scoring_logits(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
 
     For a :data:`PLAIN_HEAD_MODEL_TYPES` model the output layer runs at those positions only (the
     prompt's positions score nothing; the output layer is a quarter of the tiny policy's work per
-    token); any other model runs its whole forward and the positions are gathered from its logits. The
-    two give the same values (tested)."""
+    token), and on right-padded rows so does its last decoder layer where
+    :func:`~sao.models.trimmed.decoder_at` supports the model (not while its routing is recorded or
+    replayed); any other model runs its whole forward and the positions are gathered from its logits.
+    All give the same values to float rounding (tested)."""
     positions = completion_positions(batch)
     config = getattr(policy, "config", None)
     if getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and hasattr(policy, "get_decoder"):
-        hidden = policy.get_decoder()(input_ids=batch.input_ids, attention_mask=forward_mask(batch),
-                                      use_cache=False).last_hidden_state
-        scoring = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        decoder, mask = policy.get_decoder(), forward_mask(batch)
+        if mask is None and supports_decoder_at(decoder):
+            scoring = decoder_at(decoder, batch.input_ids, positions)
+        else:
+            hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+            scoring = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return policy.get_output_embeddings()(scoring).float()
     logits = policy(input_ids=batch.input_ids, attention_mask=forward_mask(batch), use_cache=False).logits.float()
     return logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
@@ -127,11 +134,20 @@ def policy_logprobs(policy: torch.nn.Module, batch: TrainBatch, *, entropy: bool
 
 def critic_values(critic: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` (B, T) float32: V of the state each completion token was sampled in; ``v_end`` (B,):
-    the value after the last token."""
-    all_values = critic(input_ids=batch.input_ids, attention_mask=forward_mask(batch)).float()  # (B, L)
-    values = all_values.gather(1, completion_positions(batch))
-    last = (batch.prompt_lens + batch.completion_lens - 1).unsqueeze(-1)
-    v_end = all_values.gather(1, last).squeeze(-1)
+    the value after the last token. A :class:`~sao.models.critic.Critic` on right-padded rows runs its
+    last layer at those T + 1 positions only (:meth:`~sao.models.critic.Critic.values_at`)."""
+    mask = forward_mask(batch)
+    if isinstance(critic, Critic) and mask is None:
+        width = batch.action_mask.shape[1]
+        offsets = torch.arange(width + 1, device=batch.device).unsqueeze(0)
+        at = (batch.prompt_lens.unsqueeze(-1) - 1 + offsets).clamp(max=batch.input_ids.shape[1] - 1)
+        read = critic.values_at(batch.input_ids, at)  # (B, T + 1)
+        values, v_end = read[:, :width], read.gather(1, batch.completion_lens.unsqueeze(-1)).squeeze(-1)
+    else:
+        all_values = critic(input_ids=batch.input_ids, attention_mask=mask).float()  # (B, L)
+        values = all_values.gather(1, completion_positions(batch))
+        last = (batch.prompt_lens + batch.completion_lens - 1).unsqueeze(-1)
+        v_end = all_values.gather(1, last).squeeze(-1)
     return torch.where(batch.action_mask, values, torch.zeros_like(values)), v_end
 
 
@@ -593,7 +609,7 @@ class _RoutingAudit:
         rows, layers = batch.action_mask.shape[0], batch.routed_experts.shape[2]
         self.batch, self.replay, self.compare = batch, replay, compare
         self.disagree = torch.zeros(rows, layers, device=batch.device)
-        self.recorded = torch.zeros(rows, device=batch.device)
+        self.recorded = torch.zeros(rows, layers, device=batch.device)
         self.kept_replay = torch.zeros(rows, device=batch.device)
         self.kept_live = torch.zeros(rows, device=batch.device)
 
@@ -623,30 +639,34 @@ def routing_metrics(batch: TrainBatch, disagree: torch.Tensor, recorded: torch.T
 
     Args:
         disagree: (B, M) recorded tokens per row whose live top-k set differs from the recorded set, per
-            MoE layer (every input position with a record: prompt, actions and observations).
-        recorded: (B,) input positions with a recorded routing per row.
+            MoE layer (every input position with a record that the layer ran at: prompt, actions and
+            observations; the last layer runs where the outputs are read only, :mod:`sao.models.trimmed`).
+        recorded: (B, M) the recorded positions each layer ran at, per row.
         kept_replay / kept_live: (B,) action tokens inside the DIS interval with the forward's routing
             replayed / recomputed live.
         replay: whether the update used replay (``routing/replay`` 1.0 or 0.0).
 
-    ``routing/disagree_frac`` divides by recorded tokens x layers; the per-layer and per-staleness
-    fractions by their own counts; kept fractions by all action tokens (as ``actor/kept_frac``).
+    ``routing/recorded_tokens`` counts the first layer's (every recorded position);
+    ``routing/disagree_frac`` divides by the recorded tokens summed over layers; the per-layer and
+    per-staleness fractions by their own counts; kept fractions by all action tokens (as
+    ``actor/kept_frac``).
     """
     layers = disagree.shape[1]
     actions = batch.num_action_tokens.float().sum().clamp(min=1)
     metrics = {
         "routing/replay": float(replay),
-        "routing/recorded_tokens": float(recorded.sum()),
-        "routing/disagree_frac": float(disagree.sum() / (recorded.sum() * layers).clamp(min=1)),
+        "routing/recorded_tokens": float(recorded[:, 0].sum()) if layers else 0.0,
+        "routing/disagree_frac": float(disagree.sum() / recorded.sum().clamp(min=1)),
         "routing/kept_frac_replay": float(kept_replay.sum() / actions),
         "routing/kept_frac_live": float(kept_live.sum() / actions),
     }
     for layer in range(layers):
-        metrics[f"routing/disagree_frac/layer_{layer}"] = float(disagree[:, layer].sum() / recorded.sum().clamp(min=1))
+        metrics[f"routing/disagree_frac/layer_{layer}"] = float(disagree[:, layer].sum()
+                                                              / recorded[:, layer].sum().clamp(min=1))
     for staleness in sorted(set(batch.staleness.tolist())):
         rows = batch.staleness == staleness
         metrics[f"routing/disagree_frac/staleness_{staleness}"] = float(
-            disagree[rows].sum() / (recorded[rows].sum() * layers).clamp(min=1))
+            disagree[rows].sum() / recorded[rows].sum().clamp(min=1))
     return metrics
 
 

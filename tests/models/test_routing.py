@@ -81,7 +81,7 @@ def test_replaying_the_live_routing_changes_nothing_bit_for_bit(policy, ids):
     replayed.logsumexp(-1).sum().backward()
     assert torch.equal(replayed, live)
     assert all(torch.equal(r.weight.grad, g) for r, g in zip(moe_routers(policy), live_grads, strict=True))
-    assert stats.disagree.sum() == 0 and stats.recorded.tolist() == [L] * B
+    assert stats.disagree.sum() == 0 and stats.recorded.tolist() == [[L] * len(moe_routers(policy))] * B
 
 
 def test_replay_reproduces_a_forward_whose_routing_the_live_router_would_not_choose(policy, ids):

@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from sao.lake.records import routing_entries
+from sao.models.critic import Critic
 from sao.models.routing import record_routing, replay_routing
 from sao.train import step as step_module
 from sao.train.batch import collate, split_by_token_budget
@@ -222,6 +223,39 @@ def test_logits_at_the_scoring_positions_are_the_whole_forwards_logits(monkeypat
     whole = policy_logprobs(policy, batch)
     assert torch.allclose(head_only, whole, rtol=0, atol=1e-6)
     assert torch.equal(head_only == 0, batch.action_mask == 0)
+
+
+def test_a_critics_values_and_end_values_are_its_whole_forwards_read_at_the_completion():
+    # A Critic on right-padded rows runs its last layer at the T + 1 positions read only.
+    policy = tiny()
+    critic = Critic.from_policy(policy)
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    values, v_end = step_module.critic_values(critic, batch)
+    all_values = critic(batch.input_ids)
+    want = all_values.gather(1, step_module.completion_positions(batch))
+    want = torch.where(batch.action_mask, want, torch.zeros_like(want))
+    last = (batch.prompt_lens + batch.completion_lens - 1).unsqueeze(-1)
+    assert torch.allclose(values, want, rtol=0, atol=1e-6) and bool((values != 0).any())
+    assert torch.allclose(v_end, all_values.gather(1, last).squeeze(-1), rtol=0, atol=1e-6)
+
+
+def test_an_update_with_the_last_layers_at_the_completion_only_is_the_whole_forwards(monkeypatch):
+    policy = tiny()
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    runs = []
+    for trimmed in (True, False):
+        if not trimmed:
+            monkeypatch.setattr(step_module, "supports_decoder_at", lambda decoder: False)
+            monkeypatch.setattr(Critic, "values_at", lambda self, ids, at: self(ids).gather(1, at))
+        models = copy.deepcopy(policy), Critic.from_policy(policy)
+        metrics = Learner(CFG, *models).update(batch)
+        runs.append((models, metrics))
+    (a, m_a), (b, m_b) = runs
+    for x, y in zip([*a[0].parameters(), *a[1].parameters()], [*b[0].parameters(), *b[1].parameters()], strict=True):
+        assert torch.allclose(x, y, rtol=0, atol=1e-6)
+    assert not torch.equal(next(a[1].value_head.parameters()), next(Critic.from_policy(policy).value_head.parameters()))
+    for key in ("actor/loss", "critic/loss", "critic/value_mean"):
+        assert m_a[key] == pytest.approx(m_b[key], rel=1e-5, abs=1e-7), key
 
 
 def test_right_padded_rows_are_forwarded_without_a_mask_and_score_as_with_it(monkeypatch):
@@ -445,6 +479,12 @@ def routed_rows(policy, noise=0.05, trainer_version=4):
     return rows, flips[0].view(batch.input_ids.shape)
 
 
+def read_positions(batch):
+    """(B, L) bool: the input positions that score a completion token (where the last layer runs)."""
+    read = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
+    return read.scatter(1, step_module.completion_positions(batch), True)
+
+
 def test_replay_reproduces_the_rollout_logprobs_exactly_where_recomputed_routing_differs():
     policy = tiny()
     rows, flipped = routed_rows(policy)
@@ -456,7 +496,10 @@ def test_replay_reproduces_the_rollout_logprobs_exactly_where_recomputed_routing
         live = policy_logprobs(policy, batch)
     assert torch.equal(replayed, batch.logp_rollout)
     assert (live - batch.logp_rollout).abs().max() > 1e-4
-    assert stats.disagree[:, 0].tolist() == (flipped & batch.routing_mask).sum(-1).float().tolist()
+    # the (last and only) layer runs where the completion is scored, and is counted there
+    counted = flipped & batch.routing_mask & read_positions(batch)
+    assert stats.disagree[:, 0].tolist() == counted.sum(-1).float().tolist()
+    assert stats.recorded[:, 0].tolist() == (batch.routing_mask & read_positions(batch)).sum(-1).float().tolist()
 
 
 def test_collate_lays_the_routing_record_over_prompt_and_completion():
@@ -495,13 +538,16 @@ def test_replay_metrics_report_disagreement_and_the_kept_fraction_with_and_witho
         router = policy.model.layers[0].mlp.gate.weight
         before = router.detach().clone()
         metrics = Learner(dataclasses.replace(cfg, routing_replay=replay), policy, ValueModel(tiny(1))).update(batch)
-        recorded = flipped & batch.routing_mask
+        # the only layer is the last: it runs (and counts) where the completion is scored, 13 of the 19
+        # recorded positions
+        run = batch.routing_mask & read_positions(batch)
+        recorded = flipped & run
         assert metrics["routing/replay"] == float(replay)
-        assert metrics["routing/recorded_tokens"] == 19.0
-        assert metrics["routing/disagree_frac"] == pytest.approx(float(recorded.sum()) / 19)
+        assert metrics["routing/recorded_tokens"] == 13.0 and int(batch.routing_mask.sum()) == 19
+        assert metrics["routing/disagree_frac"] == pytest.approx(float(recorded.sum()) / 13)
         assert metrics["routing/disagree_frac/layer_0"] == metrics["routing/disagree_frac"]
         for staleness, row in ((1, 0), (2, 1), (0, 2)):  # versions 3, 2, 4 at trainer version 4
-            expected = float(recorded[row].sum() / batch.routing_mask[row].sum())
+            expected = float(recorded[row].sum() / run[row].sum())
             assert metrics[f"routing/disagree_frac/staleness_{staleness}"] == pytest.approx(expected)
         # Same weights: replayed, every rho is 1 (kept); live, flipped routing pushes some out of (1 - 1e-4, 1 + 1e-4).
         assert metrics["routing/kept_frac_replay"] == 1.0
