@@ -35,7 +35,9 @@ each; the ratio of each pair is the update's time over the floor's, and the figu
 The update runs its passes one after the other for that comparison (``critic_beside_actor`` off, as on
 one core); where the machine has a core more than the torch threads, the update with its later critic
 steps beside the actor step (``critic_beside_actor``, off by default) is timed in the same repeats on a copy of the models,
-and reported beside it.
+and reported beside it. So is the same update with its decoders' last layers run at every position
+(:func:`sao.models.trimmed.whole_forward`: the whole forward, as the trainer ran before it ran them at the
+positions read only), on a copy of the models.
 
 Then the update alone at each of ``--budgets`` (and the default token budgets) on each of
 ``--sweep-threads`` torch threads, round-robin after a warm-up round (:func:`sweep_budgets`): what the
@@ -147,7 +149,6 @@ class Floor:
     """The floor's passes (see the module docstring) on fixed micro-batches, padded or packed."""
 
     def __init__(self, policy, critic, micro_batches, critic_updates: int, packed: bool) -> None:
-        import torch
 
         from sao.train.batch import completion_positions
         from sao.train.step import forward_mask
@@ -231,6 +232,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks._settings import bench_config
     from sao.models.critic import Critic
     from sao.models.policy import build_policy
+    from sao.models.trimmed import whole_forward
     from sao.train.batch import collate, split_by_token_budget
     from sao.train.config import TrainConfig
     from sao.train.step import Learner, policy_logprobs
@@ -255,6 +257,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         beside = Learner(dataclasses.replace(config, critic_beside_actor=True), copy.deepcopy(policy),
                          copy.deepcopy(critic))
     config = dataclasses.replace(config, critic_beside_actor=False)
+    whole = Learner(config, copy.deepcopy(policy), copy.deepcopy(critic))  # run under whole_forward()
     learner = Learner(config, policy, critic)
     budget = config.micro_batch_tokens(threads)
     micro = [batch.select(r) for r in split_by_token_budget(batch, budget)]
@@ -264,6 +267,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for warm in (learner, beside):
         if warm is not None:
             warm.update(batch)
+    with whole_forward():
+        whole.update(batch)
     for floor in floors.values():
         floor.run()
     pairs = []
@@ -276,10 +281,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             beside.update(batch)
             beside_s = time.perf_counter() - started
+        with whole_forward():
+            started = time.perf_counter()
+            whole.update(batch)
+            whole_s = time.perf_counter() - started
         timed = {name: floor.run() for name, floor in floors.items()}
         best = min(timed, key=lambda name: timed[name]["total_s"])
         strict = timed[best]["total_s"] - timed[best]["critic_forward_s"]
-        pairs.append({"update_s": update_s, "update_beside_s": beside_s, "update_actor_s": metrics["time/actor_s"],
+        pairs.append({"update_s": update_s, "update_beside_s": beside_s, "update_whole_s": whole_s, "update_actor_s": metrics["time/actor_s"],
                       "update_critic_s": metrics["time/critic_s"], "floor": timed, "floor_used": best,
                       "ratio": update_s / timed[best]["total_s"], "strict_ratio": update_s / strict})
         print(f"repeat {repeat + 1}/{args.repeats}: update {update_s:.3f} s, floor {timed[best]['total_s']:.3f} s "
@@ -350,6 +359,8 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         "floor_s": {part: spread([p["floor"][p["floor_used"]][part] for p in pairs]) for part in floor_parts},
         "floor_padded_s": spread([p["floor"]["padded"]["total_s"] for p in pairs]),
         "floor_packed_s": spread([p["floor"]["packed"]["total_s"] for p in pairs]),
+        "update_whole_s": spread([p["update_whole_s"] for p in pairs]),
+        "update_vs_whole": spread([p["update_s"] / p["update_whole_s"] for p in pairs]),
         "update_beside_s": spread([p["update_beside_s"] for p in pairs]) if pairs[0]["update_beside_s"] else None,
         "beside_vs_update": (spread([p["update_beside_s"] / p["update_s"] for p in pairs])
                              if pairs[0]["update_beside_s"] else None),
@@ -404,6 +415,11 @@ def _markdown(result: dict[str, Any]) -> str:
         f"critic forward and backward passes), it takes {cell(s['strict_ratio'], '.2f')}x; its own cost beyond "
         "them (optimiser steps, gradient clipping, advantages, DIS, the losses, the metrics) is "
         f"{rest:.3f} s at the medians.",
+        "",
+        "With its decoders' last layers run at every position (the whole forward, "
+        "`sao.models.trimmed.whole_forward`; the trainer runs them at the positions read only), the same update "
+        f"took {cell(s['update_whole_s'])} s, timed in the same repeats on its own copy of the models: the update "
+        f"above takes {cell(s['update_vs_whole'], '.2f')} of that time.",
         "",
         *([f"With its later critic steps on a second thread beside the actor step (`critic_beside_actor`, "
            f"off by default; here on a core the update above leaves idle), the same update took {cell(s['update_beside_s'])} s, "

@@ -29,6 +29,7 @@ position; :func:`supports_decoder_at`). Anything else takes the whole forward. A
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -36,18 +37,31 @@ from torch import nn
 
 from sao.models.routing import moe_routers, replay_at, replaying
 
-__all__ = ["TRIMMED_MODEL_TYPES", "decoder_at", "supports_decoder_at"]
+__all__ = ["TRIMMED_MODEL_TYPES", "decoder_at", "supports_decoder_at", "whole_forward"]
 
 TRIMMED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_whole = threading.local()
+
+
+@contextlib.contextmanager
+def whole_forward() -> Iterator[None]:
+    """Within the block (on this thread), :func:`supports_decoder_at` says False: every forward runs its
+    last layer everywhere, as before this module. For side-by-side comparisons (``sao bench update``)."""
+    before = getattr(_whole, "on", False)
+    _whole.on = True
+    try:
+        yield
+    finally:
+        _whole.on = before
 
 
 def supports_decoder_at(decoder: nn.Module) -> bool:
     """Whether :func:`decoder_at` can run ``decoder`` (see the module docstring); False means: take the
     whole forward and gather."""
     config = getattr(decoder, "config", None)
-    if getattr(config, "model_type", None) not in TRIMMED_MODEL_TYPES:
+    if getattr(_whole, "on", False) or getattr(config, "model_type", None) not in TRIMMED_MODEL_TYPES:
         return False
     if any(not hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return False

@@ -48,7 +48,9 @@ def test_a_quick_run_times_update_and_floor_on_the_same_tokens(tmp_path):
         assert pair["ratio"] == pair["update_s"] / floor["total_s"] > 0
         assert floor["total_s"] == floor["actor_s"] + floor["critic_forward_s"] + floor["critic_updates_s"]
         assert pair["strict_ratio"] > pair["ratio"]
+        assert pair["update_whole_s"] > 0  # the same update with the last layers run everywhere
     assert data["summary"]["ratio"]["median"] > 0 and "sao bench update --quick" in results.read_text()
+    assert "last layers run at every position" in results.read_text()
     # the update with its critic steps beside the actor is timed apart where a core is left idle
     idle_core = len(os.sched_getaffinity(0)) > data["threads"]
     assert all((pair["update_beside_s"] is not None and pair["update_beside_s"] > 0) == idle_core

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from transformers import (
 from sao.models.critic import Critic
 from sao.models.policy import build_policy
 from sao.models.routing import record_routing, replay_routing
-from sao.models.trimmed import decoder_at, supports_decoder_at
+from sao.models.trimmed import decoder_at, supports_decoder_at, whole_forward
 from tests.models.test_routing import selection_noise
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -88,6 +89,14 @@ def test_the_last_layer_runs_at_the_read_positions_only():
 def test_what_it_cannot_run_takes_the_whole_forward():
     policy = build_policy(seed=0)
     decoder = policy.get_decoder()
+    assert supports_decoder_at(decoder)
+    with whole_forward():  # the comparison's switch, on this thread only
+        assert not supports_decoder_at(decoder)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(supports_decoder_at(decoder)))
+        thread.start()
+        thread.join()
+        assert seen == [True]
     assert supports_decoder_at(decoder)
     with record_routing(policy):  # a routing record needs every position
         assert not supports_decoder_at(decoder)
