@@ -7,8 +7,8 @@ position (the last layer's keys and values are taken from their outputs), but th
 the other positions, only its key and value projections. :func:`decoder_at` runs the decoder's own
 forward up to its last layer, then that layer's attention with queries at the chosen positions only
 (keys and values at every position, causal), its MLP or mixture of experts and the final norm at those
-positions only. On the peer single-turn batch (two layers, prompts about half the tokens) that is about
-a fifth of the critic's and the actor's arithmetic.
+positions only. On the peer single-turn batch (two layers, prompts about half the tokens) the SAO
+update took 0.88 of its time with the whole forward (docs/RESULTS.md, section ``update``).
 
 Notation:
     B rows, L input positions (right-padded: a row's real tokens come first), T chosen positions per row,
