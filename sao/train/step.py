@@ -92,8 +92,8 @@ def scoring_logits(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     For a :data:`PLAIN_HEAD_MODEL_TYPES` model the output layer runs at those positions only (the
     prompt's positions score nothing; the output layer is a quarter of the tiny policy's work per
     token), and on right-padded rows so does its last decoder layer where
-    :func:`~sao.models.trimmed.decoder_at` supports the model (not while its routing is recorded or
-    replayed); any other model runs its whole forward and the positions are gathered from its logits.
+    :func:`~sao.models.trimmed.decoder_at` supports the model (not while its routing is recorded; a
+    replayed routing is replayed there); any other model runs its whole forward and the positions are gathered from its logits.
     All give the same values to float rounding (tested)."""
     positions = completion_positions(batch)
     config = getattr(policy, "config", None)
@@ -646,7 +646,8 @@ def routing_metrics(batch: TrainBatch, disagree: torch.Tensor, recorded: torch.T
             replayed / recomputed live.
         replay: whether the update used replay (``routing/replay`` 1.0 or 0.0).
 
-    ``routing/recorded_tokens`` counts the first layer's (every recorded position);
+    ``routing/recorded_tokens`` counts the first MoE layer's (every recorded position, unless it is the
+    last layer);
     ``routing/disagree_frac`` divides by the recorded tokens summed over layers; the per-layer and
     per-staleness fractions by their own counts; kept fractions by all action tokens (as
     ``actor/kept_frac``).
