@@ -25,8 +25,8 @@ into rows twice as wide as the longest, each sequence its own block of a block-d
 through its position ids); the floor of a repeat is the faster of the two. On the padded micro-batches
 the passes run the decoders' last layer at the positions read only, as the update does
 (:func:`sao.models.trimmed.decoder_at`); packed rows have no such positions apart, so they run it
-everywhere. Optimiser steps, clipping,
-advantages, DIS and the losses' bookkeeping are not in the floor: they are the update's own cost.
+everywhere. Optimiser steps, clipping, advantages, DIS and the losses' bookkeeping are not in the
+floor: they are the update's own cost.
 
 The update and the floor run alternately (update, floor, update, floor, ...), after one warm-up of
 each; the ratio of each pair is the update's time over the floor's, and the figure is the median of
@@ -149,7 +149,6 @@ class Floor:
     """The floor's passes (see the module docstring) on fixed micro-batches, padded or packed."""
 
     def __init__(self, policy, critic, micro_batches, critic_updates: int, packed: bool) -> None:
-
         from sao.train.batch import completion_positions
         from sao.train.step import forward_mask
 

@@ -208,10 +208,11 @@ def _collate_routing(rows: Sequence[Mapping], width_l: int) -> tuple[torch.Tenso
     return routed, mask
 
 
-def completion_positions(batch: TrainBatch) -> torch.Tensor:
+def completion_positions(batch: TrainBatch, width: int | None = None) -> torch.Tensor:
     """(B, T) input positions whose outputs score completion token j: ``prompt_len + j - 1``
-    (clamped into range on padding)."""
-    width_t = batch.action_mask.shape[1]
+    (clamped into range on padding); ``width`` columns instead of T (T + 1 also reads the state after
+    the last token)."""
+    width_t = batch.action_mask.shape[1] if width is None else width
     positions = batch.prompt_lens.unsqueeze(-1) - 1 + torch.arange(width_t, device=batch.device).unsqueeze(0)
     return positions.clamp(max=batch.input_ids.shape[1] - 1)
 

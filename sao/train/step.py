@@ -139,9 +139,7 @@ def critic_values(critic: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Ten
     mask = forward_mask(batch)
     if isinstance(critic, Critic) and mask is None:
         width = batch.action_mask.shape[1]
-        offsets = torch.arange(width + 1, device=batch.device).unsqueeze(0)
-        at = (batch.prompt_lens.unsqueeze(-1) - 1 + offsets).clamp(max=batch.input_ids.shape[1] - 1)
-        read = critic.values_at(batch.input_ids, at)  # (B, T + 1)
+        read = critic.values_at(batch.input_ids, completion_positions(batch, width + 1))  # (B, T + 1)
         values, v_end = read[:, :width], read.gather(1, batch.completion_lens.unsqueeze(-1)).squeeze(-1)
     else:
         all_values = critic(input_ids=batch.input_ids, attention_mask=mask).float()  # (B, L)
