@@ -209,9 +209,10 @@ class RolloutDriver:
         self.stats = DriverStats()
         self._sink_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sink")
 
-    async def _capacity(self) -> tuple[int, int | None]:
-        """(how many rollouts may start now, the trainer's version when known)."""
-        room = self.config.max_in_flight
+    async def _capacity(self, running: int) -> tuple[int, int | None]:
+        """(how many rollouts may start now, the trainer's version when known): the slots that ``running``
+        rollouts leave free, at most the gate's places left (which already count the running ones)."""
+        room = self.config.max_in_flight - running
         if self.gate is None:
             return room, None
         version = self._version_seen = await self.trainer_version()
@@ -258,11 +259,9 @@ class RolloutDriver:
         return self.stats
 
     async def _launch(self, state: _RunState, limit: int | None) -> None:
-        """Fill the places free now (the gate's capacity less what runs) with retries first, then new
-        tasks, up to ``limit`` launches; the launches go to the issue log on the sink's thread, so ahead
-        of any of their records."""
-        capacity, version = await self._capacity()
-        free = capacity - len(state.running)
+        """Fill the places free now (:meth:`_capacity`) with retries first, then new tasks, up to ``limit``
+        launches; the launches go to the issue log on the sink's thread, so ahead of any of their records."""
+        free, version = await self._capacity(len(state.running))
         min_version = version if self.config.synchronous else None
         issued: list[IssuedRollout] = []
         while free > 0 and (limit is None or self.stats.launched < limit):

@@ -108,6 +108,55 @@ def test_the_staleness_gate_holds_generation_until_the_trainer_moves():
     assert stats.finished == 20
 
 
+class HeldApp:
+    """Rollouts that run until ``release`` is set (a long tool call), counting those running."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.active = 0
+
+        async def rollout(task, run_id, trajectory_id, seed):
+            self.active += 1
+            await self.release.wait()
+            self.active -= 1
+            return [record(task, run_id, trajectory_id)]
+
+        self.rollout = Method(rollout)
+
+
+@pytest.mark.parametrize(("max_in_flight", "running"), [(16, 12), (10, 10)])
+def test_the_gate_opens_places_beside_the_rollouts_still_running(max_in_flight, running):
+    # Window (0 + 1 + 1) * 4 = 8 at version 0. At version 1 the gate has (1 + 1 + 1) * 4 - 8 = 4 places
+    # more while the first 8 still run: they start at once, as far as the slots allow (16 slots: all 4,
+    # 12 running; 10 slots: 2 of them). The gate's places already count the running rollouts; taking
+    # those off again would start nothing until 4 of the 8 had finished.
+    app, sink = HeldApp(), ListSink()
+    version = {"v": 0}
+
+    async def trainer_version():
+        return version["v"]
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=max_in_flight, batch_size=4, max_staleness=1,
+                                                        version_poll_s=0.01), trainer_version=trainer_version)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=12))
+        await asyncio.sleep(0.2)
+        first = app.active
+        version["v"] = 1
+        await asyncio.sleep(0.2)
+        beside = app.active
+        app.release.set()
+        version["v"] = 3
+        stats = await asyncio.wait_for(job, timeout=10)
+        return first, beside, stats
+
+    first, beside, stats = asyncio.run(run())
+    assert first == 8
+    assert beside == running
+    assert stats.finished == 12
+
+
 class ListIssueLog:
     def __init__(self):
         self.rows = []
