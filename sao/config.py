@@ -70,7 +70,7 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 """The laptop demo's config (``sao demo``, ``make demo``), in the source checkout."""
 
 RESUME_SAFE = ("train.steps", "eval.tasks", "eval.seed", "ray.address", "ray.num_cpus", "rollout.num_replicas",
-               "rollout.resources", "rollout.max_in_flight", "rollout.gpus", "rollout.engine", "rollout.python",
+               "rollout.resources", "rollout.max_in_flight", "rollout.cancel_stale", "rollout.gpus", "rollout.engine", "rollout.python",
                *(f"rollout.vllm.{key}" for key in ("max_num_seqs", "gpu_memory_utilization", "kv_cache_memory_bytes",
                                                    "enforce_eager", "startup_timeout_s")),
                "train.workers", "train.resources", "train.device", "train.gpus_per_worker")
@@ -298,6 +298,9 @@ class RolloutSection(Section):
     """Trajectories generated at once across replicas."""
     group_size: int = Field(default_of(PipelineConfig, "group_size"), ge=1)
     """Rollouts per task, launched together (GRPO's groups; 1 for SAO)."""
+    cancel_stale: bool = Field(default_of(PipelineConfig, "cancel_stale"))
+    """Cancel a rollout still in flight once the trainer is more than train.max_staleness versions past
+    the version at its launch (the trainer would pass it over); it is stored as `cancelled`."""
     max_tokens: int = Field(default_of(AgentConfig, "max_tokens"), ge=1)
     """Completion budget of a trajectory (action and observation tokens together)."""
     max_turns: int = Field(default_of(AgentConfig, "max_turns"), ge=1)
@@ -521,6 +524,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "rollout.gpus": ((PipelineConfig, "gpus_per_replica"),),
     "rollout.max_in_flight": ((PipelineConfig, "max_in_flight"), (DriverConfig, "max_in_flight")),
     "rollout.group_size": ((PipelineConfig, "group_size"),),
+    "rollout.cancel_stale": ((PipelineConfig, "cancel_stale"), (DriverConfig, "cancel_stale")),
     "rollout.max_tokens": ((AgentConfig, "max_tokens"),),
     "rollout.max_turns": ((AgentConfig, "max_turns"), (EvalConfig, "max_turns")),
     "rollout.timeout_s": ((AgentConfig, "timeout_s"),),

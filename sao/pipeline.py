@@ -75,6 +75,8 @@ class PipelineConfig:
         env_options: options per environment name (e.g. tool latency for benchmarks).
         max_in_flight: trajectories generated at once across replicas.
         group_size: rollouts of each task, launched one after another (GRPO's groups; 1 for SAO).
+        cancel_stale: cancel a rollout in flight that has become too stale to be trained on
+            (:class:`sao.rollout.driver.DriverConfig`).
         synchronous: synchronous RL (the comparison of the speed benchmark): with
             ``train.max_staleness = 0`` the driver launches one batch per trainer version, and each of
             its rollouts starts only once its replica runs that version; the trainer waits for the
@@ -98,6 +100,7 @@ class PipelineConfig:
     env_options: dict = dataclasses.field(default_factory=dict)
     max_in_flight: int = 64
     group_size: int = 1
+    cancel_stale: bool = True
     synchronous: bool = False
     writer: WriterConfig | None = None
     use_ray_train: bool = True
@@ -271,7 +274,8 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     driver = RolloutDriver(
         handle, writer, train.run_id,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
-                     max_staleness=train.max_staleness, seed=cfg.seed + version, synchronous=cfg.synchronous),
+                     max_staleness=train.max_staleness, seed=cfg.seed + version, synchronous=cfg.synchronous,
+                     cancel_stale=cfg.cancel_stale),
         trainer_version=trainer_version, initial_version=version, on_record=on_record, issue_log=issue_log,
         trainer_skipped=trainer_skipped, trainer_newer=trainer_newer,
     )

@@ -382,7 +382,8 @@ def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tu
                           engine=config.engine(),
                           rollout_python=replica_python(config),
                           agent=config.agent(), max_in_flight=config.rollout.max_in_flight, seed=config.seed,
-                          group_size=config.rollout.group_size, synchronous=config.train.synchronous,
+                          group_size=config.rollout.group_size, cancel_stale=config.rollout.cancel_stale,
+                          synchronous=config.train.synchronous,
                           env_options=options)
 
 

@@ -14,6 +14,15 @@ def test_a_run_prunes_old_checkpoints_but_keeps_every_policy(tmp_path):
     assert Path(train.checkpoint_root).is_absolute() and Path(train.lake.root).is_absolute()
 
 
+def test_a_run_cancels_rollouts_too_stale_to_train_on_unless_told_not_to(tmp_path):
+    def cancels(**rollout):
+        settings = RunConfig(run_id="r", workdir=str(tmp_path), lake={"root": str(tmp_path / "lake")}, rollout=rollout)
+        return runs.pipeline_config(settings, tmp_path / "sft").cancel_stale
+
+    assert cancels() is True
+    assert cancels(cancel_stale=False) is False
+
+
 def test_the_trainer_takes_every_cpu_only_when_nothing_generates_during_its_update(tmp_path, monkeypatch):
     monkeypatch.setattr(runs.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     sync = {"synchronous": True, "max_staleness": 0}

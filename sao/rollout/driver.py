@@ -25,6 +25,12 @@ flight and the gate lets nothing start (a synchronous batch is complete, or the 
 ``max_staleness`` versions behind), the driver flushes the issue log and the sink at once: the trainer
 is waiting for exactly those rows.
 
+A rollout still in flight when the trainer is more than ``max_staleness`` versions past the version
+seen at its launch can never be trained on: with ``cancel_stale`` (the default) the driver cancels it
+then, and its slot and gate place open at once instead of when a long tool call returns. It ends in a
+``cancelled`` record with no tokens, which the trainer passes over (``sao bench speed`` measures what it
+buys under heavy-tailed tool latency).
+
 Stopping: ``stop`` ends launching; the rollouts in flight then finish and are handed to the sink. With
 ``cancel`` as well (a Ctrl-C of the run, after its grace period), every rollout still in flight is
 cancelled on its replica and recorded as a ``cancelled`` trajectory with no tokens, so the run stops
@@ -91,6 +97,13 @@ class DriverConfig:
         synchronous: each rollout asks its replica to start only once it runs the trainer's version at
             launch (``min_version``), so with ``max_staleness = 0`` every batch is sampled by the policy
             the trainer holds (synchronous RL: rollouts wait for the update, the update for the batch).
+        cancel_stale: cancel a rollout still in flight once the trainer is more than ``max_staleness``
+            versions past the version the driver had seen at its launch: the trainer would pass it over,
+            so its slot and its place in the gate open at once rather than when its last tool call
+            returns (a ``cancelled`` record, as after a Ctrl-C). A replica runs no version newer than
+            the newest published, which is what the driver looks at, so the rollout's oldest version is
+            at most the one seen at its launch, except when a new version reaches its replica between
+            the driver's look and the rollout's first token: then it is cancelled one version early. False: it runs to its end and the trainer passes it over.
     """
 
     max_in_flight: int = 64
@@ -102,6 +115,7 @@ class DriverConfig:
     version_poll_s: float = 0.05
     synchronous: bool = False
     fail_after_errors: int = 32
+    cancel_stale: bool = True
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -123,6 +137,7 @@ class DriverStats:
     wall_s: float = 0.0
     slot_busy_s: float = 0.0  # sum over trajectories of their generation wall time
     released: int = 0  # never to be trained on (too stale, or no actions): the gate's places freed
+    cancelled_stale: int = 0  # cancelled in flight, too stale to be trained on (``cancel_stale``)
     first_error: str | None = None  # the text of the first ``error`` record
 
     def slot_utilisation(self, max_in_flight: int) -> float:
@@ -138,12 +153,14 @@ class _Launch(NamedTuple):
 
 
 class _InFlight(NamedTuple):
-    """A rollout that runs: what it was launched as and when it began (``time.monotonic``)."""
+    """A rollout that runs: what it was launched as, when it began (``time.monotonic``), and the trainer's
+    version the driver had seen at its launch (None without a gate)."""
 
     task: Task
     attempt: int
     began: float
     trajectory_id: str
+    version: int | None = None
 
 
 @dataclasses.dataclass
@@ -157,6 +174,7 @@ class _RunState:
     index: int = 0  # launches so far in this run: the offset of the next seed
     pending_sink: list[asyncio.Future] = dataclasses.field(default_factory=list)  # calls on the sink's thread
     idle_flushed: bool = False  # the sink was flushed since the last rollout was in flight
+    stale: set[asyncio.Future] = dataclasses.field(default_factory=set)  # cancelled: never to be trained on
 
     def next_launch(self) -> _Launch | None:
         """A waiting retry, else the source's next task as a first attempt; None when both have run out."""
@@ -238,6 +256,8 @@ class RolloutDriver:
             stopping = (stop is not None and stop.is_set()) or (limit is not None and self.stats.launched >= limit)
             if not stopping and (state.retry or not state.exhausted):
                 await self._launch(state, limit)
+            if self.config.cancel_stale:
+                self._cancel_stale(state)
             if not state.running:
                 if (state.exhausted and not state.retry) or stopping:
                     break
@@ -269,21 +289,22 @@ class RolloutDriver:
             if launch is None:
                 state.exhausted = True
                 break
-            issued.append(self._start(state, launch, min_version))
+            issued.append(self._start(state, launch, version, min_version))
             free -= 1
         if issued and self.issue_log is not None:  # same thread as the records: logged first
             state.pending_sink.append(self._on_sink_thread(self.issue_log.add_many, issued))
 
-    def _start(self, state: _RunState, launch: _Launch, min_version: int | None) -> IssuedRollout:
+    def _start(self, state: _RunState, launch: _Launch, version: int | None,
+               min_version: int | None) -> IssuedRollout:
         """Start one rollout under a new trajectory id and the run's next seed (in launch order), take
-        its place in the gate, and return its issue-log row."""
+        its place in the gate (at the trainer's ``version``), and return its issue-log row."""
         task = launch.task
         trajectory_id = uuid.uuid4().hex
         seed = self.config.seed * 1_000_003 + state.index
         state.index += 1
         issued = IssuedRollout(self.run_id, trajectory_id, task.task_id, task.env, launch.attempt, launch.retry_of)
         future = asyncio.ensure_future(self._call(task, trajectory_id, seed, min_version))
-        state.running[future] = _InFlight(task, launch.attempt, time.monotonic(), trajectory_id)
+        state.running[future] = _InFlight(task, launch.attempt, time.monotonic(), trajectory_id, version)
         self.stats.launched += 1
         if self.gate is not None:
             self.gate.start()
@@ -304,9 +325,14 @@ class RolloutDriver:
         for future in done:
             flight = state.running.pop(future)
             self.stats.slot_busy_s += time.monotonic() - flight.began
+            stale = future in state.stale
+            state.stale.discard(future)
             if future.cancelled():
-                parts, failed = [failed_record(flight.task, self.run_id, flight.trajectory_id, "the run was stopped "
-                                               "(Ctrl-C) while it was in flight", reason="cancelled")], False
+                why = (f"the trainer reached version {self._version_seen} while it was in flight, more than "
+                       f"max_staleness past version {flight.version} at its launch: never to be trained on"
+                       if stale else "the run was stopped (Ctrl-C) while it was in flight")
+                parts, failed = [failed_record(flight.task, self.run_id, flight.trajectory_id, why,
+                                               reason="cancelled")], False
             else:
                 parts, failed = future.result()
             records += parts
@@ -359,6 +385,19 @@ class RolloutDriver:
     def _on_sink_thread(self, fn: Callable, *args) -> asyncio.Future:
         """``fn(*args)`` on the sink's one thread, in submission order."""
         return asyncio.get_running_loop().run_in_executor(self._sink_thread, fn, *args)
+
+    def _cancel_stale(self, state: _RunState) -> None:
+        """Cancel the rollouts in flight that the trainer's version seen last has left more than
+        ``max_staleness`` behind (``DriverConfig.cancel_stale``); each ends in a ``cancelled`` record,
+        collected as it ends, and gives its place back as the trainer passes that record over."""
+        if self.gate is None or self._version_seen is None or self.config.synchronous:
+            return
+        oldest = self._version_seen - self.gate.max_staleness
+        for future, flight in state.running.items():
+            if flight.version is not None and flight.version < oldest and future not in state.stale:
+                if future.cancel():  # False: it has just ended, and its record is collected as it is
+                    state.stale.add(future)
+                    self.stats.cancelled_stale += 1
 
     @staticmethod
     async def _cancel_all(running: dict[asyncio.Future, _InFlight]) -> set[asyncio.Future]:

@@ -8,9 +8,11 @@ AReaL's staleness manager). Generation never runs further ahead than the trainer
 ``max_staleness = 0`` it degenerates to synchronous batches.
 
 A trajectory that will never be trained on does not hold its place: one the trainer passed over (it
-was more than ``max_staleness`` versions behind when the trainer reached it, a long-tail rollout, or it
-has no action token, an error) is :meth:`released <StalenessGate.release>` (AReaL's manager likewise
-counts only accepted and running rollouts). Without this, every such trajectory would shrink the
+was more than ``max_staleness`` versions behind when the trainer reached it, a long-tail rollout; it
+has no action token, an error; or the driver cancelled it in flight once it could no longer be trained
+on, :class:`~sao.rollout.driver.DriverConfig` ``cancel_stale``) is
+:meth:`released <StalenessGate.release>` (AReaL's manager likewise counts only accepted and running
+rollouts). Without this, every such trajectory would shrink the
 window for good, and under heavy-tailed rollout times the number in flight would fall step after step.
 """
 

@@ -115,10 +115,12 @@ class HeldApp:
         self.release = asyncio.Event()
         self.active = 0
 
-        async def rollout(task, run_id, trajectory_id, seed):
+        async def rollout(task, run_id, trajectory_id, seed, min_version=None):
             self.active += 1
-            await self.release.wait()
-            self.active -= 1
+            try:
+                await self.release.wait()
+            finally:
+                self.active -= 1
             return [record(task, run_id, trajectory_id)]
 
         self.rollout = Method(rollout)
@@ -155,6 +157,72 @@ def test_the_gate_opens_places_beside_the_rollouts_still_running(max_in_flight, 
     assert first == 8
     assert beside == running
     assert stats.finished == 12
+
+
+@pytest.mark.parametrize("cancel_stale", [True, False])
+def test_rollouts_too_stale_to_train_on_are_cancelled_in_flight(cancel_stale):
+    # Window (0 + 1 + 1) * 4 = 8 at version 0. At version 2 the 8 rollouts of version 0 are 2 > 1 versions
+    # behind: cancelled, each a `cancelled` record with no tokens that gives its place back; then 4 more
+    # start at version 2 (the limit of 12) and finish. Without cancel_stale they run on.
+    app, sink = HeldApp(), ListSink()
+    version = {"v": 0}
+
+    async def trainer_version():
+        return version["v"]
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=1,
+                                                        version_poll_s=0.01, cancel_stale=cancel_stale),
+                           trainer_version=trainer_version)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=12))
+        await asyncio.sleep(0.2)
+        version["v"] = 2
+        await asyncio.sleep(0.2)
+        active = app.active
+        app.release.set()
+        stats = await asyncio.wait_for(job, timeout=10)
+        return active, stats
+
+    active, stats = asyncio.run(run())
+    cancelled = [r for r in sink.records if r.termination_reason == "cancelled"]
+    if cancel_stale:
+        assert active == 4  # the 4 started at version 2; the 8 of version 0 were cancelled
+        assert stats.cancelled_stale == 8 and len(cancelled) == 8
+        assert stats.released == 12  # and the stand-in's 4 records say version 0: too stale at 2 as well
+        assert all(len(r.completion_ids) == 0 and r.min_policy_version is None for r in cancelled)
+        assert len(sink.records) == 12 and len({r.trajectory_id for r in sink.records}) == 12
+    else:
+        assert active == 12  # the gate opened 4 places at version 2: (2 + 1 + 1) * 4 - 12 started
+        assert stats.cancelled_stale == 0 and not cancelled
+    assert stats.finished == 12
+
+
+def test_a_synchronous_driver_cancels_nothing():
+    # A synchronous batch's rollouts run at the trainer's version; the trainer does not move while they
+    # run, and a driver that saw a jump would still leave them be.
+    app, sink = HeldApp(), ListSink()
+    version = {"v": 0}
+
+    async def trainer_version():
+        return version["v"]
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0,
+                                                        version_poll_s=0.01, synchronous=True),
+                           trainer_version=trainer_version)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=4))
+        await asyncio.sleep(0.2)
+        version["v"] = 3
+        await asyncio.sleep(0.2)
+        active = app.active
+        app.release.set()
+        return active, await asyncio.wait_for(job, timeout=10)
+
+    active, stats = asyncio.run(run())
+    assert active == 4 and stats.cancelled_stale == 0
+    assert [r.termination_reason for r in sink.records] == ["stop"] * 4
 
 
 class ListIssueLog:
