@@ -126,36 +126,44 @@ class HeldApp:
         self.rollout = Method(rollout)
 
 
-@pytest.mark.parametrize(("max_in_flight", "running"), [(16, 12), (10, 10)])
-def test_the_gate_opens_places_beside_the_rollouts_still_running(max_in_flight, running):
-    # Window (0 + 1 + 1) * 4 = 8 at version 0. At version 1 the gate has (1 + 1 + 1) * 4 - 8 = 4 places
-    # more while the first 8 still run: they start at once, as far as the slots allow (16 slots: all 4,
-    # 12 running; 10 slots: 2 of them). The gate's places already count the running rollouts; taking
-    # those off again would start nothing until 4 of the 8 had finished.
+def held_run(config, limit, versions):
+    """Drive ``limit`` held rollouts: at each of ``versions`` in turn (after 0.2 s each) the trainer's
+    version moves there and the rollouts running are counted; then they are released. Returns the
+    counts (the first at version 0), the driver's stats and the records."""
     app, sink = HeldApp(), ListSink()
     version = {"v": 0}
 
     async def trainer_version():
         return version["v"]
 
-    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=max_in_flight, batch_size=4, max_staleness=1,
-                                                        version_poll_s=0.01), trainer_version=trainer_version)
+    driver = RolloutDriver(app, sink, "r", config, trainer_version=trainer_version)
 
     async def run():
-        job = asyncio.ensure_future(driver.run(TASKS, limit=12))
+        job = asyncio.ensure_future(driver.run(TASKS, limit=limit))
+        counts = []
+        for moved in versions:
+            await asyncio.sleep(0.2)
+            counts.append(app.active)
+            version["v"] = moved
         await asyncio.sleep(0.2)
-        first = app.active
-        version["v"] = 1
-        await asyncio.sleep(0.2)
-        beside = app.active
+        counts.append(app.active)
         app.release.set()
-        version["v"] = 3
-        stats = await asyncio.wait_for(job, timeout=10)
-        return first, beside, stats
+        return counts, await asyncio.wait_for(job, timeout=10)
 
-    first, beside, stats = asyncio.run(run())
-    assert first == 8
-    assert beside == running
+    counts, stats = asyncio.run(run())
+    return counts, stats, sink.records
+
+
+@pytest.mark.parametrize(("max_in_flight", "running"), [(16, 12), (10, 10)])
+def test_the_gate_opens_places_beside_the_rollouts_still_running(max_in_flight, running):
+    # Window (0 + 1 + 1) * 4 = 8 at version 0. At version 1 the gate has (1 + 1 + 1) * 4 - 8 = 4 places
+    # more while the first 8 still run: they start at once, as far as the slots allow (16 slots: all 4,
+    # 12 running; 10 slots: 2 of them). The gate's places already count the running rollouts; taking
+    # those off again would start nothing until 4 of the 8 had finished.
+    config = DriverConfig(max_in_flight=max_in_flight, batch_size=4, max_staleness=1, version_poll_s=0.01,
+                          cancel_stale=False)
+    counts, stats, _ = held_run(config, 12, [1])
+    assert counts == [8, running]
     assert stats.finished == 12
 
 
@@ -164,34 +172,17 @@ def test_rollouts_too_stale_to_train_on_are_cancelled_in_flight(cancel_stale):
     # Window (0 + 1 + 1) * 4 = 8 at version 0. At version 2 the 8 rollouts of version 0 are 2 > 1 versions
     # behind: cancelled, each a `cancelled` record with no tokens that gives its place back; then 4 more
     # start at version 2 (the limit of 12) and finish. Without cancel_stale they run on.
-    app, sink = HeldApp(), ListSink()
-    version = {"v": 0}
-
-    async def trainer_version():
-        return version["v"]
-
-    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=1,
-                                                        version_poll_s=0.01, cancel_stale=cancel_stale),
-                           trainer_version=trainer_version)
-
-    async def run():
-        job = asyncio.ensure_future(driver.run(TASKS, limit=12))
-        await asyncio.sleep(0.2)
-        version["v"] = 2
-        await asyncio.sleep(0.2)
-        active = app.active
-        app.release.set()
-        stats = await asyncio.wait_for(job, timeout=10)
-        return active, stats
-
-    active, stats = asyncio.run(run())
-    cancelled = [r for r in sink.records if r.termination_reason == "cancelled"]
+    config = DriverConfig(max_in_flight=16, batch_size=4, max_staleness=1, version_poll_s=0.01,
+                          cancel_stale=cancel_stale)
+    (first, active), stats, records = held_run(config, 12, [2])
+    cancelled = [r for r in records if r.termination_reason == "cancelled"]
+    assert first == 8
     if cancel_stale:
         assert active == 4  # the 4 started at version 2; the 8 of version 0 were cancelled
         assert stats.cancelled_stale == 8 and len(cancelled) == 8
         assert stats.released == 12  # and the stand-in's 4 records say version 0: too stale at 2 as well
         assert all(len(r.completion_ids) == 0 and r.min_policy_version is None for r in cancelled)
-        assert len(sink.records) == 12 and len({r.trajectory_id for r in sink.records}) == 12
+        assert len(records) == 12 and len({r.trajectory_id for r in records}) == 12
     else:
         assert active == 12  # the gate opened 4 places at version 2: (2 + 1 + 1) * 4 - 12 started
         assert stats.cancelled_stale == 0 and not cancelled
@@ -201,28 +192,10 @@ def test_rollouts_too_stale_to_train_on_are_cancelled_in_flight(cancel_stale):
 def test_a_synchronous_driver_cancels_nothing():
     # A synchronous batch's rollouts run at the trainer's version; the trainer does not move while they
     # run, and a driver that saw a jump would still leave them be.
-    app, sink = HeldApp(), ListSink()
-    version = {"v": 0}
-
-    async def trainer_version():
-        return version["v"]
-
-    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0,
-                                                        version_poll_s=0.01, synchronous=True),
-                           trainer_version=trainer_version)
-
-    async def run():
-        job = asyncio.ensure_future(driver.run(TASKS, limit=4))
-        await asyncio.sleep(0.2)
-        version["v"] = 3
-        await asyncio.sleep(0.2)
-        active = app.active
-        app.release.set()
-        return active, await asyncio.wait_for(job, timeout=10)
-
-    active, stats = asyncio.run(run())
-    assert active == 4 and stats.cancelled_stale == 0
-    assert [r.termination_reason for r in sink.records] == ["stop"] * 4
+    config = DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0, version_poll_s=0.01, synchronous=True)
+    counts, stats, records = held_run(config, 4, [3])
+    assert counts == [4, 4] and stats.cancelled_stale == 0
+    assert [r.termination_reason for r in records] == ["stop"] * 4
 
 
 class ListIssueLog:
