@@ -103,7 +103,8 @@ class DriverConfig:
             returns (a ``cancelled`` record, as after a Ctrl-C). A replica runs no version newer than
             the newest published, which is what the driver looks at, so the rollout's oldest version is
             at most the one seen at its launch, except when a new version reaches its replica between
-            the driver's look and the rollout's first token: then it is cancelled one version early. False: it runs to its end and the trainer passes it over.
+            the driver's look and the rollout's first token: then it is cancelled one version early.
+            False: it runs to its end and the trainer passes it over.
     """
 
     max_in_flight: int = 64
