@@ -70,7 +70,8 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 """The laptop demo's config (``sao demo``, ``make demo``), in the source checkout."""
 
 RESUME_SAFE = ("train.steps", "eval.tasks", "eval.seed", "ray.address", "ray.num_cpus", "rollout.num_replicas",
-               "rollout.resources", "rollout.max_in_flight", "rollout.cancel_stale", "rollout.gpus", "rollout.engine", "rollout.python",
+               "rollout.resources", "rollout.max_in_flight", "rollout.cancel_stale", "rollout.gpus",
+               "rollout.engine", "rollout.python",
                *(f"rollout.vllm.{key}" for key in ("max_num_seqs", "gpu_memory_utilization", "kv_cache_memory_bytes",
                                                    "enforce_eager", "startup_timeout_s")),
                "train.workers", "train.resources", "train.device", "train.gpus_per_worker")

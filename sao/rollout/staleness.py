@@ -12,8 +12,8 @@ was more than ``max_staleness`` versions behind when the trainer reached it, a l
 has no action token, an error; or the driver cancelled it in flight once it could no longer be trained
 on, :class:`~sao.rollout.driver.DriverConfig` ``cancel_stale``) is
 :meth:`released <StalenessGate.release>` (AReaL's manager likewise counts only accepted and running
-rollouts). Without this, every such trajectory would shrink the
-window for good, and under heavy-tailed rollout times the number in flight would fall step after step.
+rollouts). Without this, every such trajectory would shrink the window for good, and under
+heavy-tailed rollout times the number in flight would fall step after step.
 """
 
 from __future__ import annotations
