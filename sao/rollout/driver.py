@@ -257,8 +257,7 @@ class RolloutDriver:
             stopping = (stop is not None and stop.is_set()) or (limit is not None and self.stats.launched >= limit)
             if not stopping and (state.retry or not state.exhausted):
                 await self._launch(state, limit)
-            if self.config.cancel_stale:
-                self._cancel_stale(state)
+            self._cancel_stale(state)
             if not state.running:
                 if (state.exhausted and not state.retry) or stopping:
                     break
@@ -391,7 +390,8 @@ class RolloutDriver:
         """Cancel the rollouts in flight that the trainer's version seen last has left more than
         ``max_staleness`` behind (``DriverConfig.cancel_stale``); each ends in a ``cancelled`` record,
         collected as it ends, and gives its place back as the trainer passes that record over."""
-        if self.gate is None or self._version_seen is None or self.config.synchronous:
+        cfg = self.config
+        if not cfg.cancel_stale or cfg.synchronous or self.gate is None or self._version_seen is None:
             return
         oldest = self._version_seen - self.gate.max_staleness
         for future, flight in state.running.items():
