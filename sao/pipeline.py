@@ -37,6 +37,7 @@ from sao import interrupt
 from sao.envs.base import Task
 from sao.lake.config import WriterConfig
 from sao.lake.issued import IssuedRollout, IssueLog, close_out_unresolved
+from sao.lake.ledger import unconsumed_count
 from sao.lake.store import Lake, sql_literal
 from sao.lake.writer import TrajectoryWriter
 from sao.progress import Progress
@@ -233,6 +234,10 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     done_before = last_committed_step(lake, train.run_id)
     issuer_id = f"{train.run_id}-driver"
     relaunch = _relaunches(lake, train.run_id, issuer_id, tasks)
+    backlog = unconsumed_count(lake, train.run_id)  # a resumed run's rows beyond its last step
+    if backlog:
+        log.info("run %s: %d stored trajectories wait for the trainer (consumed next, or passed over); they hold "
+                 "places in the staleness gate", train.run_id, backlog)
     rollout = RolloutConfig(
         policy_path=_current_policy_path(train, version), app_name=cfg.app_name, initial_version=version,
         num_replicas=cfg.num_replicas, cpus_per_replica=cfg.cpus_per_replica,
@@ -276,8 +281,8 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         DriverConfig(max_in_flight=cfg.max_in_flight, batch_size=train.batch_size,
                      max_staleness=train.max_staleness, seed=cfg.seed + version, synchronous=cfg.synchronous,
                      cancel_stale=cfg.cancel_stale),
-        trainer_version=trainer_version, initial_version=version, on_record=on_record, issue_log=issue_log,
-        trainer_skipped=trainer_skipped, trainer_newer=trainer_newer,
+        trainer_version=trainer_version, initial_version=version, backlog=backlog, on_record=on_record,
+        issue_log=issue_log, trainer_skipped=trainer_skipped, trainer_newer=trainer_newer,
     )
     stop_rollouts = threading.Event()
     driver_result: dict[str, object] = {}

@@ -23,7 +23,7 @@ from sao.lake.commit import CommitResult, append_exactly
 from sao.lake.config import CommitConfig
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.store import Lake, LakeError, ingest_seq_predicate, is_valid_run_id, sql_literal
-from schemas import policy_versions, train_steps
+from schemas import policy_versions, train_steps, trajectories
 
 __all__ = [
     "ConsumptionError",
@@ -137,6 +137,14 @@ def consumed_ids(lake: Lake, run_id: str, *, table: DeltaTable | None = None) ->
         delta, train_steps.NAME, columns=["trajectory_ids"], predicate=_run_predicate(run_id)
     )
     return _flatten_ids(steps["trajectory_ids"])
+
+
+def unconsumed_count(lake: Lake, run_id: str) -> int:
+    """Rows of ``run_id`` in ``trajectories`` that no recorded step consumed: what a resumed run's
+    trainer consumes next or passes over (too stale, no action token, a reason it skips)."""
+    stored = lake.read(trajectories.NAME, columns=["trajectory_id"], predicate=_run_predicate(run_id))
+    taken = pc.is_in(stored["trajectory_id"], value_set=consumed_ids(lake, run_id))
+    return stored.num_rows - (pc.sum(taken).as_py() or 0)
 
 
 def _flatten_ids(lists: pa.ChunkedArray) -> pa.Array:

@@ -195,6 +195,10 @@ class RolloutDriver:
         config: driver settings.
         trainer_version: async callable returning the trainer's current policy version.
         initial_version: the version the run starts (or resumes) at.
+        backlog: trajectories of the run already stored that the trainer has yet to consume or pass over
+            (a resumed run's rows beyond its last step). They hold places in the gate from the start, as
+            any trajectory does until consumed or reported passed over; uncounted, the resumed run's
+            rows would queue that many deep for good, and age past ``max_staleness`` in the queue.
         on_record: optional callback per finished record (progress bars, counters).
         issue_log: optional record of every launch (the lake's ``rollout_tasks``).
         trainer_skipped: async callable returning how many trajectories the trainer has passed over
@@ -207,7 +211,7 @@ class RolloutDriver:
 
     def __init__(self, rollout, sink: TrajectorySink, run_id: str, config: DriverConfig | None = None,
                  trainer_version: Callable[[], Awaitable[int]] | None = None, initial_version: int = 0,
-                 on_record: Callable[[TrajectoryRecord], None] | None = None,
+                 backlog: int = 0, on_record: Callable[[TrajectoryRecord], None] | None = None,
                  issue_log: IssueSink | None = None,
                  trainer_skipped: Callable[[], Awaitable[int]] | None = None,
                  trainer_newer: Callable[[int, float], Awaitable[object]] | None = None) -> None:
@@ -223,7 +227,7 @@ class RolloutDriver:
         self._version_seen: int | None = None  # the trainer's version at the last look
         self._skipped_seen = 0
         cfg = self.config
-        self.gate = (StalenessGate(cfg.batch_size, cfg.max_staleness, initial_version)
+        self.gate = (StalenessGate(cfg.batch_size, cfg.max_staleness, initial_version, started=backlog)
                      if cfg.max_staleness is not None and trainer_version is not None else None)
         self.stats = DriverStats()
         self._sink_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sink")

@@ -31,7 +31,8 @@ class StalenessGate:
         batch_size: trajectories the trainer consumes per policy version.
         max_staleness: versions a trajectory may lag when it is consumed.
         initial_version: the version counting starts from (a resumed run starts at its version).
-        started: trajectories started so far that were or may still be consumed.
+        started: trajectories started so far that were or may still be consumed (a resumed run starts
+            with the rows it stored that its trainer has yet to consume or pass over).
     """
 
     batch_size: int

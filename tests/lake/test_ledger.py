@@ -14,6 +14,7 @@ from sao.lake.ledger import (
     protected_versions,
     record_train_step,
     register_policy_version,
+    unconsumed_count,
 )
 from sao.lake.maintenance import compact_ledger
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
@@ -82,6 +83,14 @@ def test_a_trajectory_is_consumed_at_most_once(lake):
         record_train_step(lake, _step(-1, ids[5:], version))
     assert sorted(consumed_ids(lake, RUN).to_pylist()) == sorted(ids[:5])
     assert protected_versions(lake) == [version]
+
+
+def test_the_rows_no_step_consumed_are_counted_per_run(lake):
+    ids = _stored_ids(lake)
+    assert unconsumed_count(lake, RUN) == 6
+    assert unconsumed_count(lake, "other-run") == 0
+    record_train_step(lake, _step(0, ids[:4], lake.version("trajectories")))
+    assert unconsumed_count(lake, RUN) == 2
 
 
 def test_a_step_must_read_ids_present_in_its_snapshot(local_lake):

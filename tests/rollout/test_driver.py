@@ -416,6 +416,39 @@ def test_what_the_trainer_passed_over_gives_its_places_back():
     assert stats.launched == 7 and stats.released == 3
 
 
+def test_a_resumed_runs_stored_backlog_holds_places_in_the_gate():
+    # A run resumed at version 5 finds 3 stored rows its trainer has yet to consume or pass over: of the
+    # gate's (0 + 1 + 1) * 4 = 8 places, 5 are left for new rollouts. When the trainer reports that it
+    # passed over those 3 (too stale), their places open: 8 new in all. Uncounted, the backlog would
+    # have let 11 start, 3 more than the trainer can consume within max_staleness.
+    app, sink = FakeApp(), ListSink()
+    skipped = {"n": 0}
+
+    async def trainer_version():
+        return 5
+
+    async def trainer_skipped():
+        return skipped["n"]
+
+    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=1,
+                                                        version_poll_s=0.01),
+                           trainer_version=trainer_version, initial_version=5, backlog=3,
+                           trainer_skipped=trainer_skipped)
+
+    async def run():
+        job = asyncio.ensure_future(driver.run(TASKS, limit=20))
+        await asyncio.sleep(0.2)
+        before = driver.stats.launched
+        skipped["n"] = 3
+        await asyncio.sleep(0.2)
+        job.cancel()
+        return before, driver.stats
+
+    before, stats = asyncio.run(run())
+    assert before == 5
+    assert stats.launched == 8 and stats.released == 3
+
+
 def test_cancel_ends_every_rollout_in_flight_as_a_cancelled_record():
     """After a Ctrl-C's grace period the driver cancels what is still running: each launch still ends
     in exactly one record, and the replica's coroutine is cancelled (it never returns a record)."""
