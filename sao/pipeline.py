@@ -267,10 +267,11 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
         return await broker.wait_version.remote(seen, timeout_s)
 
     issue_log = IssueLog(lake, cfg.writer_config(), issuer_id=issuer_id)
-    # No record is committed before its launch: the issue log is flushed before each trajectory commit.
+    # No record is committed before its launch: a trajectory commit first commits the launches of its
+    # records that the issue log still holds (most were committed as the rollouts ran).
     # Each commit is announced at the broker, where a trainer waiting for its batch is told at once.
-    writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush,
-                              after_commit=broker.rows_committed.remote)
+    writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id,
+                              before_flush=issue_log.flush_for, after_commit=broker.rows_committed.remote)
     # And the rows a waiting trainer still needs are committed the moment the writer holds them.
     stop_demand = threading.Event()
     demand = threading.Thread(
@@ -401,7 +402,7 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
                             resources_per_replica=cfg.resources_per_replica, python=cfg.rollout_python)
     handle = start_rollout_app(rollout)
     issue_log = IssueLog(lake, cfg.writer_config(), issuer_id=issuer_id)
-    writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush)
+    writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush_for)
     driver = RolloutDriver(handle, writer, run_id, DriverConfig(max_in_flight=cfg.max_in_flight, seed=cfg.seed),
                            on_record=_shown_every(10.0, Progress("value pretraining:", count, "version-0 rollouts",
                                                                  start=stored), stored, on_record,

@@ -301,6 +301,19 @@ def test_issue_log_batches_and_flushes(tmp_path):
     assert [r["retry_of"] for r in rows] == [None, None, "t0"] and rows[0]["issued_at"] == stamp
 
 
+def test_issue_log_commits_before_a_record_only_the_launches_it_still_holds(tmp_path):
+    """A trajectory commit asks for its records' launches: the buffer is committed if it holds one of
+    them (or the ids are unknown), and otherwise left to its own flush."""
+    lake = Lake.open(LakeConfig(root=str(tmp_path / "lake")))
+    log = IssueLog(lake, WriterConfig(flush_rows=10, flush_seconds=60, background_flush=False))
+    log.add_many(IssuedRollout(RUN, f"t{i}", "task", "env") for i in range(2))
+    assert log.flush_for({"elsewhere"}) == 0 and log.buffered == 2
+    assert log.flush_for({"t1", "elsewhere"}) == 2 and lake.read("rollout_tasks").num_rows == 2
+    log.add_many([IssuedRollout(RUN, "t2", "task", "env")])
+    assert log.flush_for(None) == 1 and log.flush_for(None) == 0
+    assert lake.read("rollout_tasks").num_rows == 3
+
+
 def test_the_parts_of_a_split_episode_are_accounted_for_under_its_issued_id(tmp_path):
     """An agent that rewrote its history: one issued rollout, stored as parts 0 and 1 (``<id>.1``); the
     report counts the split, finds nothing; a later part whose first part is missing is a finding."""

@@ -20,7 +20,7 @@ import datetime as dt
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import pyarrow as pa
 
@@ -97,6 +97,17 @@ class IssueLog:
             return self._flush_locked()
 
     close = flush
+
+    def flush_for(self, trajectory_ids: Collection[str] | None) -> int:
+        """Append everything buffered if it holds the launch of any of ``trajectory_ids`` (records about
+        to be committed; None: unknown ids, so flush), else nothing: no record is committed before its
+        launch, and launches long since buffered stay off the records' commit (the buffer's own flush,
+        at ``flush_rows`` or ``flush_seconds``, commits them). Returns the rows appended."""
+        with self._lock:
+            if trajectory_ids is not None and not any(item.trajectory_id in trajectory_ids
+                                                      for item in self._buffer):
+                return 0
+            return self._flush_locked()
 
     @property
     def buffered(self) -> int:

@@ -143,11 +143,14 @@ class TrajectoryWriter:
         config: WriterConfig | None = None,
         *,
         writer_id: str | None = None,
-        before_flush: Callable[[], object] | None = None,
+        before_flush: Callable[[frozenset[str] | None], object] | None = None,
         after_commit: Callable[[], object] | None = None,
     ) -> None:
-        """``before_flush`` runs (under the writer's lock) before each flush that has records: the
-        pipeline flushes its issue log there, so no record is committed before its launch is.
+        """``before_flush(ids)`` runs (under the writer's lock) before each flush that has records, with
+        the ids the flush's records were launched under (each one's ``trajectory_id`` and
+        ``episode_id``; None when a delivery names none, as bad input may): the pipeline commits the
+        launches among them its issue log still holds there, so no record is committed before its
+        launch is (:meth:`sao.lake.issued.IssueLog.flush_for`).
         ``after_commit`` runs after each commit that wrote rows: the pipeline tells the trainer there
         (:meth:`sao.rollout.weights.WeightBroker.rows_committed`); a failure of it is logged, the rows
         stay committed."""
@@ -286,7 +289,7 @@ class TrajectoryWriter:
         if not batch:
             return FlushReport(0, 0, 0, 0, None, 0, 0.0)
         if self.before_flush is not None:
-            self.before_flush()
+            self.before_flush(_launch_ids(batch))
         records, rejected = self._to_records(batch)
         table, kept, unconvertible = self._to_arrow(records)
         rejected += unconvertible
@@ -516,6 +519,25 @@ class TrajectoryWriter:
             state = self._runs[run_ids[index]]
             state.ids.add(ids[index])
             state.max_seq += 1
+
+
+def _launch_ids(batch: list[_Delivery]) -> frozenset[str] | None:
+    """The ids ``batch``'s records were launched under: each ``trajectory_id``, and the ``episode_id``
+    of a part of a split episode (its first part keeps the launched id); None if a delivery has no
+    string ``trajectory_id``."""
+    ids: set[str] = set()
+    for delivery in batch:
+        payload = delivery.payload
+        if isinstance(payload, TrajectoryRecord):
+            found = (payload.trajectory_id, payload.episode_id)
+        elif isinstance(payload, Mapping):
+            found = (payload.get("trajectory_id"), payload.get("episode_id"))
+        else:
+            return None
+        if not isinstance(found[0], str):
+            return None
+        ids.update(i for i in found if isinstance(i, str))
+    return frozenset(ids)
 
 
 def _first_occurrences(run_ids: pa.ChunkedArray, ids: pa.ChunkedArray) -> np.ndarray:

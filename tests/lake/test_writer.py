@@ -243,18 +243,31 @@ def test_a_background_flush_error_is_raised_by_the_next_call(local_lake, monkeyp
     assert_exactly_once(local_lake, {record.trajectory_id})
 
 
-def test_before_flush_runs_before_each_commit_that_has_records(local_lake):
-    """The pipeline flushes its issue log here: no record may be committed before its launch is."""
+def test_before_flush_runs_before_each_commit_that_has_records_with_their_launched_ids(local_lake):
+    """The pipeline commits the launches its issue log holds of these ids here: no record may be
+    committed before its launch is."""
     seen = []
     writer = TrajectoryWriter(local_lake, WriterConfig(flush_rows=4, background_flush=False),
-                              before_flush=lambda: seen.append(local_lake.version("trajectories")))
+                              before_flush=lambda ids: seen.append((local_lake.version("trajectories"), ids)))
     start = local_lake.version("trajectories")
-    writer.add_many(make_trajectories(9, seed=5, run_id=RUN))  # two full batches flush at once
-    writer.flush()  # the ninth record
+    records = make_trajectories(9, seed=5, run_id=RUN)
+    records[8] = dataclasses.replace(records[8], trajectory_id="ep.1", episode_id="ep", episode_part=1)
+    writer.add_many(records)  # two full batches flush at once
+    writer.flush()  # the ninth record, a later part of a split episode: launched as its episode
     writer.flush()  # nothing buffered: no call
     writer.close()
-    assert seen == [start, start + 1, start + 2]
+    ids = [r.trajectory_id for r in records]
+    assert seen == [(start, frozenset(ids[:4])), (start + 1, frozenset(ids[4:8])), (start + 2, {"ep.1", "ep"})]
     assert local_lake.version("trajectories") == start + 3
+
+
+def test_a_delivery_without_an_id_makes_before_flush_flush_every_launch(local_lake):
+    seen = []
+    writer = TrajectoryWriter(local_lake, WriterConfig(flush_rows=4, background_flush=False),
+                              before_flush=seen.append)
+    writer.add_many([make_trajectories(1, seed=7, run_id=RUN)[0].to_row() | {"trajectory_id": None}])
+    writer.close()
+    assert seen == [None]
 
 
 def test_after_commit_runs_after_each_commit_that_wrote_rows_and_its_failure_loses_nothing(local_lake, caplog):
