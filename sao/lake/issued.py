@@ -4,6 +4,8 @@ The rollout driver hands one :class:`IssuedRollout` per launch to an :class:`Iss
 them into blind Delta appends (every row is a new event; nothing is read before writing). The driver
 calls it on the same single thread that feeds the trajectory writer, before it hands over any record of
 the rollouts, and flushes it before the writer's last flush, so a finished run's issue log is complete.
+Before each trajectory commit the writer has it commit the launches of that commit's records it still
+holds (:meth:`IssueLog.flush_for`): no record is stored before its launch.
 ``sao lake check`` (:mod:`sao.audit`) then accounts for every issued ``trajectory_id``.
 
 A driver process that dies (SIGKILL, out of memory, a node restart) leaves the rollouts it had in
