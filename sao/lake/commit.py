@@ -117,12 +117,21 @@ def append_exactly(
 
 
 def append_blind(
-    lake: Lake, name: str, rows: pa.Table, *, metadata: Mapping[str, Any] | None = None
+    lake: Lake,
+    name: str,
+    rows: pa.Table,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    table: DeltaTable | None = None,
 ) -> int:
     """Plain append (delta-rs rebases it over concurrent commits): for event logs such as
-    ``quarantine`` where every row is new by construction. Returns the committed version."""
+    ``quarantine`` where every row is new by construction. ``table``: a ``DeltaTable`` of ``name`` to
+    reuse, brought up to date first (:meth:`Lake.refresh`) instead of loading the table's log again.
+    Returns the committed version."""
     spec = table_spec(name)
-    delta = lake.table(name)
+    delta = table if table is not None else lake.table(name)
+    if table is not None:
+        lake.refresh(name, delta)
     write_deltalake(
         delta,
         rows,

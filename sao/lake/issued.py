@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Collection, Iterable
 
 import pyarrow as pa
+from deltalake import DeltaTable
 
 from sao.lake.commit import append_blind
 from sao.lake.config import WriterConfig
@@ -81,6 +82,7 @@ class IssueLog:
         self._buffer: list[IssuedRollout] = []
         self._oldest: float | None = None
         self._lock = threading.Lock()
+        self._table: DeltaTable | None = None  # rollout_tasks, kept loaded between appends
 
     def add_many(self, rollouts: Iterable[IssuedRollout]) -> None:
         """Buffer launched rollouts; flush if the batch is full or old."""
@@ -118,16 +120,21 @@ class IssueLog:
     def _flush_locked(self) -> int:
         if not self._buffer:
             return 0
-        rows = [
-            {
-                **dataclasses.asdict(item),
-                "issuer_id": self.issuer_id,
-                "schema_version": rollout_tasks.SCHEMA_VERSION,
-            }
-            for item in self._buffer
-        ]
-        table = pa.Table.from_pylist(rows, schema=rollout_tasks.SCHEMA)
-        append_blind(self.lake, rollout_tasks.NAME, table, metadata={"sao.writer_id": self.issuer_id})
+        rows = pa.Table.from_pylist(
+            [
+                {
+                    **dataclasses.asdict(item),
+                    "issuer_id": self.issuer_id,
+                    "schema_version": rollout_tasks.SCHEMA_VERSION,
+                }
+                for item in self._buffer
+            ],
+            schema=rollout_tasks.SCHEMA,
+        )
+        if self._table is None:
+            self._table = self.lake.table(rollout_tasks.NAME)
+        append_blind(self.lake, rollout_tasks.NAME, rows, metadata={"sao.writer_id": self.issuer_id},
+                     table=self._table)
         count = len(self._buffer)
         self.written += count
         self._buffer, self._oldest = [], None

@@ -117,7 +117,7 @@ class _RunState:
 
     ids: set[str] = field(default_factory=set)
     max_seq: int = 0
-    loaded: bool = False
+    version: int | None = None  # the snapshot the state is complete at (None: not read yet)
 
 
 @dataclass(frozen=True)
@@ -452,7 +452,7 @@ class TrajectoryWriter:
         )
         keep = outcome["keep"]
         if result.version is not None:
-            self._remember(valid, keep)
+            self._remember(valid, keep, result.version)
         return (
             result.rows,
             in_batch_duplicates + int((~keep).sum()),
@@ -498,10 +498,14 @@ class TrajectoryWriter:
         return rows.select(trajectories.SCHEMA.names).cast(trajectories.SCHEMA), keep
 
     def _catch_up(self, delta: DeltaTable, run_id: str) -> None:
-        """Add the ids and the max ``ingest_seq`` of rows of ``run_id`` committed since we last looked."""
+        """Add the ids and the max ``ingest_seq`` of rows of ``run_id`` committed since we last looked
+        (nothing to read when the snapshot is the one the state is complete at: no commit followed this
+        writer's own last one)."""
         state = self._runs.setdefault(run_id, _RunState())
+        if state.version == delta.version():
+            return
         predicate = f"run_id = {sql_literal(run_id)}"
-        if state.loaded:
+        if state.version is not None:
             predicate += f" AND ingest_seq > {state.max_seq}"
         new = self.lake.read_from(
             delta, trajectories.NAME, columns=["trajectory_id", "ingest_seq"], predicate=predicate
@@ -509,16 +513,21 @@ class TrajectoryWriter:
         if new.num_rows:
             state.ids.update(new["trajectory_id"].to_pylist())
             state.max_seq = max(state.max_seq, int(pc.max(new["ingest_seq"]).as_py()))
-        state.loaded = True
+        state.version = delta.version()
 
-    def _remember(self, valid: pa.Table, keep: np.ndarray) -> None:
-        """Record the rows just committed (numbered ``max_seq + 1, ...`` per run by the plan)."""
+    def _remember(self, valid: pa.Table, keep: np.ndarray, version: int) -> None:
+        """Record the rows just committed as ``version`` (numbered ``max_seq + 1, ...`` per run by the
+        plan): a run's state caught up on the snapshot right before is then complete at ``version``."""
         run_ids = valid["run_id"].to_pylist()
         ids = valid["trajectory_id"].to_pylist()
         for index in np.flatnonzero(keep).tolist():
             state = self._runs[run_ids[index]]
             state.ids.add(ids[index])
             state.max_seq += 1
+        for run_id in set(run_ids):
+            state = self._runs[run_id]
+            if state.version == version - 1:
+                state.version = version
 
 
 def _launch_ids(batch: list[_Delivery]) -> frozenset[str] | None:

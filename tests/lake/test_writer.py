@@ -139,6 +139,35 @@ def test_duplicate_delivery_is_stored_once_after_a_writer_restart(lake):
     assert_exactly_once(lake, {r.trajectory_id for r in records})
 
 
+def test_a_writer_reads_back_only_what_other_writers_committed_since_its_last_commit(local_lake, monkeypatch):
+    """Exactly once costs a read of the run's new rows before a commit; none is needed when the table's
+    latest commit is the writer's own (the common case: one writer per run)."""
+    reads = []
+    real = local_lake.read_from
+
+    def counted(table, name, **kwargs):
+        if name == trajectories.NAME:
+            reads.append(table.version())
+        return real(table, name, **kwargs)
+
+    monkeypatch.setattr(local_lake, "read_from", counted)
+    records = make_trajectories(12, seed=9, num_tokens=16)
+    writer = TrajectoryWriter(local_lake, MANUAL)
+    writer.add_many(records[:4])
+    writer.flush()  # the first commit reads the run's rows
+    writer.add_many(records[4:8])
+    writer.flush()  # the latest commit is its own: nothing to read
+    assert len(reads) == 1
+    with TrajectoryWriter(local_lake, MANUAL) as other:
+        other.add_many(records[8:10])
+    reads.clear()
+    writer.add_many(records[8:12])  # two of them the other writer stored
+    report = writer.flush()
+    assert len(reads) == 1 and (report.written, report.duplicates) == (2, 2)
+    writer.close()
+    assert_exactly_once(local_lake, {r.trajectory_id for r in records})
+
+
 def test_flush_by_rows_by_age_and_on_close(local_lake):
     records = make_trajectories(25, seed=8, num_tokens=16)
     writer = TrajectoryWriter(local_lake, WriterConfig(flush_rows=10, flush_seconds=0.2))
