@@ -386,32 +386,39 @@ def test_trainable_trajectories_keep_their_places():
     assert stats.launched == 6 and stats.released == 0  # (1 + 1 + 1) * 2, held until the trainer moves
 
 
-def test_what_the_trainer_passed_over_gives_its_places_back():
-    # The trainer stays at version 0 and reports that it passed over 3 of the 4 trajectories started
-    # (stale when it got to them): the gate of (0 + 0 + 1) * 4 = 4 places admits 3 more, and no more.
+def launched_before_and_after_skips(config, version, skipped, **driver_kwargs):
+    """Drive quick rollouts with the trainer at ``version``; after 0.2 s the trainer reports that it has
+    passed over ``skipped`` trajectories, and 0.2 s later the run is cancelled. Returns (launched
+    before the report, the driver's stats)."""
     app, sink = FakeApp(), ListSink()
-    skipped = {"n": 0}
+    reported = {"n": 0}
 
     async def trainer_version():
-        return 0
+        return version
 
     async def trainer_skipped():
-        return skipped["n"]
+        return reported["n"]
 
-    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0,
-                                                        version_poll_s=0.01),
-                           trainer_version=trainer_version, trainer_skipped=trainer_skipped)
+    driver = RolloutDriver(app, sink, "r", config, trainer_version=trainer_version,
+                           trainer_skipped=trainer_skipped, **driver_kwargs)
 
     async def run():
         job = asyncio.ensure_future(driver.run(TASKS, limit=20))
         await asyncio.sleep(0.2)
         before = driver.stats.launched
-        skipped["n"] = 3
+        reported["n"] = skipped
         await asyncio.sleep(0.2)
         job.cancel()
         return before, driver.stats
 
-    before, stats = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_what_the_trainer_passed_over_gives_its_places_back():
+    # The trainer stays at version 0 and reports that it passed over 3 of the 4 trajectories started
+    # (stale when it got to them): the gate of (0 + 0 + 1) * 4 = 4 places admits 3 more, and no more.
+    config = DriverConfig(max_in_flight=16, batch_size=4, max_staleness=0, version_poll_s=0.01)
+    before, stats = launched_before_and_after_skips(config, 0, 3)
     assert before == 4  # fresh records of version 0 hold their places (no release at finish)
     assert stats.launched == 7 and stats.released == 3
 
@@ -421,30 +428,8 @@ def test_a_resumed_runs_stored_backlog_holds_places_in_the_gate():
     # gate's (0 + 1 + 1) * 4 = 8 places, 5 are left for new rollouts. When the trainer reports that it
     # passed over those 3 (too stale), their places open: 8 new in all. Uncounted, the backlog would
     # have let 11 start, 3 more than the trainer can consume within max_staleness.
-    app, sink = FakeApp(), ListSink()
-    skipped = {"n": 0}
-
-    async def trainer_version():
-        return 5
-
-    async def trainer_skipped():
-        return skipped["n"]
-
-    driver = RolloutDriver(app, sink, "r", DriverConfig(max_in_flight=16, batch_size=4, max_staleness=1,
-                                                        version_poll_s=0.01),
-                           trainer_version=trainer_version, initial_version=5, backlog=3,
-                           trainer_skipped=trainer_skipped)
-
-    async def run():
-        job = asyncio.ensure_future(driver.run(TASKS, limit=20))
-        await asyncio.sleep(0.2)
-        before = driver.stats.launched
-        skipped["n"] = 3
-        await asyncio.sleep(0.2)
-        job.cancel()
-        return before, driver.stats
-
-    before, stats = asyncio.run(run())
+    config = DriverConfig(max_in_flight=16, batch_size=4, max_staleness=1, version_poll_s=0.01)
+    before, stats = launched_before_and_after_skips(config, 5, 3, initial_version=5, backlog=3)
     assert before == 5
     assert stats.launched == 8 and stats.released == 3
 
