@@ -10,8 +10,8 @@ oldest has waited ``flush_seconds``, and on :meth:`close` / leaving the ``with``
 3. drops repeated deliveries: within the batch the first delivery wins, and an id already stored for
    the run is skipped. The writer keeps the ids of each run it writes to, read once from the table and
    then topped up with the rows other writers committed since (a scan of ``ingest_seq > last seen``,
-   which Delta's file statistics prune to the newest files), so a restarted writer, or a second one,
-   still stores an id once;
+   which Delta's file statistics prune to the newest files; none when the table's latest commit is the
+   writer's own), so a restarted writer, or a second one, still stores an id once;
 4. numbers the rows of each run with ``ingest_seq`` (the next integers after the run's maximum) and
    commits them in one Delta commit through :func:`sao.lake.commit.append_exactly`: if another writer
    committed in between, steps 3-4 run again on the new snapshot.
