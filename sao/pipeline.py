@@ -268,7 +268,7 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
 
     issue_log = IssueLog(lake, cfg.writer_config(), issuer_id=issuer_id)
     # No record is committed before its launch: a trajectory commit first commits the launches of its
-    # records that the issue log still holds (most were committed as the rollouts ran).
+    # records that the issue log still holds (those of longer rollouts are often committed by then).
     # Each commit is announced at the broker, where a trainer waiting for its batch is told at once.
     writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id,
                               before_flush=issue_log.flush_for, after_commit=broker.rows_committed.remote)
