@@ -10,15 +10,18 @@ at my version v, up to N rows". Terms:
         trainer passes over ``cancelled`` and ``error`` ends, SAO.md section 2), which stay stored.
     consumed: listed by a ``train_steps`` row of the run (:func:`sao.lake.ledger.record_train_step`).
 
-:class:`TrajectoryReader` answers it incrementally. Because ``ingest_seq`` only grows with commits, a row
-that is not in snapshot ``V`` will get a larger ``ingest_seq`` than every row of ``V``; so the reader keeps
-a cursor (the largest ``ingest_seq`` it has seen) and each call scans only ``ingest_seq > cursor``, which
-Delta's per-file min/max statistics prune to the newest files. Candidates (id, ``ingest_seq``,
-``min_policy_version``: a few bytes per row) wait in memory; the full rows of the chosen ones are then
-read with a predicate on their ``ingest_seq`` values. Neither step loads the table. Rows too stale for
-a call are set aside (and counted in ``skipped_stale``); they come back only if a later call allows
-older data (a lower ``trainer_version - max_staleness``), which a trainer whose version only grows
-never does.
+:class:`TrajectoryReader` answers it incrementally. It lists the run's data files once, then follows the
+table's commits from its log (:mod:`sao.lake.log`) and reads the index columns of each file the first
+time it appears, so a look costs in proportion to what was committed since the last one, not to the
+table's files. Because ``ingest_seq`` only grows with commits, a row that is not in snapshot ``V`` will
+get a larger ``ingest_seq`` than every row of ``V``; so the reader keeps a cursor (the largest
+``ingest_seq`` it has seen) and drops the rows at or below it that a file rewritten by a compaction holds
+again. Candidates (id, ``ingest_seq``, ``min_policy_version``: a few bytes per row) wait in memory; the
+full rows of the chosen ones are then read from the files whose ``ingest_seq`` range holds them
+(:meth:`TrajectoryReader.fetch`; a trainer that gathers a batch over several calls reads them once, at the
+last). Rows too stale for a call are set aside (and counted in ``skipped_stale``); they come back only if
+a later call allows older data (a lower ``trainer_version - max_staleness``), which a trainer whose
+version only grows never does.
 
 A reader hands each row out once, and only reads. The trainer records the step that used them with
 :func:`sao.lake.ledger.record_train_step` and, once that commit succeeded, tells the reader with
@@ -33,18 +36,20 @@ with ``train_steps``); a test holds the two equal.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.fs import DeltaStorageHandler
 
 from sao.lake.ledger import consumed_ids
+from sao.lake.log import commits_after
 from sao.lake.store import Lake, LakeError, ingest_seq_predicate, is_valid_run_id, sql_literal
 from schemas import train_steps, trajectories
 
@@ -59,6 +64,8 @@ __all__ = [
 
 INDEX_COLUMNS = ("trajectory_id", "ingest_seq", "min_policy_version")
 """What the reader keeps per candidate row."""
+
+log = logging.getLogger(__name__)
 
 _INDEX_SCHEMA = pa.schema([trajectories.SCHEMA.field(name) for name in INDEX_COLUMNS])
 
@@ -148,12 +155,13 @@ class TrajectoryReader:
         self.columns = names
         self.pass_over = tuple(pass_over)
         self._passed_over = 0  # rows passed over since the last call
-        self._table: DeltaTable | None = None
+        self._version: int | None = None  # the snapshot of the last call
+        self._table: DeltaTable | None = None  # loaded once; brought to _version when asked for
         self._consumed: pa.Array | None = None
         self._cursor = 0
-        self._scanned_version: int | None = None  # the snapshot the cursor has read up to
-        self._seen_files: set[str] = set()  # data files of the run already read
-        self._files: pafs.PyFileSystem | None = None  # the table's storage, for reading data files
+        self._unscanned: list[str] = []  # data files of the run at _version not read yet
+        self._live: dict[str, tuple[int, int]] = {}  # those read: path -> (min, max) ingest_seq
+        self._files: pafs.PyFileSystem | None = None  # the table's storage, rooted at the table
         self._pending = _INDEX_SCHEMA.empty_table()
         self._stale = _INDEX_SCHEMA.empty_table()
         self._oldest_version: int | None = None
@@ -162,11 +170,13 @@ class TrajectoryReader:
     @property
     def snapshot_version(self) -> int | None:
         """The ``trajectories`` version of the last call (None before the first)."""
-        return None if self._table is None else self._table.version()
+        return self._version
 
     @property
     def table(self) -> DeltaTable | None:
         """The ``trajectories`` table as of the last call (at :attr:`snapshot_version`)."""
+        if self._table is not None and self._table.version() != self._version:
+            self._table.load_as_version(self._version)
         return self._table
 
     @property
@@ -175,17 +185,20 @@ class TrajectoryReader:
         return self._pending.num_rows
 
     def next_micro_batch(
-        self, trainer_version: int, max_staleness: int, max_rows: int, *, version: int | None = None
+        self, trainer_version: int, max_staleness: int, max_rows: int, *, version: int | None = None,
+        fetch: bool = True,
     ) -> MicroBatch:
         """Up to ``max_rows`` unconsumed rows, oldest ``ingest_seq`` first, with staleness at most
         ``max_staleness`` at ``trainer_version``, read from snapshot ``version`` (latest when None).
+        With ``fetch`` False the batch's ``data`` holds just the chosen rows' ``INDEX_COLUMNS``: a
+        trainer that gathers its batch over several calls reads the full rows once, with :meth:`fetch`.
 
         Raises:
             ValueError: bad bounds, or a snapshot older than the previous call's.
         """
         _check_bounds(trainer_version, max_staleness, max_rows)
-        table = self._pin(version)
-        self._scan_new_rows(table)
+        self._advance(version)
+        self._scan_new_rows()
         oldest = trainer_version - max_staleness
         if (
             self._oldest_version is not None
@@ -197,7 +210,7 @@ class TrajectoryReader:
         self._oldest_version = oldest
         fresh, stale, no_actions = _split_stale(self._pending, oldest)
         chosen = fresh.slice(0, max_rows)
-        data = self._fetch(table, chosen)
+        data = self.fetch(chosen) if fetch else chosen
         self._pending = fresh.slice(max_rows)
         self._stale = pa.concat_tables([self._stale, stale])
         for row in chosen.to_pylist():
@@ -205,7 +218,7 @@ class TrajectoryReader:
         passed_over, self._passed_over = self._passed_over, 0
         return MicroBatch(
             run_id=self.run_id,
-            snapshot_version=table.version(),
+            snapshot_version=self._version,
             trainer_version=trainer_version,
             max_staleness=max_staleness,
             data=data,
@@ -242,46 +255,60 @@ class TrajectoryReader:
             )
             self._pending = merged.sort_by("ingest_seq")
 
-    def _pin(self, version: int | None) -> DeltaTable:
-        if self._table is None:
-            self._table = self.lake.table(trajectories.NAME, version=version)
-            return self._table
-        current = self._table.version()
-        if version is None:
-            self.lake.refresh(trajectories.NAME, self._table)
-        elif version < current:
-            raise ValueError(
-                f"snapshot {version} is older than the previous call's snapshot {current}"
-            )
-        elif version > current:
-            self._table.load_as_version(version)
-        return self._table
-
-    def _scan_new_rows(self, table: DeltaTable) -> None:
-        """Add the rows committed since the last scan to the candidates. Only data files not seen
-        before are read (a scan of the whole partition cost ~0.1-0.2 s of CPU at a few hundred files,
-        at every poll); a rewritten file (compaction) is read again, and its rows the cursor has
-        passed are dropped."""
-        if self._consumed is None:
-            self._consumed = consumed_ids(self.lake, self.run_id)
-        if table.version() == self._scanned_version:
-            return  # no commit since the last scan: nothing new
-        self._scanned_version = table.version()
-        actions = pa.table(table.get_add_actions(flatten=True))
-        mine = pc.equal(actions["partition.run_id"], self.run_id)
-        paths = [p for p in actions.filter(mine)["path"].to_pylist() if p not in self._seen_files]
-        if not paths:
-            return
+    def _storage(self) -> pafs.PyFileSystem:
         if self._files is None:
             self._files = pafs.PyFileSystem(
                 DeltaStorageHandler(self.lake.table_uri(trajectories.NAME), self.lake.storage_options))
+        return self._files
+
+    def _advance(self, version: int | None) -> None:
+        """Move to snapshot ``version`` (the latest when None). The first call lists the run's files from
+        the table; later calls read just the commits since (:mod:`sao.lake.log`), so that a look costs in
+        proportion to what was committed since the last, not to the table's files."""
+        if self._version is None:
+            self._table = self.lake.table(trajectories.NAME, version=version)
+            self._version = self._table.version()
+            actions = pa.table(self._table.get_add_actions(flatten=True))
+            if actions.num_rows:
+                mine = pc.equal(actions["partition.run_id"], self.run_id)
+                self._unscanned = actions.filter(mine)["path"].to_pylist()
+            return
+        if version is not None and version < self._version:
+            raise ValueError(f"snapshot {version} is older than the previous call's snapshot {self._version}")
+        if version == self._version:
+            return
+        commits = commits_after(self._storage(), self._version, upto=version)
+        if version is not None and (not commits or commits[-1].version != version):
+            newest = commits[-1].version if commits else self._version
+            raise LakeError(f"trajectories has no version {version} (the newest is {newest})")
+        for commit in commits:
+            for path in commit.removed:
+                if self._live.pop(path, None) is None and path in self._unscanned:
+                    self._unscanned.remove(path)
+            self._unscanned += [path for path, partition in commit.added if partition.get("run_id") == self.run_id]
+        if commits:
+            self._version = commits[-1].version
+
+    def _scan_new_rows(self) -> None:
+        """Add the rows of the run's files not read before to the candidates. A file rewritten by a
+        compaction is read again; its rows the cursor has passed are dropped."""
+        if self._consumed is None:
+            self._consumed = consumed_ids(self.lake, self.run_id)
+        if not self._unscanned:
+            return
+        paths = self._unscanned
         read = [*INDEX_COLUMNS, "termination_reason"] if self.pass_over else list(INDEX_COLUMNS)
         try:
-            new = pq.read_table(paths, filesystem=self._files, columns=read)
+            new = ds.dataset(paths, filesystem=self._storage(), format="parquet").to_table(
+                columns=[*read, "__filename"])
         except (OSError, pa.ArrowException) as error:
             raise LakeError(f"reading {len(paths)} new files of run {self.run_id!r} at version "
-                            f"{table.version()} failed (a file vacuumed away?): {error}") from error
-        self._seen_files.update(paths)
+                            f"{self._version} failed (a file vacuumed away?): {error}") from error
+        self._unscanned = []
+        ranges = new.group_by("__filename").aggregate([("ingest_seq", "min"), ("ingest_seq", "max")])
+        self._live.update(zip(ranges["__filename"].to_pylist(),
+                              zip(ranges["ingest_seq_min"].to_pylist(), ranges["ingest_seq_max"].to_pylist(),
+                                  strict=True), strict=True))
         new = new.filter(pc.greater(new["ingest_seq"], self._cursor))
         if new.num_rows == 0:
             return
@@ -295,20 +322,51 @@ class TrajectoryReader:
         new = new.select(list(INDEX_COLUMNS)).cast(_INDEX_SCHEMA)
         self._pending = pa.concat_tables([self._pending, new.sort_by("ingest_seq")])
 
-    def _fetch(self, table: DeltaTable, chosen: pa.Table) -> pa.Table:
+    def fetch(self, chosen: pa.Table) -> pa.Table:
+        """The full rows (the reader's columns) of the rows in ``chosen`` (a table with their
+        ``ingest_seq``: micro-batches read with ``fetch=False``), in ``chosen``'s order, read at the
+        snapshot of the last call. A row chosen at an earlier call is there too: rows are only added
+        to the table, and compaction rewrites them unchanged.
+
+        The rows are read from the snapshot's data files whose ``ingest_seq`` range holds one of them
+        (the reader read every file's range when it scanned it); a file that cannot be read that way
+        (one written with an older schema) sends the read through delta-rs instead.
+
+        Raises:
+            LakeError: a chosen row is not in the snapshot.
+            ValueError: called before :meth:`next_micro_batch`.
+        """
+        if self._version is None:
+            raise ValueError("fetch() before next_micro_batch(): the reader has no snapshot yet")
         schema = pa.schema([trajectories.SCHEMA.field(c) for c in self.columns])
         if chosen.num_rows == 0:
             return schema.empty_table()
-        predicate = f"{self._predicate} AND {ingest_seq_predicate(chosen['ingest_seq'].to_pylist())}"
-        data = self.lake.read_from(
-            table, trajectories.NAME, columns=self.columns, predicate=predicate
-        )
+        seqs = chosen["ingest_seq"]
+        try:
+            data = self._read_files(seqs, schema)
+        except (OSError, pa.ArrowException) as error:
+            log.info("run %s: reading %d rows from their files failed (%s); reading them through delta-rs",
+                     self.run_id, chosen.num_rows, error)
+            predicate = f"{self._predicate} AND {ingest_seq_predicate(seqs.to_pylist())}"
+            data = self.lake.read_from(self.table, trajectories.NAME, columns=self.columns, predicate=predicate)
         if data.num_rows != chosen.num_rows:
             raise LakeError(
-                f"run {self.run_id!r}: expected {chosen.num_rows} rows at version {table.version()}, "
+                f"run {self.run_id!r}: expected {chosen.num_rows} rows at version {self._version}, "
                 f"read {data.num_rows} (was a row deleted?)"
             )
-        return data.sort_by("ingest_seq")
+        return data.take(pc.index_in(seqs, value_set=data["ingest_seq"]))
+
+    def _read_files(self, seqs: pa.ChunkedArray, schema: pa.Schema) -> pa.Table:
+        wanted = np.sort(seqs.to_numpy())
+        paths = [path for path, (low, high) in self._live.items()
+                 if (at := np.searchsorted(wanted, low)) < len(wanted) and wanted[at] <= high]
+        # the partition column is in the files' folder, not in the files
+        stored = pa.schema([field for field in schema if field.name != "run_id"])
+        data = ds.dataset(paths, schema=stored, filesystem=self._storage(), format="parquet").to_table(
+            filter=pc.field("ingest_seq").isin(seqs.combine_chunks()))
+        if "run_id" in schema.names:
+            data = data.append_column("run_id", pa.array([self.run_id] * data.num_rows, pa.string()))
+        return data.select(schema.names).cast(schema)
 
 
 def select_unconsumed(

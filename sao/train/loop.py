@@ -170,7 +170,7 @@ class _Stopped(Exception):
 
 def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, broker: _Broker = _Broker()):
     """Block until ``batch_size`` eligible trajectories are in the lake; returns (snapshot version,
-    rows, stale rows passed over, rows without an action token passed over, rows passed over for their
+    rows, read at that snapshot once the batch is complete, stale rows passed over, rows without an action token passed over, rows passed over for their
     termination reason: ``UpdateConfig.skip_reasons``). Rows passed over are
     reported to the broker as they are found, so that the rollout driver launches others in their
     place while this waits (at ``max_staleness`` 0 a batch would otherwise never fill once one of its
@@ -189,7 +189,8 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
         # With rows enough seen already, they come from the snapshot they were seen at: the oldest
         # rows go first either way, and refreshing the table costs a listing of its log.
         pinned = reader.snapshot_version if reader.pending >= want else None
-        micro = reader.next_micro_batch(version, cfg.max_staleness, want, version=pinned)
+        # The rows' ids alone: the full rows are read once, when the batch is complete.
+        micro = reader.next_micro_batch(version, cfg.max_staleness, want, version=pinned, fetch=False)
         stale += micro.skipped_stale
         no_actions += micro.skipped_no_actions
         cut_short += micro.skipped_passed_over
@@ -200,7 +201,7 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
             held.append(micro.data)
         snapshot = micro.snapshot_version
         if sum(t.num_rows for t in held) >= cfg.batch_size:
-            return snapshot, pa.concat_tables(held), stale, no_actions, cut_short
+            return snapshot, reader.fetch(pa.concat_tables(held)), stale, no_actions, cut_short
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"run {cfg.run_id!r}: only {sum(t.num_rows for t in held)} of {cfg.batch_size} trajectories "

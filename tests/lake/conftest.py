@@ -106,11 +106,14 @@ def lake_config(request: pytest.FixtureRequest, tmp_path) -> LakeConfig:
 def open_with_versions(config: LakeConfig) -> Lake:
     """Open (create) the lake and register policy versions 0 and 1 of run ``run-0``."""
     opened = Lake.open(config)
-    register_policy_version(opened, PolicyVersionRecord(RUN, 0, "ckpt/0", "sha256:0"))
-    register_policy_version(
-        opened, PolicyVersionRecord(RUN, 1, "ckpt/1", "sha256:1", parent_version=0, step=0)
-    )
+    register_versions(opened, RUN)
     return opened
+
+
+def register_versions(lake: Lake, run_id: str) -> None:
+    """Register policy versions 0 and 1 of ``run_id`` (rows sampled by unknown versions are quarantined)."""
+    register_policy_version(lake, PolicyVersionRecord(run_id, 0, "ckpt/0", "sha256:0"))
+    register_policy_version(lake, PolicyVersionRecord(run_id, 1, "ckpt/1", "sha256:1", parent_version=0, step=0))
 
 
 @pytest.fixture

@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
+from deltalake import DeltaTable
 
 from sao.lake.config import WriterConfig
 from sao.lake.ledger import record_train_step
+from sao.lake.maintenance import compact
 from sao.lake.reader import (
+    INDEX_COLUMNS,
     TrajectoryReader,
     read_step_trajectories,
     read_trajectories,
@@ -21,7 +26,7 @@ from sao.lake.synthetic import make_trajectories
 from sao.lake.writer import TrajectoryWriter
 from schemas.trajectories import SegmentKind
 from schemas.vocabulary import TerminationReason
-from tests.lake.conftest import RUN
+from tests.lake.conftest import RUN, register_versions
 
 MANUAL = WriterConfig(flush_rows=10_000, background_flush=False)
 
@@ -54,6 +59,27 @@ def test_micro_batches_come_in_arrival_order_and_each_row_once(lake):
     assert sum(len(b) for b in first.batches) == 8
     rest = reader.next_micro_batch(trainer_version=0, max_staleness=4, max_rows=100)
     assert len(rest) == 9 and len(reader.next_micro_batch(0, 4, 100)) == 0
+
+
+def test_rows_chosen_over_several_calls_are_read_once_at_the_last_snapshot(local_lake):
+    records = make_trajectories(12, seed=2, num_tokens=16)
+    write(local_lake, records[:5])
+    reader = TrajectoryReader(local_lake, RUN, columns=["completion_ids"])
+    with pytest.raises(ValueError, match="no snapshot yet"):
+        reader.fetch(pa.table({"ingest_seq": pa.array([], pa.int64())}))
+    assert len(reader.next_micro_batch(0, 4, 3)) == 3  # rows 1-3, read in full
+    first = reader.next_micro_batch(0, 4, 3, fetch=False)  # rows 4 and 5, all the first snapshot has left
+    write(local_lake, records[5:])
+    second = reader.next_micro_batch(0, 4, 4, fetch=False)
+    assert first.data.column_names == list(INDEX_COLUMNS) and len(first) == 2 and len(second) == 4
+    assert second.snapshot_version > first.snapshot_version
+    chosen = pa.concat_tables([second.data, first.data])  # any order: the rows come back in it
+    rows = reader.fetch(chosen)
+    assert rows.column_names == ["trajectory_id", "ingest_seq", "completion_ids"]
+    assert rows["ingest_seq"].to_pylist() == [6, 7, 8, 9, 4, 5]
+    by_id = {r.trajectory_id: r.completion_ids.tolist() for r in records}
+    assert rows["completion_ids"].to_pylist() == [by_id[i] for i in rows["trajectory_id"].to_pylist()]
+    assert reader.fetch(chosen.slice(0, 0)).num_rows == 0
 
 
 def test_staleness_is_trainer_version_minus_the_oldest_sampling_version(local_lake):
@@ -215,28 +241,70 @@ def test_read_trajectories_by_ids_across_runs(local_lake):
     assert one["completion_ids"].to_pylist() == [shared.completion_ids.tolist()]
 
 
-def test_a_poll_reads_only_data_files_it_has_not_read(lake, monkeypatch):
+def test_a_poll_reads_only_the_commits_and_data_files_it_has_not_read(lake, monkeypatch):
     import sao.lake.reader as reader_module
 
     records = make_trajectories(12, seed=3, num_tokens=8)
     write(lake, records[:6])
     reader = TrajectoryReader(lake, RUN, columns=["completion_ids"])
-    reads = []
-    read_table = reader_module.pq.read_table
+    scans = []
+    dataset = reader_module.ds.dataset
 
     def counting(paths, **kw):
-        reads.append(list(paths))
-        return read_table(paths, **kw)
+        scans.append(list(paths))
+        return dataset(paths, **kw)
 
-    monkeypatch.setattr(reader_module.pq, "read_table", counting)
-    assert len(reader.next_micro_batch(0, 4, 100)) == 6
-    assert len(reader.next_micro_batch(0, 4, 100)) == 0
-    assert len(reader.next_micro_batch(0, 4, 100)) == 0
-    assert len(reads) == 1  # the two idle polls found the same snapshot and read nothing
+    monkeypatch.setattr(reader_module.ds, "dataset", counting)
+    assert len(reader.next_micro_batch(0, 4, 100, fetch=False)) == 6
+    loaded = reader.table.version()
+
+    def unloaded(call, *args, **kwargs):  # a call that must not load or refresh a snapshot of the table
+        def no_load(*args, **kwargs):
+            raise AssertionError("the reader loaded the table's snapshot")
+
+        with monkeypatch.context() as patched:
+            for owner, name in ((DeltaTable, "update_incremental"), (DeltaTable, "load_as_version"), (lake, "table")):
+                patched.setattr(owner, name, no_load)
+            return call(*args, **kwargs)
+
+    def poll(**kwargs):
+        return unloaded(reader.next_micro_batch, 0, 4, 100, **kwargs)
+
+    assert len(poll(fetch=False)) == 0
+    assert len(poll(fetch=False)) == 0
+    assert len(scans) == 1  # the two idle polls found no new commit and read nothing
     write(lake, records[6:])
-    batch = reader.next_micro_batch(0, 4, 100)
+    batch = poll(fetch=False)
     assert batch.trajectory_ids == [r.trajectory_id for r in records[6:]]
-    assert len(reads) == 2 and not set(reads[0]) & set(reads[1])  # only the new commit's files
+    assert batch.snapshot_version > loaded
+    assert len(scans) == 2 and not set(scans[0]) & set(scans[1])  # only the new commit's files
+    rows = unloaded(reader.fetch, batch.data)
+    assert len(scans) == 3 and set(scans[2]) == set(scans[1])  # only the files that hold the rows
+    assert rows["completion_ids"].to_pylist() == [r.completion_ids.tolist() for r in records[6:]]
+
+
+def test_rows_read_from_their_files_equal_the_delta_scan_across_a_compaction(local_lake):
+    register_versions(local_lake, "other-run")
+    records = make_trajectories(30, seed=4, num_tokens=8)
+    for start in range(0, 20, 5):
+        write(local_lake, records[start:start + 5])
+    write(local_lake, [dataclasses.replace(r, run_id="other-run") for r in records[20:]])
+    reader = TrajectoryReader(local_lake, RUN)  # every column, the partition column included
+    first = reader.next_micro_batch(0, 4, 7)
+    assert first.data.equals(delta_scan_of(local_lake, reader, first.data))
+    compact(local_lake, ["trajectories"], run_id=RUN)  # rewrites the run's files into one
+    rest = reader.next_micro_batch(0, 4, 100)
+    assert rest.data["ingest_seq"].to_pylist() == list(range(8, 21))  # the rewritten rows once, as before
+    assert rest.data.equals(delta_scan_of(local_lake, reader, rest.data))
+    assert reader.fetch(first.data).equals(first.data)  # from the compacted file now
+
+
+def delta_scan_of(lake, reader: TrajectoryReader, chosen) -> pa.Table:
+    """The delta-rs scan of ``chosen``'s rows at the reader's snapshot, in its order."""
+    seqs = chosen["ingest_seq"].to_pylist()
+    data = lake.read("trajectories", version=reader.snapshot_version,
+                     predicate=f"run_id = '{RUN}' AND ingest_seq IN ({', '.join(map(str, seqs))})")
+    return data.take(pc.index_in(chosen["ingest_seq"], value_set=data["ingest_seq"]))
 
 
 def test_reading_by_ids_with_their_ingest_seqs_skips_the_index_scan_and_reads_the_same_rows(local_lake, monkeypatch):
