@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,7 @@ from schemas import policy_versions, train_steps, trajectories
 __all__ = [
     "ConsumptionError",
     "LedgerError",
+    "SnapshotReader",
     "StepsSeen",
     "consumed_ids",
     "newest_policy_version",
@@ -182,7 +184,8 @@ _STEP_COLUMNS = ["step", "trajectory_ids", "trajectories_version", "policy_versi
 
 def record_train_step(
     lake: Lake, record: TrainStepRecord, config: CommitConfig | None = None, *,
-    ingest_seqs: Sequence[int] | None = None, snapshot: DeltaTable | None = None, table: DeltaTable | None = None,
+    ingest_seqs: Sequence[int] | None = None, snapshot: DeltaTable | SnapshotReader | None = None,
+    table: DeltaTable | None = None,
     seen: StepsSeen | None = None,
 ) -> CommitResult:
     """Append ``record`` to ``train_steps``, marking its trajectories consumed.
@@ -191,8 +194,9 @@ def record_train_step(
     ``ingest_seq`` values, in order, as the trainer's reader handed them out) only the files those
     values fall in are read; without, the run's ``trajectory_id`` column (a cost that grows with the
     run). Either way an id not stored in the data run at that snapshot is refused. ``snapshot``: the
-    ``trajectories`` table already loaded at ``record.trajectories_version`` (the trainer's reader has
-    it), which saves loading its log twice. ``table``: ``train_steps`` as loaded by an earlier call,
+    ``trajectories`` table already loaded at ``record.trajectories_version``, which saves loading its log
+    twice, or the trainer's reader at that snapshot (:class:`SnapshotReader`), which looks the ids up with
+    ``ingest_seqs`` in the files it has listed. ``table``: ``train_steps`` as loaded by an earlier call,
     brought up to date from the commits after it instead of loaded again (the trainer keeps one).
     ``seen``: the run's rows read by earlier calls (:class:`StepsSeen`); only the rows committed since
     are read, and it is brought up to date, this step included.
@@ -265,12 +269,25 @@ def record_train_step(
     return result
 
 
+class SnapshotReader(Protocol):
+    """A reader of one run's ``trajectories`` at one snapshot that looks ids up by ``ingest_seq``: the
+    trainer's :class:`sao.lake.reader.TrajectoryReader`, which has the snapshot's files listed already."""
+
+    run_id: str
+
+    @property
+    def snapshot_version(self) -> int | None: ...
+
+    def stored_ids(self, ingest_seqs: Sequence[int]) -> pa.Array: ...
+
+
 def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord, ingest_seqs: Sequence[int] | None,
-                           snapshot: DeltaTable | None) -> None:
+                           snapshot: DeltaTable | SnapshotReader | None) -> None:
     if snapshot is not None:
-        if snapshot.version() != record.trajectories_version:
+        given = snapshot.version() if isinstance(snapshot, DeltaTable) else snapshot.snapshot_version
+        if given != record.trajectories_version:
             raise ValueError(f"step {record.step}: the snapshot given is trajectories version "
-                             f"{snapshot.version()}, the step read {record.trajectories_version}")
+                             f"{given}, the step read {record.trajectories_version}")
     else:
         latest = lake.version("trajectories")
         if record.trajectories_version > latest:
@@ -280,19 +297,21 @@ def _check_ids_in_snapshot(lake: Lake, record: TrainStepRecord, ingest_seqs: Seq
             )
     if not record.trajectory_ids:
         return
-    if snapshot is None:
-        snapshot = lake.table("trajectories", version=record.trajectories_version)
-    predicate = _run_predicate(record.data_run)
-    if ingest_seqs is not None:
-        if len(ingest_seqs) != len(record.trajectory_ids):
-            raise ValueError(f"step {record.step}: {len(ingest_seqs)} ingest_seqs for "
-                             f"{len(record.trajectory_ids)} trajectory ids")
-        predicate += " AND " + ingest_seq_predicate(ingest_seqs)
-    stored = lake.read_from(snapshot, "trajectories", columns=["trajectory_id"], predicate=predicate)
-    present = pc.is_in(
-        pa.array(record.trajectory_ids, pa.string()),
-        value_set=stored["trajectory_id"].combine_chunks(),
-    )
+    if ingest_seqs is not None and len(ingest_seqs) != len(record.trajectory_ids):
+        raise ValueError(f"step {record.step}: {len(ingest_seqs)} ingest_seqs for "
+                         f"{len(record.trajectory_ids)} trajectory ids")
+    reader = None if snapshot is None or isinstance(snapshot, DeltaTable) else snapshot
+    if reader is not None and ingest_seqs is not None and reader.run_id == record.data_run:
+        stored_ids = reader.stored_ids(ingest_seqs)
+    else:
+        table = snapshot if isinstance(snapshot, DeltaTable) else lake.table(
+            "trajectories", version=record.trajectories_version)
+        predicate = _run_predicate(record.data_run)
+        if ingest_seqs is not None:
+            predicate += " AND " + ingest_seq_predicate(ingest_seqs)
+        stored_ids = lake.read_from(table, "trajectories", columns=["trajectory_id"],
+                                    predicate=predicate)["trajectory_id"].combine_chunks()
+    present = pc.is_in(pa.array(record.trajectory_ids, pa.string()), value_set=stored_ids)
     missing = np.flatnonzero(~present.to_numpy(zero_copy_only=False))
     if missing.size:
         examples = [record.trajectory_ids[i] for i in missing[:3].tolist()]

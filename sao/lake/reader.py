@@ -338,23 +338,36 @@ class TrajectoryReader:
         """
         if self._version is None:
             raise ValueError("fetch() before next_micro_batch(): the reader has no snapshot yet")
-        schema = pa.schema([trajectories.SCHEMA.field(c) for c in self.columns])
-        if chosen.num_rows == 0:
-            return schema.empty_table()
         seqs = chosen["ingest_seq"]
-        try:
-            data = self._read_files(seqs, schema)
-        except (OSError, pa.ArrowException) as error:
-            log.info("run %s: reading %d rows from their files failed (%s); reading them through delta-rs",
-                     self.run_id, chosen.num_rows, error)
-            predicate = f"{self._predicate} AND {ingest_seq_predicate(seqs.to_pylist())}"
-            data = self.lake.read_from(self.table, trajectories.NAME, columns=self.columns, predicate=predicate)
-        if data.num_rows != chosen.num_rows:
+        data = self._read(seqs, self.columns)
+        if data.num_rows != len(seqs):
             raise LakeError(
-                f"run {self.run_id!r}: expected {chosen.num_rows} rows at version {self._version}, "
+                f"run {self.run_id!r}: expected {len(seqs)} rows at version {self._version}, "
                 f"read {data.num_rows} (was a row deleted?)"
             )
         return data.take(pc.index_in(seqs, value_set=data["ingest_seq"]))
+
+    def stored_ids(self, ingest_seqs: Sequence[int]) -> pa.Array:
+        """The ``trajectory_id`` of the run's rows with these ``ingest_seq`` values that the snapshot of
+        the last call holds (any order; a value it does not hold has none), read as :meth:`fetch` reads:
+        a step's check that it lists stored rows (:func:`sao.lake.ledger.record_train_step`)."""
+        if self._version is None:
+            raise ValueError("stored_ids() before next_micro_batch(): the reader has no snapshot yet")
+        seqs = pa.chunked_array([pa.array(list(ingest_seqs), pa.int64())])
+        return self._read(seqs, ["trajectory_id", "ingest_seq"])["trajectory_id"].combine_chunks()
+
+    def _read(self, seqs: pa.ChunkedArray, columns: Sequence[str]) -> pa.Table:
+        """``columns`` of the run's rows with these ``ingest_seq`` values at the snapshot (any order)."""
+        schema = pa.schema([trajectories.SCHEMA.field(c) for c in columns])
+        if len(seqs) == 0:
+            return schema.empty_table()
+        try:
+            return self._read_files(seqs, schema)
+        except (OSError, pa.ArrowException) as error:
+            log.info("run %s: reading %d rows from their files failed (%s); reading them through delta-rs",
+                     self.run_id, len(seqs), error)
+            predicate = f"{self._predicate} AND {ingest_seq_predicate(seqs.to_pylist())}"
+            return self.lake.read_from(self.table, trajectories.NAME, columns=list(columns), predicate=predicate)
 
     def _read_files(self, seqs: pa.ChunkedArray, schema: pa.Schema) -> pa.Table:
         wanted = np.sort(seqs.to_numpy())

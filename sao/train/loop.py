@@ -407,7 +407,7 @@ def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], s
         trajectories_version=selection.snapshot, trajectory_ids=tuple(selection.ids), started_at=started_at,
         finished_at=utc_now(), metrics=metrics, seeds={"torch": cfg.seed + version - 1},
         timings={**timings, "commit_s": time.perf_counter() - t2},
-    ), ingest_seqs=selection.seqs, snapshot=worker.reader.table, table=worker.ledger_table(train_steps.NAME),
+    ), ingest_seqs=selection.seqs, snapshot=worker.reader, table=worker.ledger_table(train_steps.NAME),
         seen=worker.steps_seen)
     worker.reader.consumed(selection.ids)
     crash_point("after-commit", step)  # between the step's row and its version's row

@@ -17,6 +17,7 @@ from sao.lake.ledger import (
     unconsumed_count,
 )
 from sao.lake.maintenance import compact_ledger
+from sao.lake.reader import TrajectoryReader
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
 from sao.lake.synthetic import make_trajectories
 from sao.lake.writer import TrajectoryWriter
@@ -106,10 +107,23 @@ def test_a_step_must_read_ids_present_in_its_snapshot(local_lake):
         record_train_step(local_lake, _step(0, ids, version + 5))
 
 
-def test_a_step_given_its_ids_ingest_seqs_and_snapshot_reads_only_those_rows_and_still_checks_them(local_lake):
+@pytest.mark.parametrize("given", ["table", "reader"])
+def test_a_step_given_its_ids_ingest_seqs_and_snapshot_reads_only_those_rows_and_still_checks_them(
+        local_lake, monkeypatch, given):
     ids = _stored_ids(local_lake, 3)
     version = local_lake.version("trajectories")
-    snapshot = local_lake.table("trajectories", version=version)
+    if given == "table":
+        snapshot = local_lake.table("trajectories", version=version)
+    else:  # the trainer's reader: it looks the ids up in the files it has listed, not through delta-rs
+        snapshot = TrajectoryReader(local_lake, RUN)
+        snapshot.next_micro_batch(0, 4, 100)
+        read_from = local_lake.read_from
+
+        def ledger_only(table, name, **kwargs):
+            assert name != "trajectories", "the check read trajectories through delta-rs"
+            return read_from(table, name, **kwargs)
+
+        monkeypatch.setattr(local_lake, "read_from", ledger_only)
     with pytest.raises(ConsumptionError, match="1 trajectory ids are not in trajectories version"):
         record_train_step(local_lake, _step(0, ids, version), ingest_seqs=[1, 2, 7], snapshot=snapshot)
     with pytest.raises(ValueError, match="2 ingest_seqs for 3 trajectory ids"):
