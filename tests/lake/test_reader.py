@@ -299,6 +299,27 @@ def test_rows_read_from_their_files_equal_the_delta_scan_across_a_compaction(loc
     assert reader.fetch(first.data).equals(first.data)  # from the compacted file now
 
 
+def test_rows_its_files_cannot_give_are_read_through_delta_rs(local_lake, monkeypatch):
+    import sao.lake.reader as reader_module
+
+    records = make_trajectories(6, seed=5, num_tokens=8)
+    write(local_lake, records)
+    reader = TrajectoryReader(local_lake, RUN, columns=["completion_ids"])
+    chosen = reader.next_micro_batch(0, 4, 4, fetch=False).data
+    dataset = reader_module.ds.dataset
+
+    def unreadable(paths, **kwargs):  # the fetch's read (it passes the columns' schema), as an older file's
+        if "schema" in kwargs:
+            raise pa.ArrowInvalid("No match for FieldRef.Name(completion_ids)")
+        return dataset(paths, **kwargs)
+
+    monkeypatch.setattr(reader_module.ds, "dataset", unreadable)
+    rows = reader.fetch(chosen)
+    assert rows["trajectory_id"].to_pylist() == chosen["trajectory_id"].to_pylist()
+    assert rows["completion_ids"].to_pylist() == [r.completion_ids.tolist() for r in records[:4]]
+    assert sorted(reader.stored_ids([2, 3, 99]).to_pylist()) == sorted(r.trajectory_id for r in records[1:3])
+
+
 def delta_scan_of(lake, reader: TrajectoryReader, chosen) -> pa.Table:
     """The delta-rs scan of ``chosen``'s rows at the reader's snapshot, in its order."""
     seqs = chosen["ingest_seq"].to_pylist()
