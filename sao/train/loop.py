@@ -170,8 +170,9 @@ class _Stopped(Exception):
 
 def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, broker: _Broker = _Broker()):
     """Block until ``batch_size`` eligible trajectories are in the lake; returns (snapshot version,
-    rows, read at that snapshot once the batch is complete, stale rows passed over, rows without an action token passed over, rows passed over for their
-    termination reason: ``UpdateConfig.skip_reasons``). Rows passed over are
+    rows, read at that snapshot once the batch is complete, stale rows passed over, rows without an
+    action token passed over, rows passed over for their termination reason:
+    ``UpdateConfig.skip_reasons``). Rows passed over are
     reported to the broker as they are found, so that the rollout driver launches others in their
     place while this waits (at ``max_staleness`` 0 a batch would otherwise never fill once one of its
     rollouts saw a weight update). Raises :class:`_Stopped` when the broker's stop is requested."""
@@ -187,7 +188,7 @@ def _wait_for_batch(reader: TrajectoryReader, cfg: TrainConfig, version: int, br
             raise _Stopped
         want = cfg.batch_size - sum(t.num_rows for t in held)
         # With rows enough seen already, they come from the snapshot they were seen at: the oldest
-        # rows go first either way, and refreshing the table costs a listing of its log.
+        # rows go first either way, and looking for newer commits would cost a read of the log.
         pinned = reader.snapshot_version if reader.pending >= want else None
         # The rows' ids alone: the full rows are read once, when the batch is complete.
         micro = reader.next_micro_batch(version, cfg.max_staleness, want, version=pinned, fetch=False)
