@@ -46,7 +46,6 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 from deltalake import DeltaTable
-from deltalake.fs import DeltaStorageHandler
 
 from sao.lake.ledger import consumed_ids
 from sao.lake.log import commits_after
@@ -257,8 +256,7 @@ class TrajectoryReader:
 
     def _storage(self) -> pafs.PyFileSystem:
         if self._files is None:
-            self._files = pafs.PyFileSystem(
-                DeltaStorageHandler(self.lake.table_uri(trajectories.NAME), self.lake.storage_options))
+            self._files = self.lake.table_storage(trajectories.NAME)
         return self._files
 
     def _advance(self, version: int | None) -> None:

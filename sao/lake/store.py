@@ -19,8 +19,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import DeltaError
+from deltalake.fs import DeltaStorageHandler
 
 from sao.lake.config import LakeConfig
 from schemas import TABLES, TableSpec, plain, table_spec
@@ -129,6 +131,11 @@ class Lake:
         """URI of table ``name`` (validated against the known tables)."""
         spec = table_spec(name)
         return f"{self.root}/{spec.name}"
+
+    def table_storage(self, name: str) -> pafs.PyFileSystem:
+        """The storage of table ``name`` as a pyarrow file system rooted at the table (its log files and
+        data files by their paths in the log), on whatever store the lake is on."""
+        return pafs.PyFileSystem(DeltaStorageHandler(self.table_uri(name), self.storage_options))
 
     def table(self, name: str, version: int | None = None) -> DeltaTable:
         """A ``DeltaTable`` for ``name`` at ``version`` (latest when None)."""

@@ -21,8 +21,9 @@ holds a ``trajectory_id`` twice within a run, and ``ingest_seq`` is 1, 2, 3, ...
 in commit order: the reader uses it as the arrival order and as a watermark.
 
 Policy versions: a record may not claim a version newer than the newest registered in
-``policy_versions`` for its run. The writer caches the newest version per run and re-reads it only when
-a record claims something newer.
+``policy_versions`` for its run. The writer caches the newest version per run and looks again only when
+a record claims something newer (reading the commits since its last look:
+:class:`sao.lake.ledger.NewestVersions`).
 
 Thread safety: ``add``, ``flush`` and ``close`` may be called from several threads; a flush holds the
 writer's lock, so producers wait for it. A background timer enforces ``flush_seconds``; an error it
@@ -51,11 +52,11 @@ from deltalake import DeltaTable
 from sao.lake.columnar import records_to_arrow
 from sao.lake.commit import append_blind, append_exactly
 from sao.lake.config import WriterConfig
-from sao.lake.ledger import newest_policy_version
+from sao.lake.ledger import NewestVersions
 from sao.lake.records import RecordTypeError, TrajectoryRecord, json_safe, utc_now
 from sao.lake.store import Lake, LakeError, is_valid_run_id, sql_literal
 from sao.lake.validate import NO_VERSION, Rule, Violation, validate_table
-from schemas import policy_versions, quarantine, trajectories
+from schemas import quarantine, trajectories
 
 __all__ = ["FlushReport", "TrajectoryWriter", "WriterClosedError", "WriterStats"]
 
@@ -165,7 +166,7 @@ class TrajectoryWriter:
         self._runs: dict[str, _RunState] = {}
         self._newest_versions: dict[str, int] = {}
         self._table: DeltaTable | None = None
-        self._versions: DeltaTable | None = None  # policy_versions, brought up to date when it is read
+        self._versions = NewestVersions(lake)  # policy_versions, followed from its log
         self._lock = threading.RLock()
         self._error: BaseException | None = None
         self._closed = False
@@ -388,15 +389,12 @@ class TrajectoryWriter:
         return validate_table(table, newest, self.config.limits)
 
     def _refresh_newest_version(self, run_id: str) -> None:
-        """Read the run's newest registered version (a rollout of a version newer than the one known,
-        so once per new version): ``policy_versions`` is held and brought up to date, not loaded again."""
+        """Look up the run's newest registered version (a rollout of a version newer than the one known,
+        so once per new version), from the commits to ``policy_versions`` since the last look."""
         newest = None
         if is_valid_run_id(run_id):
-            if self._versions is None:
-                self._versions = self.lake.table(policy_versions.NAME)
-            else:
-                self.lake.refresh(policy_versions.NAME, self._versions)
-            newest = newest_policy_version(self.lake, run_id, table=self._versions)
+            self._versions.look()
+            newest = self._versions.get(run_id)
         self._newest_versions[run_id] = NO_VERSION if newest is None else newest
 
     def _quarantine(

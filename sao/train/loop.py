@@ -48,7 +48,7 @@ from deltalake import DeltaTable
 
 from sao.algos.advantages import flat_groups
 from sao.faults import crash_point
-from sao.lake.ledger import StepsSeen, record_train_step, register_policy_version
+from sao.lake.ledger import StepsSeen, VersionsSeen, record_train_step, register_policy_version
 from sao.lake.maintenance import compact_run
 from sao.lake.reader import TrajectoryReader, read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
@@ -257,7 +257,12 @@ class _Worker:
 
     steps_seen: StepsSeen | None = None
     """Rank 0: the run's ``train_steps`` rows read so far, so that each step's exactly-once check reads
-    only the rows committed since (reading every row of the run grew with its length)."""
+    only the rows committed since (reading every row of the run grew with its length), and nothing when
+    no other commit followed the last step's."""
+
+    versions_seen: VersionsSeen | None = None
+    """Rank 0: the run's newest ``policy_versions`` row as last read or written, so that registering the
+    next version reads nothing when no other commit followed."""
 
     retention_after: int = -1
     """Rank 0: checkpoint versions up to this one are settled by retention (the last plan's
@@ -344,7 +349,8 @@ def _start_worker(cfg: TrainConfig, device: torch.device) -> _Worker:
                      broker=_broker_calls(cfg) if rank == 0 else _Broker(),
                      reader=TrajectoryReader(lake, cfg.run_id, columns=TRAIN_COLUMNS,
                                              pass_over=cfg.update.skip_reasons) if rank == 0 else None,
-                     step=step, version=version, steps_seen=StepsSeen(cfg.run_id) if rank == 0 else None)
+                     step=step, version=version, steps_seen=StepsSeen(cfg.run_id) if rank == 0 else None,
+                     versions_seen=VersionsSeen(cfg.run_id) if rank == 0 else None)
     if rank == 0:
         write_run_config(cfg)
         _ensure_version_registered(lake, cfg, version, policy, critic, worker.tokenizer, learner, step - 1)
@@ -415,7 +421,8 @@ def _commit(worker: _Worker, selection: _Selection, metrics: dict[str, float], s
     register_policy_version(worker.lake, PolicyVersionRecord(
         run_id=cfg.run_id, version=version, parent_version=version - 1,
         checkpoint_uri=str(checkpoint_dir(cfg.checkpoint_root, version).resolve()),
-        weights_hash=digest, step=step), table=worker.ledger_table(policy_versions.NAME))
+        weights_hash=digest, step=step), table=worker.ledger_table(policy_versions.NAME),
+        seen=worker.versions_seen)
     if cfg.retention is not None:
         worker.retention_after = apply_retention(worker.lake, cfg.run_id, cfg.checkpoint_root, cfg.retention,
                                                  after=worker.retention_after).settled

@@ -8,9 +8,12 @@ from sao.lake.config import WriterConfig
 from sao.lake.ledger import (
     ConsumptionError,
     LedgerError,
+    NewestVersions,
     StepsSeen,
+    VersionsSeen,
     consumed_ids,
     newest_policy_version,
+    newest_policy_versions,
     protected_versions,
     record_train_step,
     register_policy_version,
@@ -196,3 +199,130 @@ def test_a_version_registered_after_its_parent_reads_from_the_parent_on(lake, mo
     with pytest.raises(LedgerError, match="next version is 3"):
         register_policy_version(lake, _version(5, 4))
     assert predicates == [f"run_id = '{RUN}' AND version >= 4", f"run_id = '{RUN}'"]
+
+
+def _reads_of(lake, monkeypatch, name: str) -> list[str | None]:
+    """The predicates of every delta-rs read of table ``name`` from now on."""
+    predicates: list[str | None] = []
+    real = lake.read_from
+
+    def recorded(table, table_name, **kwargs):
+        if table_name == name:
+            predicates.append(kwargs.get("predicate"))
+        return real(table, table_name, **kwargs)
+
+    monkeypatch.setattr(lake, "read_from", recorded)
+    return predicates
+
+
+def test_steps_seen_reads_nothing_when_no_commit_followed_and_reads_again_when_one_did(lake, monkeypatch):
+    """A step planned on the version its own last step made reads no ``train_steps`` row, and is still
+    refused what a read refuses once another handle committed; an identical step again is a no-op."""
+    ids = _stored_ids(lake, 10)
+    version = lake.version("trajectories")
+    steps, seen = lake.table("train_steps"), StepsSeen(RUN)
+    reads = _reads_of(lake, monkeypatch, "train_steps")
+    record_train_step(lake, _step(0, ids[:2], version), table=steps, seen=seen)
+    assert reads == [f"run_id = '{RUN}'"]  # a new trainer reads the run once
+    assert seen.table_version == lake.version("train_steps")
+    reads.clear()
+    record_train_step(lake, _step(1, ids[2:4], version), table=steps, seen=seen)
+    with pytest.raises(ConsumptionError, match="consumed by an earlier step"):
+        record_train_step(lake, _step(2, [ids[1], ids[4]], version), table=steps, seen=seen)  # step 0's id
+    assert reads == []
+    assert (seen.last_step, seen.table_version) == (1, lake.version("train_steps"))
+    record_train_step(lake, _step(2, ids[4:6], version))  # another handle: this trainer has not seen it
+    reads.clear()
+    with pytest.raises(ConsumptionError, match="consumed by an earlier step"):
+        record_train_step(lake, _step(3, [ids[5], ids[6]], version), table=steps, seen=seen)
+    assert reads == [f"run_id = '{RUN}' AND step > 1"]
+    reads.clear()
+    assert record_train_step(lake, _step(3, ids[6:8], version), table=steps, seen=seen).rows == 1
+    assert reads == []  # step 2 was taken in by the refused call's read
+    assert record_train_step(lake, _step(3, ids[6:8], version), table=steps, seen=seen).version is None
+    with pytest.raises(LedgerError, match="already has a different step 3"):
+        record_train_step(lake, _step(3, ids[8:], version), table=steps, seen=seen)
+    assert reads == [f"run_id = '{RUN}'", f"run_id = '{RUN}'"]  # a step not after the last is read whole
+    assert seen.consumed == set(ids[:8]) == set(consumed_ids(lake, RUN).to_pylist())
+
+
+def test_versions_seen_reads_nothing_when_no_commit_followed_and_reads_again_when_one_did(lake, monkeypatch):
+    """The next version registered on the version the last registration made reads no
+    ``policy_versions`` row; after another handle's commit, or for any other version, it reads and
+    refuses what it refused before."""
+    versions, seen = lake.table("policy_versions"), VersionsSeen(RUN)
+    reads = _reads_of(lake, monkeypatch, "policy_versions")
+    assert register_policy_version(lake, _version(2, 1), table=versions, seen=seen).rows == 1
+    assert reads == [f"run_id = '{RUN}' AND version >= 1"]
+    reads.clear()
+    assert register_policy_version(lake, _version(3, 2), table=versions, seen=seen).rows == 1
+    assert reads == []
+    assert (seen.newest, seen.table_version) == (3, lake.version("policy_versions"))
+    with pytest.raises(LedgerError, match="next version is 4"):
+        register_policy_version(lake, _version(5, 4), table=versions, seen=seen)
+    with pytest.raises(LedgerError, match="must have parent_version 3"):
+        register_policy_version(lake, _version(4, 2), table=versions, seen=seen)
+    assert register_policy_version(lake, _version(3, 2), table=versions, seen=seen).version is None  # identical
+    assert len(reads) == 4
+    register_policy_version(lake, _version(4, 3))  # another handle
+    reads.clear()
+    with pytest.raises(LedgerError, match="already has policy version 4"):
+        register_policy_version(lake, _version(4, 3, uri="elsewhere"), table=versions, seen=seen)
+    assert seen.newest == 4
+    assert register_policy_version(lake, _version(5, 4), table=versions, seen=seen).rows == 1
+    assert reads == [f"run_id = '{RUN}' AND version >= 3"]
+    assert newest_policy_version(lake, RUN) == 5
+    with pytest.raises(ValueError, match="versions seen of run"):
+        register_policy_version(lake, _version(0, None, run_id="other-run"), seen=seen)
+
+
+def test_newest_versions_follow_the_log_after_one_read_and_match_the_table(lake, monkeypatch):
+    """After its first look, :class:`NewestVersions` reads only the commits since and the files they
+    add, with no delta-rs read, and agrees with a read of the table after every kind of commit: a
+    version of its run, of another run, several commits at once, a compaction."""
+    newest = NewestVersions(lake)
+    newest.look()  # the fixture registered 0 and 1
+    assert (newest.get(RUN), newest.get("other-run"), newest.version) == (1, None, lake.version("policy_versions"))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a look after the first read policy_versions through delta-rs")
+
+    real_table, real_read = lake.table, lake.read_from
+    monkeypatch.setattr(lake, "table", refused)
+    monkeypatch.setattr(lake, "read_from", refused)
+
+    def commit(*records, compact=False):
+        with monkeypatch.context() as unpatched:
+            unpatched.setattr(lake, "table", real_table)
+            unpatched.setattr(lake, "read_from", real_read)
+            for record in records:
+                register_policy_version(lake, record)
+            if compact:
+                compact_ledger(lake)
+            return newest_policy_versions(lake), lake.version("policy_versions")
+
+    newest.look()  # nothing committed since: nothing read
+    for records, compact in [
+        ((_version(2, 1),), False),
+        ((_version(0, None, run_id="other-run"), _version(1, 0, run_id="other-run"), _version(3, 2)), False),
+        ((), True),
+        ((_version(4, 3),), False),
+    ]:
+        expected, version = commit(*records, compact=compact)
+        newest.look()
+        assert {run: newest.get(run) for run in expected} == expected
+        assert newest.version == version
+
+
+def test_newest_versions_read_the_table_when_its_new_files_cannot_be_read(lake, monkeypatch):
+    newest = NewestVersions(lake)
+    newest.look()
+    register_policy_version(lake, _version(2, 1))
+    import sao.lake.ledger as ledger
+
+    def unreadable(*args, **kwargs):
+        raise OSError("no such file")
+
+    monkeypatch.setattr(ledger.ds, "dataset", unreadable)
+    newest.look()
+    assert (newest.get(RUN), newest.version) == (2, lake.version("policy_versions"))
