@@ -56,7 +56,7 @@ __all__ = ["PipelineConfig", "PipelineResult", "run_pipeline", "task_stream"]
 log = logging.getLogger(__name__)
 
 
-ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S = 16, 0.25  # an asynchronous run's smallest commit, and its age flush per 16 rows
+ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S = 16, 1.0  # an asynchronous run's smallest commit, and its age flush
 SYNC_FLUSH_S = 5.0  # a synchronous run's age flush (its batches are committed whole)
 
 
@@ -111,19 +111,22 @@ class PipelineConfig:
 
     def writer_config(self) -> WriterConfig:
         """``writer``, or by default: in an asynchronous run, a commit per half batch, at least
-        :data:`ASYNC_FLUSH_ROWS` rows, or when the oldest row has waited :data:`ASYNC_FLUSH_S` per 16 rows
-        (small commits keep the trainer fed; each commit costs the driver's process CPU the replicas and
-        the trainer share: at batch 128, commits of 64 rows or 1 s instead of 16 rows or 0.25 s took its
-        CPU per completion from 22.8 to 18.2 ms in ``sao bench peer``'s ``sao-single``); in a synchronous
-        run, one commit per batch (the trainer cannot start before the whole batch is in, and the driver
-        commits it the moment its last rollout ends: :mod:`sao.rollout.driver`), with
+        :data:`ASYNC_FLUSH_ROWS` rows, when the oldest row has waited :data:`ASYNC_FLUSH_S`, or as soon as
+        the rows the trainer waits for are in (:meth:`sao.lake.writer.TrajectoryWriter.demand`): that is
+        what keeps the trainer fed, and each commit costs the driver's process CPU the replicas and the
+        trainer share. At batch 128, commits of 64 rows or 1 s instead of 16 rows or 0.25 s took its CPU
+        per completion from 22.8 to 18.2 ms in ``sao bench peer``'s ``sao-single``; at batch 32, an age
+        flush of 1 s instead of 0.25 s took the writer from 4.5 to 3.2 commits a step in a diagnostic run
+        of ``sao bench speed``'s lake arm (three rounds; ``docs/RESULTS.md``, the ``speed`` notes). In a
+        synchronous run, one commit per batch (the trainer cannot start before the whole batch is in, and
+        the driver commits it the moment its last rollout ends: :mod:`sao.rollout.driver`), with
         :data:`SYNC_FLUSH_S` bounding how long a row waits in memory."""
         if self.writer is not None:
             return self.writer
         if self.synchronous:
             return WriterConfig(flush_rows=self.train.batch_size, flush_seconds=SYNC_FLUSH_S)
         rows = max(ASYNC_FLUSH_ROWS, self.train.batch_size // 2)
-        return WriterConfig(flush_rows=rows, flush_seconds=ASYNC_FLUSH_S * rows / ASYNC_FLUSH_ROWS)
+        return WriterConfig(flush_rows=rows, flush_seconds=ASYNC_FLUSH_S)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:

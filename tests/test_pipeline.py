@@ -46,7 +46,7 @@ def test_the_writer_commits_half_batches_asynchronously_and_whole_batches_synchr
     from sao.pipeline import ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S, SYNC_FLUSH_S
 
     asynchronous = PipelineConfig(train=_train(tmp_path, batch_size=32)).writer_config()
-    assert (asynchronous.flush_rows, asynchronous.flush_seconds) == (ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S) == (16, 0.25)
+    assert (asynchronous.flush_rows, asynchronous.flush_seconds) == (ASYNC_FLUSH_ROWS, ASYNC_FLUSH_S) == (16, 1.0)
     larger = PipelineConfig(train=_train(tmp_path, batch_size=128)).writer_config()
     assert (larger.flush_rows, larger.flush_seconds) == (64, 1.0)  # a commit per half batch, or 1 s
     synchronous = PipelineConfig(train=_train(tmp_path, batch_size=32, max_staleness=0), synchronous=True)
