@@ -172,6 +172,7 @@ class ArmResult:
     staleness_mean: float | None = None
     step_s: list[float] = dataclasses.field(default_factory=list)
     rollout_s: list[float] = dataclasses.field(default_factory=list)  # rollout wall times (capacity arm)
+    finished: dict[str, float] | None = None  # lake arms: the rollouts that finished in the steady span
 
 
 def _steady(name: str, batch: int, ends: Sequence[float], busy: Sequence[float], started: float,
@@ -209,7 +210,30 @@ def _pipeline_arm(name: str, config, tasks) -> ArmResult:
     busy = [dict(r["timings"])["update_s"] + dict(r["timings"])["commit_s"] for r in rows]
     staleness = statistics.fmean(dict(r["metrics"]).get("batch/staleness_mean", 0.0) for r in rows)
     return _steady(name, config.train.batch_size, ends, busy, 0.0, wall_s,
-                   slot_utilisation=result.driver.slot_utilisation(config.max_in_flight), staleness_mean=staleness)
+                   slot_utilisation=result.driver.slot_utilisation(config.max_in_flight), staleness_mean=staleness,
+                   finished=_finished(Path(config.train.lake.root), config.train.run_id,
+                                      rows[0]["finished_at"], rows[-1]["finished_at"]))
+
+
+def _finished(lake_root: Path, run_id: str, begin, end) -> dict[str, float]:
+    """The run's rollouts that finished between ``begin`` and ``end`` (its steady span), from the lake:
+    how many a second, and how many were trained, cancelled (too stale to finish: the driver cuts them
+    short), or stored and not trained (passed over as stale, or not yet consumed when the run stopped)."""
+    from sao.lake.config import LakeConfig
+    from sao.lake.store import Lake, sql_literal
+    from schemas import train_steps, trajectories
+
+    lake = Lake.open(LakeConfig(root=str(lake_root)))
+    run = f"run_id = {sql_literal(run_id)}"
+    stored = lake.read(trajectories.NAME, columns=["trajectory_id", "termination_reason", "timings"],
+                       predicate=run).to_pylist()
+    consumed = {i for row in lake.read(train_steps.NAME, columns=["trajectory_ids"], predicate=run).to_pylist()
+                for i in row["trajectory_ids"]}
+    window = [r for r in stored if begin < r["timings"]["finished_at"] <= end]
+    trained = sum(1 for r in window if r["trajectory_id"] in consumed)
+    cancelled = sum(1 for r in window if r["trajectory_id"] not in consumed and r["termination_reason"] == "cancelled")
+    return {"count": len(window), "per_s": len(window) / (end - begin).total_seconds(), "trained": trained,
+            "cancelled": cancelled, "not_trained": len(window) - trained - cancelled}
 
 
 def _capacity_arms(args: argparse.Namespace, policy: Path, tasks) -> tuple[ArmResult, ArmResult]:
@@ -464,6 +488,18 @@ def _markdown(record: dict[str, Any], plot: Path | None) -> str:
         f"| lake cost: throughput lost to Delta vs the in-memory queue < 5% | {spread_text(lake_cost, '.1%')} | "
         f"{'yes' if lake_cost['median'] < 0.05 else 'NO'} |",
     ]
+    if "trained_share" in record:
+        done = asyn["finished"]
+        lines += [
+            "", f"What the roofline figure is made of (the lake arm; median (min-max) over the rounds): rollouts "
+            f"finished at {spread_text(record['finished_over_capacity'], '.0%')} of the rollout capacity arm's rate "
+            f"while the trainer shared the cores, and {spread_text(record['trained_share'], '.0%')} of them were "
+            f"trained. In the median round, of the {done['count']} rollouts that finished in the steady span, "
+            f"{done['trained']} were trained, {done['cancelled']} were cancelled as too stale to be trained (max "
+            f"staleness {record['max_staleness']}, while the tail of rollout wall times spans several steps), and "
+            f"{done['not_trained']} were stored and not trained (passed over as stale, or not yet consumed when the "
+            "run stopped).",
+        ]
     if record.get("notes"):
         lines += ["", *record["notes"]]
     if plot is not None:
@@ -494,18 +530,25 @@ def _round(args: argparse.Namespace, policy: Path, tasks, say) -> dict[str, Any]
             "rollout_capacity_per_s": rollouts.per_s, "trainer_capacity_per_s": trainer.per_s,
             "roofline_per_s": roofline, "rollout_time_s": _quantiles(rollouts.rollout_s),
             "async_over_sync": asyn.per_s / sync.per_s, "async_over_roofline": asyn.per_s / roofline,
-            "lake_cost": 1 - asyn.per_s / queue.per_s}
+            "lake_cost": 1 - asyn.per_s / queue.per_s,
+            "trained_share": asyn.finished["trained"] / asyn.finished["count"],
+            "finished_over_capacity": asyn.finished["per_s"] / rollouts.per_s}
 
 
 RATIOS = ("async_over_sync", "async_over_roofline", "lake_cost")
 """The targets' figures, each computed within a round and reported as median, min and max."""
+
+EXPLAINING = ("trained_share", "finished_over_capacity")
+"""What the roofline's figure is made of, in the lake arm: the share of the rollouts finished in its steady
+span that were trained, and how fast rollouts finished there against the rollout capacity arm's rate."""
 
 
 def over_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The record's figures from its rounds: each ratio of :data:`RATIOS` as median (min-max) of the
     rounds' own; each arm as the round whose ``per_s`` is its median (the table and plot show real runs,
     not mixtures), with every round's ``per_s`` beside it."""
-    out: dict[str, Any] = {name: median_spread([r[name] for r in rounds]) for name in RATIOS}
+    out: dict[str, Any] = {name: median_spread([r[name] for r in rounds])
+                           for name in RATIOS + EXPLAINING if all(name in r for r in rounds)}
     for name in ("rollout_capacity_per_s", "trainer_capacity_per_s", "roofline_per_s"):
         out[name] = statistics.median(r[name] for r in rounds)
     arms = []

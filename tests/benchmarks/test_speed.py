@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.speed import MemoryQueue, _steady, main, over_rounds
+from benchmarks.speed import MemoryQueue, _finished, _steady, main, over_rounds
 
 
 def _record(version):
@@ -58,6 +58,41 @@ def test_target_figures_are_taken_within_a_round_and_each_arm_is_its_median_roun
     assert summary["arms"][2]["per_s_runs"] == [2.0, 3.0, 1.0]
 
 
+def test_the_rollouts_finished_in_the_steady_span_are_split_into_trained_cancelled_and_not_trained(tmp_path):
+    """Finished at 1..6 s; the span is (1.5, 5.5] s: rollouts 2-5 count (4 in 4 s), of which 2 and 3
+    were trained, 4 cancelled, 5 stored and not trained; 1 (before) and 6 (after) are outside."""
+    import dataclasses
+    import datetime as dt
+
+    from sao.lake.config import LakeConfig, WriterConfig
+    from sao.lake.ledger import record_train_step, register_policy_version
+    from sao.lake.records import PolicyVersionRecord, TerminationReason, TrainStepRecord
+    from sao.lake.store import Lake
+    from sao.lake.synthetic import make_trajectories
+    from sao.lake.writer import TrajectoryWriter
+
+    lake = Lake.open(LakeConfig(root=str(tmp_path / "lake")))
+    for version in (0, 1, 2):
+        register_policy_version(lake, PolicyVersionRecord("run-0", version, f"ckpt/{version}", "sha",
+                                                          parent_version=None if version == 0 else version - 1))
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    records = []
+    for index, record in enumerate(make_trajectories(6, seed=3, num_tokens=8), start=1):
+        timings = dataclasses.replace(record.timings, created_at=t0, started_at=t0,
+                                      finished_at=t0 + dt.timedelta(seconds=index))
+        reason = TerminationReason.CANCELLED if index == 4 else record.termination_reason
+        records.append(dataclasses.replace(record, timings=timings, termination_reason=reason))
+    with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
+        writer.add_many(records)
+    assert writer.stats.written == 6
+    ids = [r.trajectory_id for r in records]
+
+    record_train_step(lake, TrainStepRecord("run-0", 0, 1, 2, lake.version("trajectories"), (ids[1], ids[2], ids[0]),
+                                            t0, t0, {}))
+    done = _finished(tmp_path / "lake", "run-0", t0 + dt.timedelta(seconds=1.5), t0 + dt.timedelta(seconds=5.5))
+    assert done == {"count": 4, "per_s": 1.0, "trained": 2, "cancelled": 1, "not_trained": 1}
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_quick_run_measures_every_arm(tmp_path, ray_session):
@@ -75,5 +110,8 @@ def test_quick_run_measures_every_arm(tmp_path, ray_session):
     sync = data["arms"][-1]
     assert sync["staleness_mean"] == 0.0  # every synchronous batch was sampled by the trainer's own version
     assert data["roofline_per_s"] == min(data["rollout_capacity_per_s"], data["trainer_capacity_per_s"])
+    lake_arm = data["arms"][2]["finished"]
+    assert lake_arm["count"] == lake_arm["trained"] + lake_arm["cancelled"] + lake_arm["not_trained"] > 0
+    assert data["trained_share"]["median"] == lake_arm["trained"] / lake_arm["count"]
     assert (out / "speed.png").stat().st_size > 0
     assert not (tmp_path / "RESULTS.md").exists()  # --quick never writes a results section
