@@ -52,6 +52,9 @@ def here_scenario(calibration: RunMeasurement, replicas: int, batch: int, max_in
         rate_curve=_rollout_curve(), turn_overhead_s=turn_overhead_s, tokens_per_turn=calibration.tokens_per_turn,
         context_tokens=calibration.context_tokens, turns=max(1, round(calibration.turns)),
         tool_median_s=calibration.tool_median_s, tool_sigma=calibration.tool_sigma,
+        # The pipeline's writer flushes at 16 rows, after 1 s, or as soon as the rows a waiting trainer
+        # needs are in (TrajectoryWriter.demand); the simulator has no demand, and a 0.25 s age flush
+        # stands in for it.
         flush_rows=16, flush_seconds=0.25, commit_s=commit_s, commit_s_per_token=commit_per_token,
         batch=batch, max_staleness=2, read_s=calibration.wait_read_s, step_s=0.0, step_s_per_token=per_token,
         # The trainer is blocked, without using a core, for the step's commit (checkpoint, rows) and what
