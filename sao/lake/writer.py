@@ -383,19 +383,15 @@ class TrajectoryWriter:
             if run_id not in self._newest_versions
             or (version is not None and version > self._newest_versions[run_id])
         }
-        for run_id in stale:  # at most one read of policy_versions per run and flush
-            self._refresh_newest_version(run_id)
+        # A rollout of a version newer than the one known (so once per new version): one look at the
+        # commits to policy_versions since the last, for every such run of the flush.
+        if any(is_valid_run_id(run_id) for run_id in stale):
+            self._versions.look()
+        for run_id in stale:
+            found = self._versions.get(run_id) if is_valid_run_id(run_id) else None
+            self._newest_versions[run_id] = NO_VERSION if found is None else found
         newest = np.array([self._newest_versions[r] for r in run_ids], dtype=np.int64)
         return validate_table(table, newest, self.config.limits)
-
-    def _refresh_newest_version(self, run_id: str) -> None:
-        """Look up the run's newest registered version (a rollout of a version newer than the one known,
-        so once per new version), from the commits to ``policy_versions`` since the last look."""
-        newest = None
-        if is_valid_run_id(run_id):
-            self._versions.look()
-            newest = self._versions.get(run_id)
-        self._newest_versions[run_id] = NO_VERSION if newest is None else newest
 
     def _quarantine(
         self,
