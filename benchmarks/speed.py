@@ -31,7 +31,8 @@ groups (fewer independent draws than 32 single rollouts: conservative for the sp
 
 Throughput is measured in the steady state, from the first step's end to the last step's end (the
 Serve app's start is reported apart). ``--runs`` rounds (default 3) of every arm, one round after
-another; each target's figure is taken within a round and reported as median, min and max. The roofline is the slower of the rollout capacity and the SAO
+another, the lake and queue arms taking turns to go first (:func:`lake_queue_order`); each target's
+figure is taken within a round and reported as median, min and max. The roofline is the slower of the rollout capacity and the SAO
 trainer's capacity, each measured alone. Writes ``docs/results/speed.json``, ``docs/results/speed.png``
 and the ``speed`` section of ``docs/RESULTS.md``.
 """
@@ -460,7 +461,8 @@ def _markdown(record: dict[str, Any], plot: Path | None) -> str:
         f"{rollout_q['max']:.1f} s (mean {rollout_q['mean']:.1f} s). Async: max staleness {record['max_staleness']}; "
         f"sync GRPO: {record['group']} rollouts per prompt, one batch per version.", "",
         f"Each arm's row is its median round of {record['runs']} (by trajectories/s; every round's figure in the last "
-        "column); the rollout wall times are the first round's.", "",
+        "column); the rollout wall times are the first round's. In each round the arms ran in the table's order, "
+        "except that the lake and queue arms took turns to go first (lake first in the first round).", "",
         "| arm | trajectories/s | steady span (s) | trajectories | start-up to first step (s) | trainer busy | "
         "rollout-slot use | mean staleness | trajectories/s, each round |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -507,20 +509,33 @@ def _markdown(record: dict[str, Any], plot: Path | None) -> str:
     return "\n".join(lines)
 
 
-def _round(args: argparse.Namespace, policy: Path, tasks, say) -> dict[str, Any]:
-    """Every arm once, one after another, on fresh lakes and run folders."""
+def lake_queue_order(index: int) -> tuple[str, str]:
+    """The order of the two arms whose ratio is the lake cost in round ``index`` (0-based): the lake arm
+    first in even rounds, the queue arm first in odd ones, so that neither always runs right after the
+    capacity arms or always last before the synchronous arm."""
+    return ("lake", "queue") if index % 2 == 0 else ("queue", "lake")
+
+
+def _round(args: argparse.Namespace, policy: Path, tasks, say, index: int) -> dict[str, Any]:
+    """Every arm once, one after another, on fresh lakes and run folders (the lake and queue arms in
+    :func:`lake_queue_order`)."""
     _fresh(args.workdir / "lake")
     for name in ("capacity", "async-lake", "async-queue", "sync-grpo"):
         _fresh(args.workdir / name)
     say("speed: rollout capacity, then trainer capacity ...")
     rollouts, trainer = _capacity_arms(args, policy, tasks)
     say(f"  rollouts {rollouts.per_s:.2f}/s, trainer {trainer.per_s:.2f}/s")
-    say("speed: async SAO with the lake ...")
-    asyn = _pipeline_arm("async SAO (lake)", _config(args, policy, "async-lake", "sao", steps=args.steps), tasks)
-    say(f"  {asyn.per_s:.2f}/s")
-    say("speed: async SAO with an in-memory queue ...")
-    queue = _queue_arm(_config(args, policy, "async-queue", "sao", steps=args.steps), tasks)
-    say(f"  {queue.per_s:.2f}/s")
+    results: dict[str, ArmResult] = {}
+    for arm in lake_queue_order(index):
+        if arm == "lake":
+            say("speed: async SAO with the lake ...")
+            results[arm] = _pipeline_arm("async SAO (lake)", _config(args, policy, "async-lake", "sao",
+                                                                     steps=args.steps), tasks)
+        else:
+            say("speed: async SAO with an in-memory queue ...")
+            results[arm] = _queue_arm(_config(args, policy, "async-queue", "sao", steps=args.steps), tasks)
+        say(f"  {results[arm].per_s:.2f}/s")
+    asyn, queue = results["lake"], results["queue"]
     say("speed: sync GRPO ...")
     sync = _pipeline_arm("sync GRPO", _config(args, policy, "sync-grpo", "grpo", steps=args.sync_steps,
                                               synchronous=True), tasks)
@@ -529,6 +544,7 @@ def _round(args: argparse.Namespace, policy: Path, tasks, say) -> dict[str, Any]
     return {"arms": [dataclasses.asdict(a) for a in (rollouts, trainer, asyn, queue, sync)],
             "rollout_capacity_per_s": rollouts.per_s, "trainer_capacity_per_s": trainer.per_s,
             "roofline_per_s": roofline, "rollout_time_s": _quantiles(rollouts.rollout_s),
+            "order": list(lake_queue_order(index)),
             "async_over_sync": asyn.per_s / sync.per_s, "async_over_roofline": asyn.per_s / roofline,
             "lake_cost": 1 - asyn.per_s / queue.per_s,
             "trained_share": asyn.finished["trained"] / asyn.finished["count"],
@@ -573,7 +589,7 @@ def main(argv: list[str]) -> int:
     rounds = []
     for index in range(args.runs):
         say(f"speed: round {index + 1} of {args.runs}")
-        rounds.append(_round(args, policy, tasks, say))
+        rounds.append(_round(args, policy, tasks, say, index))
     record: dict[str, Any] = {
         "machine": machine_info, "command": " ".join(["sao bench speed", *argv]), "wall_s": time.monotonic() - started,
         "runs": args.runs, "batch": args.batch, "group": args.group, "in_flight": args.in_flight,

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.speed import MemoryQueue, _finished, _steady, main, over_rounds
+import benchmarks.speed as speed
+from benchmarks.speed import ArmResult, MemoryQueue, _finished, _round, _steady, main, over_rounds
 
 
 def _record(version):
@@ -95,6 +96,34 @@ def test_the_rollouts_finished_in_the_steady_span_are_split_into_trained_cancell
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_the_lake_and_queue_arms_take_turns_to_go_first(tmp_path, monkeypatch):
+    ran = []
+
+    def arm(name, per_s):
+        ran.append(name)
+        return ArmResult(name=name, trajectories=32, steady_s=1.0, per_s=per_s, wall_s=1.0, rollout_s=[1.0],
+                         finished={"count": 4, "per_s": 2.0, "trained": 3, "cancelled": 1, "not_trained": 0})
+
+    monkeypatch.setattr(speed, "_config", lambda *args, **kwargs: None)
+    monkeypatch.setattr(speed, "_capacity_arms", lambda *args: (arm("rollout capacity", 4.0),
+                                                                 arm("trainer capacity (SAO)", 8.0)))
+    monkeypatch.setattr(speed, "_pipeline_arm", lambda name, config, tasks: arm(name, 3.0 if "lake" in name else 1.0))
+    monkeypatch.setattr(speed, "_queue_arm", lambda config, tasks: arm("async SAO (in-memory queue)", 3.2))
+    args = SimpleNamespace(workdir=tmp_path, batch=32, steps=1, sync_steps=1)
+    orders = []
+    for index in range(3):
+        ran.clear()
+        record = _round(args, None, [], lambda text: None, index)
+        orders.append(ran[2:4])
+        assert record["order"] == ["lake", "queue"] if index % 2 == 0 else ["queue", "lake"]
+        # the record's arms keep the table's order whatever order they ran in
+        assert [a["name"] for a in record["arms"]] == ["rollout capacity", "trainer capacity (SAO)",
+                                                       "async SAO (lake)", "async SAO (in-memory queue)", "sync GRPO"]
+        assert record["lake_cost"] == pytest.approx(1 - 3.0 / 3.2)
+    lake, queue = "async SAO (lake)", "async SAO (in-memory queue)"
+    assert orders == [[lake, queue], [queue, lake], [lake, queue]]
+
+
 def test_quick_run_measures_every_arm(tmp_path, ray_session):
     out = tmp_path / "out"
     assert main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(out),
