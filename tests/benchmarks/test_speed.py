@@ -94,8 +94,6 @@ def test_the_rollouts_finished_in_the_steady_span_are_split_into_trained_cancell
     assert done == {"count": 4, "per_s": 1.0, "trained": 2, "cancelled": 1, "not_trained": 1}
 
 
-@pytest.mark.slow
-@pytest.mark.ray
 def test_the_lake_and_queue_arms_take_turns_to_go_first(tmp_path, monkeypatch):
     ran = []
 
@@ -124,6 +122,8 @@ def test_the_lake_and_queue_arms_take_turns_to_go_first(tmp_path, monkeypatch):
     assert orders == [[lake, queue], [queue, lake], [lake, queue]]
 
 
+@pytest.mark.slow
+@pytest.mark.ray
 def test_quick_run_measures_every_arm(tmp_path, ray_session):
     out = tmp_path / "out"
     assert main(["--quick", "--workdir", str(tmp_path / "work"), "--out", str(out),
