@@ -174,6 +174,7 @@ class ArmResult:
     step_s: list[float] = dataclasses.field(default_factory=list)
     rollout_s: list[float] = dataclasses.field(default_factory=list)  # rollout wall times (capacity arm)
     finished: dict[str, float] | None = None  # lake arms: the rollouts that finished in the steady span
+    trainer_path: dict[str, float] | None = None  # lake arms: the lake on the trainer's path (_trainer_path)
 
 
 def _steady(name: str, batch: int, ends: Sequence[float], busy: Sequence[float], started: float,
@@ -213,7 +214,39 @@ def _pipeline_arm(name: str, config, tasks) -> ArmResult:
     return _steady(name, config.train.batch_size, ends, busy, 0.0, wall_s,
                    slot_utilisation=result.driver.slot_utilisation(config.max_in_flight), staleness_mean=staleness,
                    finished=_finished(Path(config.train.lake.root), config.train.run_id,
-                                      rows[0]["finished_at"], rows[-1]["finished_at"]))
+                                      rows[0]["finished_at"], rows[-1]["finished_at"]),
+                   trainer_path=_trainer_path(Path(config.train.lake.root), config.train.run_id))
+
+
+def _trainer_path(lake_root: Path, run_id: str) -> dict[str, float]:
+    """Where the lake sits on the trainer's path, from the run's rows (medians over its steps after the
+    first, in seconds): from the arrival at the writer of the last row a step trained on to the plan of
+    its commit (``ingested_at``; conversion, checks, the launches' commit), from there to the batch
+    selected (the commit, the trainer told, its look and read), and from a step's end (``finished_at``,
+    after its checkpoint) to the next step's start (its ``train_steps`` and ``policy_versions`` commits,
+    retention, the weights' publication)."""
+    from sao.lake.config import LakeConfig
+    from sao.lake.store import Lake, sql_literal
+    from schemas import train_steps, trajectories
+
+    lake = Lake.open(LakeConfig(root=str(lake_root)))
+    run = f"run_id = {sql_literal(run_id)}"
+    rows = {r["trajectory_id"]: r for r in lake.read(
+        trajectories.NAME, columns=["trajectory_id", "arrived_at", "ingested_at"], predicate=run).to_pylist()}
+    steps = sorted(lake.read(train_steps.NAME, columns=["step", "trajectory_ids", "started_at", "finished_at",
+                                                        "timings"], predicate=run).to_pylist(),
+                   key=lambda r: r["step"])
+    to_commit, to_selected, between = [], [], []
+    for before, step in zip(steps, steps[1:], strict=False):
+        last = max((rows[i] for i in step["trajectory_ids"]), key=lambda r: r["arrived_at"])
+        selected = step["started_at"].timestamp() + dict(step["timings"])["wait_read_s"]
+        to_commit.append((last["ingested_at"] - last["arrived_at"]).total_seconds())
+        to_selected.append(selected - last["ingested_at"].timestamp())
+        between.append((step["started_at"] - before["finished_at"]).total_seconds())
+    if not between:
+        return {}
+    return {"arrival_to_commit_s": statistics.median(to_commit), "commit_to_selected_s": statistics.median(to_selected),
+            "between_steps_s": statistics.median(between)}
 
 
 def _finished(lake_root: Path, run_id: str, begin, end) -> dict[str, float]:
@@ -501,6 +534,18 @@ def _markdown(record: dict[str, Any], plot: Path | None) -> str:
             f"staleness {record['max_staleness']}, while the tail of rollout wall times spans several steps), and "
             f"{done['not_trained']} were stored and not trained (passed over as stale, or not yet consumed when the "
             "run stopped).",
+        ]
+    path = asyn.get("trainer_path")
+    if path:
+        lines += [
+            "", "Where the lake sits on the trainer's path (the lake arm's median round; medians over its steps): "
+            f"the last row a step trained on waited {path['arrival_to_commit_s'] * 1e3:.0f} ms from its arrival at "
+            f"the writer to its commit's plan, and {path['commit_to_selected_s'] * 1e3:.0f} ms more until the "
+            "trainer had its batch (the commit, the trainer told, its look and read); between a step's end "
+            f"and the next one's start, {path['between_steps_s'] * 1e3:.0f} ms (the step's two ledger commits, "
+            "retention, the weights' publication; the queue arm publishes only). The staleness gate admits "
+            "rollouts by the trainer's published version, so time the trainer spends here also holds back "
+            "new rollouts.",
         ]
     if record.get("notes"):
         lines += ["", *record["notes"]]

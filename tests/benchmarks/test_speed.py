@@ -11,7 +11,16 @@ from types import SimpleNamespace
 import pytest
 
 import benchmarks.speed as speed
-from benchmarks.speed import ArmResult, MemoryQueue, _finished, _round, _steady, main, over_rounds
+from benchmarks.speed import (
+    ArmResult,
+    MemoryQueue,
+    _finished,
+    _round,
+    _steady,
+    _trainer_path,
+    main,
+    over_rounds,
+)
 
 
 def _record(version):
@@ -92,6 +101,54 @@ def test_the_rollouts_finished_in_the_steady_span_are_split_into_trained_cancell
                                             t0, t0, {}))
     done = _finished(tmp_path / "lake", "run-0", t0 + dt.timedelta(seconds=1.5), t0 + dt.timedelta(seconds=5.5))
     assert done == {"count": 4, "per_s": 1.0, "trained": 2, "cancelled": 1, "not_trained": 1}
+
+
+def test_the_lake_on_the_trainers_path_is_measured_from_the_rows_of_the_run(tmp_path):
+    """Rows A-E arrive at 10.0, 10.5, 11.0, 12.0, 12.2 s and are planned into commits 0.02, 0.03, 0.01,
+    0.05, 0.01 s later. Step 0 trains A, ends at 10.8; step 1 trains B and C, starts at 11.0 (0.2 s
+    after), has its batch 0.04 s later (11.04: 0.03 s after C's commit at 11.01); step 2 trains D and E,
+    starts at 12.5 (0.3 s after step 1's end at 12.2), has its batch at 12.6 (0.39 s after E's 12.21).
+    Medians over steps 1 and 2: 0.01 and 0.01 -> 0.01; 0.03 and 0.39 -> 0.21; 0.2 and 0.3 -> 0.25."""
+    import datetime as dt
+
+    import pyarrow as pa
+
+    from sao.lake.commit import append_blind
+    from sao.lake.config import LakeConfig, WriterConfig
+    from sao.lake.ledger import record_train_step, register_policy_version
+    from sao.lake.records import PolicyVersionRecord, TrainStepRecord
+    from sao.lake.store import Lake
+    from sao.lake.synthetic import make_trajectories
+    from sao.lake.writer import TrajectoryWriter
+    from schemas import trajectories
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    def at(seconds):
+        return t0 + dt.timedelta(seconds=seconds)
+
+    written = Lake.open(LakeConfig(root=str(tmp_path / "written")))
+    register_policy_version(written, PolicyVersionRecord("run-0", 0, "ckpt/0", "sha"))
+    records = make_trajectories(5, seed=4, num_tokens=8)
+    with TrajectoryWriter(written, WriterConfig(background_flush=False)) as writer:
+        writer.add_many(records)
+    table = written.read(trajectories.NAME).sort_by("ingest_seq")
+    arrived = [10.0, 10.5, 11.0, 12.0, 12.2]
+    planned = [10.02, 10.53, 11.01, 12.05, 12.21]
+    for name, seconds in (("arrived_at", arrived), ("ingested_at", planned)):
+        column = pa.array([at(x) for x in seconds], trajectories.SCHEMA.field(name).type)
+        table = table.set_column(table.schema.get_field_index(name), trajectories.SCHEMA.field(name), column)
+    lake = Lake.open(LakeConfig(root=str(tmp_path / "lake")))
+    register_policy_version(lake, PolicyVersionRecord("run-0", 0, "ckpt/0", "sha"))
+    append_blind(lake, trajectories.NAME, table)
+    ids = table["trajectory_id"].to_pylist()
+    steps = [((ids[0],), 9.0, 10.8, 0.1), ((ids[1], ids[2]), 11.0, 12.2, 0.04), ((ids[3], ids[4]), 12.5, 13.4, 0.1)]
+    for step, (chosen, started, finished, wait) in enumerate(steps):
+        record_train_step(lake, TrainStepRecord("run-0", step, step, step + 1, lake.version(trajectories.NAME), chosen,
+                                                at(started), at(finished), {}, timings={"wait_read_s": wait}))
+    path = _trainer_path(tmp_path / "lake", "run-0")
+    assert path == pytest.approx({"arrival_to_commit_s": 0.01, "commit_to_selected_s": 0.21, "between_steps_s": 0.25},
+                                 abs=1e-6)
 
 
 def test_the_lake_and_queue_arms_take_turns_to_go_first(tmp_path, monkeypatch):
