@@ -2,6 +2,7 @@
 of the lake.
 
     sao bench speed [--steps 40] [--sync-steps 12] [--batch 32] [--tool-median-s 1.0] [--tool-sigma 1.0] [--quick]
+                    [--max-staleness S] [--tag TAG]
 
 Every arm runs the same policy (the SFT warm start of ``sao bench learning``, made if missing), the same
 math_tool tasks with the same heavy-tailed tool latency, one Serve rollout replica (its engine on one
@@ -34,7 +35,8 @@ Serve app's start is reported apart). ``--runs`` rounds (default 3) of every arm
 another, the lake and queue arms taking turns to go first (:func:`lake_queue_order`); each target's
 figure is taken within a round and reported as median, min and max. The roofline is the slower of the rollout capacity and the SAO
 trainer's capacity, each measured alone. Writes ``docs/results/speed.json``, ``docs/results/speed.png``
-and the ``speed`` section of ``docs/RESULTS.md``.
+and the ``speed`` section of ``docs/RESULTS.md`` (with ``--tag TAG``, a variant run at other settings:
+``speed-TAG.json``, ``speed-TAG.png`` and section ``speed-TAG``, the default run's left as they are).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help=f"version-0 policy (default: {DEFAULT_SFT} if present, else an SFT warm start)")
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench/speed"))
     parser.add_argument("--quick", action="store_true", help="tiny run for the tests (random policy, short arms)")
+    parser.add_argument("--tag", default="", help="names a variant run (other settings than the defaults): "
+                             "speed-TAG.json/png and section speed-TAG of the results")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--results-md", type=Path, default=Path("docs/RESULTS.md"))
     args = parser.parse_args(argv)
@@ -482,7 +486,8 @@ def _markdown(record: dict[str, Any], plot: Path | None) -> str:
         return "" if value is None else format(value, fmt)
 
     lines = [
-        "## Speed: asynchronous SAO vs synchronous GRPO (`sao bench speed`)", "",
+        "## Speed: asynchronous SAO vs synchronous GRPO (`sao bench speed`)"
+        + (f" ({record['tag']})" if record.get("tag") else ""), "",
         f"Command: `{record['command']}`. {machine_line(record['machine'])} Benchmark wall time "
         f"{record['wall_s']:.0f} s.", "",
         "Setup: one Serve rollout replica (engine on one core), the trainer in the driver's process on the run "
@@ -637,7 +642,7 @@ def main(argv: list[str]) -> int:
         rounds.append(_round(args, policy, tasks, say, index))
     record: dict[str, Any] = {
         "machine": machine_info, "command": " ".join(["sao bench speed", *argv]), "wall_s": time.monotonic() - started,
-        "runs": args.runs, "batch": args.batch, "group": args.group, "in_flight": args.in_flight,
+        "runs": args.runs, "tag": args.tag, "batch": args.batch, "group": args.group, "in_flight": args.in_flight,
         "max_staleness": args.max_staleness,
         "tool": {"kind": "lognormal", "median_s": args.tool_median_s, "sigma": args.tool_sigma,
                  "max_s": args.tool_max_s},
@@ -645,13 +650,14 @@ def main(argv: list[str]) -> int:
         **over_rounds(rounds),
         "rounds": rounds,
     }
-    plot = None if args.quick and args.out == Path("docs/results") else args.out / "speed.png"
+    name = f"speed-{args.tag}" if args.tag else "speed"
+    plot = None if args.quick and args.out == Path("docs/results") else args.out / f"{name}.png"
     if plot is not None:
         _plot(record, plot)
     markdown = _markdown(record, plot)
     print(markdown)
     if not (args.quick and args.out == Path("docs/results")):
-        write_json(args.out / "speed.json", record)
+        write_json(args.out / f"{name}.json", record)
     if not args.quick:
-        update_section(args.results_md, "speed", markdown)
+        update_section(args.results_md, name, markdown)
     return 0

@@ -151,19 +151,28 @@ def test_the_lake_on_the_trainers_path_is_measured_from_the_rows_of_the_run(tmp_
                                  abs=1e-6)
 
 
-def test_the_lake_and_queue_arms_take_turns_to_go_first(tmp_path, monkeypatch):
+@pytest.fixture
+def mocked_arms(monkeypatch):
+    """Every arm of a round replaced by a figure (no Ray, no lake): returns the names of the arms run, in
+    order."""
     ran = []
 
     def arm(name, per_s):
         ran.append(name)
         return ArmResult(name=name, trajectories=32, steady_s=1.0, per_s=per_s, wall_s=1.0, rollout_s=[1.0],
-                         finished={"count": 4, "per_s": 2.0, "trained": 3, "cancelled": 1, "not_trained": 0})
+                         step_s=[1.0], finished={"count": 4, "per_s": 2.0, "trained": 3, "cancelled": 1,
+                                                 "not_trained": 0})
 
     monkeypatch.setattr(speed, "_config", lambda *args, **kwargs: None)
     monkeypatch.setattr(speed, "_capacity_arms", lambda *args: (arm("rollout capacity", 4.0),
                                                                  arm("trainer capacity (SAO)", 8.0)))
     monkeypatch.setattr(speed, "_pipeline_arm", lambda name, config, tasks: arm(name, 3.0 if "lake" in name else 1.0))
     monkeypatch.setattr(speed, "_queue_arm", lambda config, tasks: arm("async SAO (in-memory queue)", 3.2))
+    return ran
+
+
+def test_the_lake_and_queue_arms_take_turns_to_go_first(tmp_path, mocked_arms):
+    ran = mocked_arms
     args = SimpleNamespace(workdir=tmp_path, batch=32, steps=1, sync_steps=1)
     orders = []
     for index in range(3):
@@ -177,6 +186,24 @@ def test_the_lake_and_queue_arms_take_turns_to_go_first(tmp_path, monkeypatch):
         assert record["lake_cost"] == pytest.approx(1 - 3.0 / 3.2)
     lake, queue = "async SAO (lake)", "async SAO (in-memory queue)"
     assert orders == [[lake, queue], [queue, lake], [lake, queue]]
+
+
+@pytest.mark.parametrize("tag", ["", "staleness4"])
+def test_a_tag_names_the_result_files_and_the_section(tmp_path, mocked_arms, monkeypatch, tag):
+    import sao.runs
+
+    monkeypatch.setattr(speed, "policy_dir", lambda args: tmp_path / "policy")
+    monkeypatch.setattr(sao.runs, "math_tasks", lambda split: [])
+    out, results = tmp_path / "out", tmp_path / "RESULTS.md"
+    argv = ["--workdir", str(tmp_path / "work"), "--out", str(out), "--results-md", str(results), "--runs", "2"]
+    assert main([*argv, "--tag", tag] if tag else argv) == 0
+    name = f"speed-{tag}" if tag else "speed"
+    assert sorted(p.name for p in out.iterdir()) == [f"{name}.json", f"{name}.png"]
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["tag"] == tag and [r["order"] for r in data["rounds"]] == [["lake", "queue"], ["queue", "lake"]]
+    text = results.read_text()
+    assert f"<!-- {name}:begin -->" in text and f"/{name}.png)" in text
+    assert ("(staleness4)" in text) == bool(tag)
 
 
 @pytest.mark.slow
