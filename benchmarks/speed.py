@@ -198,7 +198,7 @@ def _lake_steps(lake_root: Path, run_id: str) -> list[dict[str, Any]]:
     from schemas import train_steps
 
     rows = Lake.open(LakeConfig(root=str(lake_root))).read(
-        train_steps.NAME, columns=["step", "finished_at", "timings", "metrics"],
+        train_steps.NAME, columns=["step", "trajectory_ids", "started_at", "finished_at", "timings", "metrics"],
         predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
     return sorted(rows, key=lambda r: r["step"])
 
@@ -217,13 +217,14 @@ def _pipeline_arm(name: str, config, tasks) -> ArmResult:
     staleness = statistics.fmean(dict(r["metrics"]).get("batch/staleness_mean", 0.0) for r in rows)
     return _steady(name, config.train.batch_size, ends, busy, 0.0, wall_s,
                    slot_utilisation=result.driver.slot_utilisation(config.max_in_flight), staleness_mean=staleness,
-                   finished=_finished(Path(config.train.lake.root), config.train.run_id,
+                   finished=_finished(Path(config.train.lake.root), config.train.run_id, rows,
                                       rows[0]["finished_at"], rows[-1]["finished_at"]),
-                   trainer_path=_trainer_path(Path(config.train.lake.root), config.train.run_id))
+                   trainer_path=_trainer_path(Path(config.train.lake.root), config.train.run_id, rows))
 
 
-def _trainer_path(lake_root: Path, run_id: str) -> dict[str, float]:
-    """Where the lake sits on the trainer's path, from the run's rows (medians over its steps after the
+def _trainer_path(lake_root: Path, run_id: str, steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the lake sits on the trainer's path, from the run's rows and its ``steps`` (its
+    ``train_steps`` rows in step order, :func:`_lake_steps`; medians over the steps after the
     first, in seconds): from the arrival at the writer of the last row a step trained on to the plan of
     its commit (``ingested_at``; conversion, checks, the launches' commit), from there to the batch
     selected (the commit, the trainer told, its look and read), and from a step's end (``finished_at``,
@@ -231,15 +232,11 @@ def _trainer_path(lake_root: Path, run_id: str) -> dict[str, float]:
     retention, the weights' publication)."""
     from sao.lake.config import LakeConfig
     from sao.lake.store import Lake, sql_literal
-    from schemas import train_steps, trajectories
+    from schemas import trajectories
 
-    lake = Lake.open(LakeConfig(root=str(lake_root)))
-    run = f"run_id = {sql_literal(run_id)}"
-    rows = {r["trajectory_id"]: r for r in lake.read(
-        trajectories.NAME, columns=["trajectory_id", "arrived_at", "ingested_at"], predicate=run).to_pylist()}
-    steps = sorted(lake.read(train_steps.NAME, columns=["step", "trajectory_ids", "started_at", "finished_at",
-                                                        "timings"], predicate=run).to_pylist(),
-                   key=lambda r: r["step"])
+    rows = {r["trajectory_id"]: r for r in Lake.open(LakeConfig(root=str(lake_root))).read(
+        trajectories.NAME, columns=["trajectory_id", "arrived_at", "ingested_at"],
+        predicate=f"run_id = {sql_literal(run_id)}").to_pylist()}
     to_commit, to_selected, between = [], [], []
     for before, step in zip(steps, steps[1:], strict=False):
         last = max((rows[i] for i in step["trajectory_ids"]), key=lambda r: r["arrived_at"])
@@ -253,20 +250,19 @@ def _trainer_path(lake_root: Path, run_id: str) -> dict[str, float]:
             "between_steps_s": statistics.median(between)}
 
 
-def _finished(lake_root: Path, run_id: str, begin, end) -> dict[str, float]:
+def _finished(lake_root: Path, run_id: str, steps: list[dict[str, Any]], begin, end) -> dict[str, float]:
     """The run's rollouts that finished between ``begin`` and ``end`` (its steady span), from the lake:
-    how many a second, and how many were trained, cancelled (too stale to finish: the driver cuts them
-    short), or stored and not trained (passed over as stale, or not yet consumed when the run stopped)."""
+    how many a second, and how many were trained (by its ``steps``, :func:`_lake_steps`), cancelled (too
+    stale to finish: the driver cuts them short), or stored and not trained (passed over as stale, or not
+    yet consumed when the run stopped)."""
     from sao.lake.config import LakeConfig
     from sao.lake.store import Lake, sql_literal
-    from schemas import train_steps, trajectories
+    from schemas import trajectories
 
-    lake = Lake.open(LakeConfig(root=str(lake_root)))
-    run = f"run_id = {sql_literal(run_id)}"
-    stored = lake.read(trajectories.NAME, columns=["trajectory_id", "termination_reason", "timings"],
-                       predicate=run).to_pylist()
-    consumed = {i for row in lake.read(train_steps.NAME, columns=["trajectory_ids"], predicate=run).to_pylist()
-                for i in row["trajectory_ids"]}
+    stored = Lake.open(LakeConfig(root=str(lake_root))).read(
+        trajectories.NAME, columns=["trajectory_id", "termination_reason", "timings"],
+        predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    consumed = {i for row in steps for i in row["trajectory_ids"]}
     window = [r for r in stored if begin < r["timings"]["finished_at"] <= end]
     trained = sum(1 for r in window if r["trajectory_id"] in consumed)
     cancelled = sum(1 for r in window if r["trajectory_id"] not in consumed and r["termination_reason"] == "cancelled")

@@ -15,6 +15,7 @@ from benchmarks.speed import (
     ArmResult,
     MemoryQueue,
     _finished,
+    _lake_steps,
     _round,
     _steady,
     _trainer_path,
@@ -99,7 +100,8 @@ def test_the_rollouts_finished_in_the_steady_span_are_split_into_trained_cancell
 
     record_train_step(lake, TrainStepRecord("run-0", 0, 1, 2, lake.version("trajectories"), (ids[1], ids[2], ids[0]),
                                             t0, t0, {}))
-    done = _finished(tmp_path / "lake", "run-0", t0 + dt.timedelta(seconds=1.5), t0 + dt.timedelta(seconds=5.5))
+    done = _finished(tmp_path / "lake", "run-0", _lake_steps(tmp_path / "lake", "run-0"),
+                     t0 + dt.timedelta(seconds=1.5), t0 + dt.timedelta(seconds=5.5))
     assert done == {"count": 4, "per_s": 1.0, "trained": 2, "cancelled": 1, "not_trained": 1}
 
 
@@ -146,7 +148,7 @@ def test_the_lake_on_the_trainers_path_is_measured_from_the_rows_of_the_run(tmp_
     for step, (chosen, started, finished, wait) in enumerate(steps):
         record_train_step(lake, TrainStepRecord("run-0", step, step, step + 1, lake.version(trajectories.NAME), chosen,
                                                 at(started), at(finished), {}, timings={"wait_read_s": wait}))
-    path = _trainer_path(tmp_path / "lake", "run-0")
+    path = _trainer_path(tmp_path / "lake", "run-0", _lake_steps(tmp_path / "lake", "run-0"))
     assert path == pytest.approx({"arrival_to_commit_s": 0.01, "commit_to_selected_s": 0.21, "between_steps_s": 0.25},
                                  abs=1e-6)
 
