@@ -203,40 +203,52 @@ def _lake_steps(lake_root: Path, run_id: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["step"])
 
 
-def _pipeline_arm(name: str, config, tasks) -> ArmResult:
-    """A run of the real pipeline; figures from its ``train_steps`` rows."""
+def _run_trajectories(lake_root: Path, run_id: str) -> list[dict[str, Any]]:
+    """The columns of the run's ``trajectories`` rows that :func:`_finished` and :func:`_trainer_path` read."""
+    from sao.lake.config import LakeConfig
+    from sao.lake.store import Lake, sql_literal
+    from schemas import trajectories
+
+    return Lake.open(LakeConfig(root=str(lake_root))).read(
+        trajectories.NAME, columns=["trajectory_id", "termination_reason", "timings", "arrived_at", "ingested_at"],
+        predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+
+
+def _pipeline_arm(name: str, config, tasks, *, lake_figures: bool = True) -> ArmResult:
+    """A run of the real pipeline; figures from its ``train_steps`` rows, and with ``lake_figures`` (the
+    asynchronous lake arm) the rollouts that finished in its steady span and the lake on the trainer's
+    path, from its ``trajectories`` rows."""
     from sao.pipeline import run_pipeline
 
     started_wall = time.time()
     started = time.monotonic()
     result = run_pipeline(config, tasks)
     wall_s = time.monotonic() - started
-    rows = _lake_steps(Path(config.train.lake.root), config.train.run_id)
+    lake_root, run_id = Path(config.train.lake.root), config.train.run_id
+    rows = _lake_steps(lake_root, run_id)
     ends = [r["finished_at"].timestamp() - started_wall for r in rows]
     busy = [dict(r["timings"])["update_s"] + dict(r["timings"])["commit_s"] for r in rows]
     staleness = statistics.fmean(dict(r["metrics"]).get("batch/staleness_mean", 0.0) for r in rows)
+    figures = {}
+    if lake_figures:
+        stored = _run_trajectories(lake_root, run_id)
+        figures = {"finished": _finished(stored, rows, rows[0]["finished_at"], rows[-1]["finished_at"]),
+                   "trainer_path": _trainer_path(stored, rows)}
     return _steady(name, config.train.batch_size, ends, busy, 0.0, wall_s,
                    slot_utilisation=result.driver.slot_utilisation(config.max_in_flight), staleness_mean=staleness,
-                   finished=_finished(Path(config.train.lake.root), config.train.run_id, rows,
-                                      rows[0]["finished_at"], rows[-1]["finished_at"]),
-                   trainer_path=_trainer_path(Path(config.train.lake.root), config.train.run_id, rows))
+                   **figures)
 
 
-def _trainer_path(lake_root: Path, run_id: str, steps: list[dict[str, Any]]) -> dict[str, float]:
-    """Where the lake sits on the trainer's path, from the run's rows and its ``steps`` (its
+def _trainer_path(stored: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the lake sits on the trainer's path, from the run's ``stored`` rows (:func:`_run_trajectories`)
+    and its ``steps`` (its
     ``train_steps`` rows in step order, :func:`_lake_steps`; medians over the steps after the
     first, in seconds): from the arrival at the writer of the last row a step trained on to the plan of
     its commit (``ingested_at``; conversion, checks, the launches' commit), from there to the batch
     selected (the commit, the trainer told, its look and read), and from a step's end (``finished_at``,
     after its checkpoint) to the next step's start (its ``train_steps`` and ``policy_versions`` commits,
     retention, the weights' publication)."""
-    from sao.lake.config import LakeConfig
-    from sao.lake.store import Lake, sql_literal
-    from schemas import trajectories
-
-    rows = {r["trajectory_id"]: r for r in Lake.open(LakeConfig(root=str(lake_root))).read(
-        trajectories.NAME, columns=["trajectory_id", "arrived_at", "ingested_at"],
-        predicate=f"run_id = {sql_literal(run_id)}").to_pylist()}
+    rows = {r["trajectory_id"]: r for r in stored}
     to_commit, to_selected, between = [], [], []
     for before, step in zip(steps, steps[1:], strict=False):
         last = max((rows[i] for i in step["trajectory_ids"]), key=lambda r: r["arrived_at"])
@@ -250,18 +262,12 @@ def _trainer_path(lake_root: Path, run_id: str, steps: list[dict[str, Any]]) -> 
             "between_steps_s": statistics.median(between)}
 
 
-def _finished(lake_root: Path, run_id: str, steps: list[dict[str, Any]], begin, end) -> dict[str, float]:
-    """The run's rollouts that finished between ``begin`` and ``end`` (its steady span), from the lake:
+def _finished(stored: list[dict[str, Any]], steps: list[dict[str, Any]], begin, end) -> dict[str, float]:
+    """The run's rollouts that finished between ``begin`` and ``end`` (its steady span), from its
+    ``stored`` rows (:func:`_run_trajectories`):
     how many a second, and how many were trained (by its ``steps``, :func:`_lake_steps`), cancelled (too
     stale to finish: the driver cuts them short), or stored and not trained (passed over as stale, or not
     yet consumed when the run stopped)."""
-    from sao.lake.config import LakeConfig
-    from sao.lake.store import Lake, sql_literal
-    from schemas import trajectories
-
-    stored = Lake.open(LakeConfig(root=str(lake_root))).read(
-        trajectories.NAME, columns=["trajectory_id", "termination_reason", "timings"],
-        predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
     consumed = {i for row in steps for i in row["trajectory_ids"]}
     window = [r for r in stored if begin < r["timings"]["finished_at"] <= end]
     trained = sum(1 for r in window if r["trajectory_id"] in consumed)
@@ -584,7 +590,7 @@ def _round(args: argparse.Namespace, policy: Path, tasks, say, index: int) -> di
     asyn, queue = results["lake"], results["queue"]
     say("speed: sync GRPO ...")
     sync = _pipeline_arm("sync GRPO", _config(args, policy, "sync-grpo", "grpo", steps=args.sync_steps,
-                                              synchronous=True), tasks)
+                                              synchronous=True), tasks, lake_figures=False)
     say(f"  {sync.per_s:.2f}/s")
     roofline = min(rollouts.per_s, trainer.per_s)
     return {"arms": [dataclasses.asdict(a) for a in (rollouts, trainer, asyn, queue, sync)],

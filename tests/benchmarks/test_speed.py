@@ -17,6 +17,7 @@ from benchmarks.speed import (
     _finished,
     _lake_steps,
     _round,
+    _run_trajectories,
     _steady,
     _trainer_path,
     main,
@@ -100,7 +101,7 @@ def test_the_rollouts_finished_in_the_steady_span_are_split_into_trained_cancell
 
     record_train_step(lake, TrainStepRecord("run-0", 0, 1, 2, lake.version("trajectories"), (ids[1], ids[2], ids[0]),
                                             t0, t0, {}))
-    done = _finished(tmp_path / "lake", "run-0", _lake_steps(tmp_path / "lake", "run-0"),
+    done = _finished(_run_trajectories(tmp_path / "lake", "run-0"), _lake_steps(tmp_path / "lake", "run-0"),
                      t0 + dt.timedelta(seconds=1.5), t0 + dt.timedelta(seconds=5.5))
     assert done == {"count": 4, "per_s": 1.0, "trained": 2, "cancelled": 1, "not_trained": 1}
 
@@ -148,7 +149,7 @@ def test_the_lake_on_the_trainers_path_is_measured_from_the_rows_of_the_run(tmp_
     for step, (chosen, started, finished, wait) in enumerate(steps):
         record_train_step(lake, TrainStepRecord("run-0", step, step, step + 1, lake.version(trajectories.NAME), chosen,
                                                 at(started), at(finished), {}, timings={"wait_read_s": wait}))
-    path = _trainer_path(tmp_path / "lake", "run-0", _lake_steps(tmp_path / "lake", "run-0"))
+    path = _trainer_path(_run_trajectories(tmp_path / "lake", "run-0"), _lake_steps(tmp_path / "lake", "run-0"))
     assert path == pytest.approx({"arrival_to_commit_s": 0.01, "commit_to_selected_s": 0.21, "between_steps_s": 0.25},
                                  abs=1e-6)
 
@@ -168,7 +169,13 @@ def mocked_arms(monkeypatch):
     monkeypatch.setattr(speed, "_config", lambda *args, **kwargs: None)
     monkeypatch.setattr(speed, "_capacity_arms", lambda *args: (arm("rollout capacity", 4.0),
                                                                  arm("trainer capacity (SAO)", 8.0)))
-    monkeypatch.setattr(speed, "_pipeline_arm", lambda name, config, tasks: arm(name, 3.0 if "lake" in name else 1.0))
+
+    def pipeline_arm(name, config, tasks, lake_figures=True):
+        # only the asynchronous lake arm reads the figures its trajectories give (finished, trainer path)
+        assert lake_figures == ("lake" in name), name
+        return arm(name, 3.0 if "lake" in name else 1.0)
+
+    monkeypatch.setattr(speed, "_pipeline_arm", pipeline_arm)
     monkeypatch.setattr(speed, "_queue_arm", lambda config, tasks: arm("async SAO (in-memory queue)", 3.2))
     return ran
 
