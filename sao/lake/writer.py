@@ -164,7 +164,6 @@ class TrajectoryWriter:
         self._buffer: list[_Delivery] = []
         self._demand: int | None = None  # a reader waits for this many rows (see demand)
         self._runs: dict[str, _RunState] = {}
-        self._newest_versions: dict[str, int] = {}
         self._table: DeltaTable | None = None
         self._versions = NewestVersions(lake)  # policy_versions, followed from its log
         self._lock = threading.RLock()
@@ -377,21 +376,19 @@ class TrajectoryWriter:
     def _validate(self, table: pa.Table) -> list[Violation]:
         run_ids = table["run_id"].to_pylist()
         claimed = table["max_policy_version"].to_pylist()
-        stale = {
-            run_id
-            for run_id, version in zip(run_ids, claimed, strict=True)
-            if run_id not in self._newest_versions
-            or (version is not None and version > self._newest_versions[run_id])
-        }
         # A rollout of a version newer than the one known (so once per new version): one look at the
         # commits to policy_versions since the last, for every such run of the flush.
-        if any(is_valid_run_id(run_id) for run_id in stale):
+        if any(is_valid_run_id(run_id) and ((known := self._versions.get(run_id)) is None
+                                           or (version is not None and version > known))
+               for run_id, version in zip(run_ids, claimed, strict=True)):
             self._versions.look()
-        for run_id in stale:
-            found = self._versions.get(run_id) if is_valid_run_id(run_id) else None
-            self._newest_versions[run_id] = NO_VERSION if found is None else found
-        newest = np.array([self._newest_versions[r] for r in run_ids], dtype=np.int64)
-        return validate_table(table, newest, self.config.limits)
+        newest = {run_id: self._newest_version(run_id) for run_id in set(run_ids)}
+        return validate_table(table, np.array([newest[r] for r in run_ids], dtype=np.int64), self.config.limits)
+
+    def _newest_version(self, run_id: str) -> int:
+        """``run_id``'s newest registered version as of the last look (``NO_VERSION``: none, or not a run id)."""
+        found = self._versions.get(run_id) if is_valid_run_id(run_id) else None
+        return NO_VERSION if found is None else found
 
     def _quarantine(
         self,

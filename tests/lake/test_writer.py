@@ -185,17 +185,30 @@ def test_flush_by_rows_by_age_and_on_close(local_lake):
     writer.close()  # idempotent
 
 
-def test_a_newer_registered_version_is_picked_up(local_lake):
+def test_a_newer_registered_version_is_picked_up(local_lake, monkeypatch):
+    """The writer looks at policy_versions when a row claims a version newer than the one it knows:
+    once for the first flush, once per new version, never for rows of a version it knows."""
+    from sao.lake.ledger import NewestVersions
+
+    looks = []
+    look = NewestVersions.look
+    monkeypatch.setattr(NewestVersions, "look", lambda self: looks.append(1) or look(self))
     last = dataclasses.replace(base().segments[2], policy_version=2)
     record = dataclasses.replace(base(), trajectory_id="v2", segments=(*base().segments[:2], last))
     with TrajectoryWriter(local_lake, MANUAL) as writer:
+        writer.add(dataclasses.replace(base(), trajectory_id="v1"))
+        assert writer.flush().written == 1 and len(looks) == 1
         writer.add(record)
         assert writer.flush().quarantined == 1  # versions 0 and 1 are registered, 2 is not yet
+        assert len(looks) == 2
         register_policy_version(
             local_lake, PolicyVersionRecord(RUN, 2, "ckpt/2", "sha256:2", parent_version=1, step=1)
         )
         writer.add(record)
-        assert writer.flush().written == 1
+        assert writer.flush().written == 1 and len(looks) == 3
+        writer.add(dataclasses.replace(record, trajectory_id="v2-again"))
+        writer.add(dataclasses.replace(base(), trajectory_id="v1-again"))
+        assert writer.flush().written == 2 and len(looks) == 3  # versions it knows: no look
 
 
 def test_threads_sharing_one_writer(local_lake):
