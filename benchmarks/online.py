@@ -3,7 +3,7 @@ style_preference from one SFT warm start, seed by seed: SAO's critic against a r
 and a group baseline, with each reader's preferred style shifting at its own step.
 
     sao bench online [--seeds 0] [--steps 450] [--shifts Ada:150:cute,Basil:225:classical,Cleo:300:cute]
-                     [--entropy-coef 0]
+                     [--entropy-coef 0] [--lr-critic RATE] [--whiten]
                      [--quick]
     sao bench online --merge
 
@@ -30,6 +30,9 @@ reply) and replies end on ``</answer>`` (``--answer-tag``: the warm start's demo
 so, and a reply that never closes scores 0). ``--entropy-coef`` adds an entropy bonus to every method's
 actor loss alike (``algorithm.entropy_coef``; default 0, none). A reply that runs out of tokens is
 scored as it stands and not bootstrapped (:func:`sao.online.online_settings`), for every method.
+``--lr-critic`` and ``--whiten`` change SAO's run alone (:func:`sao_settings`): its critic's learning
+rate, and its advantages whitened over the batch. Neither helped SAO on a validation schedule, so the
+run config's critic stays the default (``docs/RESULTS.md``, the notes after the section ``val-whiten``).
 
 The methods (same warm start, seed, batch size, steps, staleness bound, policy learning rate):
 
@@ -124,6 +127,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4, help="rollouts per task of grpo_dis")
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--lr-policy", type=float, default=1e-4, help="policy learning rate of every method")
+    parser.add_argument("--lr-critic", type=float, default=None,
+                        help="SAO's critic learning rate (the baselines have no critic; default: algorithm.lr_critic's)")
+    parser.add_argument("--whiten", action="store_true",
+                        help="SAO's advantages whitened over its batch's action tokens (algorithm.whiten_advantages; "
+                             "the group baseline's are scaled by each group's std already)")
     parser.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus of every method (0: none)")
     parser.add_argument("--graded", action=argparse.BooleanOptionalAction, default=True,
                         help="the graded reward (a finished reply scores at least 0.2)")
@@ -170,6 +178,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--shifts must hold at least one step, each inside (0, --steps={args.steps}), got {args.shifts}")
     if args.batch % args.group_size:
         parser.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size}")
+    if args.lr_critic is not None and not args.lr_critic > 0:
+        parser.error(f"--lr-critic must be > 0, got {args.lr_critic}")
     if args.entropy_coef < 0 or args.smooth < 1 or args.pre_window < 1 or args.warm_start_bias < 0:
         parser.error("need --entropy-coef >= 0, --smooth >= 1, --pre-window >= 1 and --warm-start-bias >= 0")
     return args
@@ -185,7 +195,17 @@ def design(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("steps", "shifts", "batch", "group_size", "max_staleness", "lr_policy", "entropy_coef", "graded",
             "answer_tag", "warm_start_bias", "max_tokens", "replicas", "max_in_flight", "value_samples", "sft_steps", "pre_window",
             "quick")
-    return {key: getattr(args, key) for key in keys}
+    # SAO's own settings (its critic's learning rate, whitening) are named only when set, so parts run
+    # before the options existed (at the run config's settings) still merge with those run without them.
+    return ({key: getattr(args, key) for key in keys} | ({"lr_critic": args.lr_critic} if args.lr_critic else {})
+            | ({"whiten": True} if args.whiten else {}))
+
+
+def sao_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run-config settings of SAO's run alone (its critic's learning rate, whitening): the baselines
+    have no critic, and the group baseline's advantages are scaled by each group's std already."""
+    return (({"algorithm.lr_critic": args.lr_critic} if args.lr_critic else {})
+            | ({"algorithm.whiten_advantages": True} if args.whiten else {}))
 
 
 def events(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -336,7 +356,7 @@ def run_method(method: str, seed: int, args: argparse.Namespace, policy: Path, t
         lake_root=str(runs_dir / "lake"), algorithm=method, steps=args.steps, batch_size=args.batch,
         max_staleness=args.max_staleness, lr_policy=args.lr_policy, num_replicas=args.replicas,
         max_in_flight=args.max_in_flight, group_size=group, value_samples=args.value_samples, seed=seed,
-    ).with_values({"algorithm.entropy_coef": args.entropy_coef})
+    ).with_values({"algorithm.entropy_coef": args.entropy_coef} | (sao_settings(args) if method == "sao" else {}))
     config = dataclasses.replace(
         online_pipeline(settings, policy, args.schedule, tasks_file, args.max_tokens, graded=args.graded,
                         answer_tag=args.answer_tag, warm_start_bias=args.warm_start_bias),
@@ -365,6 +385,7 @@ def run_method(method: str, seed: int, args: argparse.Namespace, policy: Path, t
         "step_wall_s_mean": statistics.fmean(s["wall_s"] for s in steps) if steps else None,
         "rewards": [s["metrics"]["batch/reward_mean"] for s in steps],
         "entropy": [s["metrics"].get("actor/entropy") for s in steps] if args.entropy_coef else None,
+        "critic_lr": steps[-1]["metrics"].get("critic/lr") if steps else None,  # after the warm-up: the rate set
         "length_end_share": sum(r["end"] == "length" for r in trained) / max(len(trained), 1),
         **analyse(steps, rows, events(args), args.pre_window),
     }
@@ -502,6 +523,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"steps, max staleness {d['max_staleness']}, policy lr {d['lr_policy']:g}, entropy bonus "
         f"{d['entropy_coef']:g}, {d['replicas']} rollout replica(s), reply budget {d['max_tokens']} tokens; "
         f"{'graded' if d['graded'] else 'all-or-nothing'} reward. Shifts: {schedule}. SAO: critic + GAE + DIS"
+        + (f" (critic lr {d['lr_critic']:g})" if d.get("lr_critic") else "")
+        + (", advantages whitened over the batch" if d.get("whiten") else "")
         + (f", critic pretrained on {d['value_samples']} version-0 rollouts" if d["value_samples"] else
            ", no value pretraining") + f"; running mean: window 8, DIS; group baseline: GRPO + DIS, groups of "
         f"{d['group_size']}. Seeds: {', '.join(map(str, record['seeds']))}.", "",

@@ -41,6 +41,22 @@ def test_by_default_each_reader_moves_to_a_style_another_reader_wants_at_that_mo
         assert shift["new_style"] in wanted
 
 
+def test_saos_own_settings_reach_its_run_config_and_are_part_of_the_design_only_when_set():
+    """Parts run before ``--lr-critic`` and ``--whiten`` existed (at the run config's settings) still
+    merge with those run without them; a part at other settings never does."""
+    from benchmarks._settings import bench_config
+    from benchmarks.online import design, sao_settings
+
+    plain = _parse([])
+    assert sao_settings(plain) == {} and {"lr_critic", "whiten"}.isdisjoint(design(plain))
+    args = _parse(["--lr-critic", "2e-3", "--whiten"])
+    assert design(args)["lr_critic"] == 2e-3 and design(args)["whiten"] is True
+    algorithm = bench_config().with_values(sao_settings(args)).algorithm
+    assert algorithm.lr_critic == 2e-3 and algorithm.whiten_advantages
+    with pytest.raises(SystemExit):
+        _parse(["--lr-critic", "0"])
+
+
 def test_each_shift_runs_to_the_readers_next_shift_or_the_end():
     args = _parse(["--shifts", "Ada:150,Basil:225,Ada:300", "--steps", "450"])
     assert [(e["persona"], e["shift"], e["end"], e["old_style"], e["new_style"]) for e in events(args)] == [
@@ -93,7 +109,7 @@ def test_the_merge_compares_sao_with_each_baseline_seed_by_seed():
 def test_quick_run_compares_the_three_methods(tmp_path):
     results_md = tmp_path / "RESULTS.md"
     argv = ["--quick", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-            "--results-md", str(results_md), "--entropy-coef", "0.01"]
+            "--results-md", str(results_md), "--entropy-coef", "0.01", "--lr-critic", "1e-3"]
     assert main(argv) == 0
     part = json.loads((tmp_path / "out" / "online-seed0.json").read_text())
     steps, batch = part["design"]["steps"], part["design"]["batch"]
@@ -109,6 +125,11 @@ def test_quick_run_compares_the_three_methods(tmp_path):
                 sum(rewards) / len(rewards))
         assert set(run["persona_rewards"]) == {"Ada", "Basil"}
         assert run["trajectories_generated"] >= steps * batch
+    # SAO's critic trains at the rate given (its warm-up of 10 steps is over by the last of 16); no
+    # baseline has a critic
+    assert part["runs"]["sao"]["critic_lr"] == pytest.approx(1e-3)
+    assert part["runs"]["running_mean"]["critic_lr"] is None and part["runs"]["grpo_dis"]["critic_lr"] is None
+    assert part["design"]["lr_critic"] == 1e-3
     groups = part["runs"]["grpo_dis"]["groups"]
     assert groups["rows"] == steps * batch and groups["batches"] == steps
     merged = json.loads((tmp_path / "out" / "online.json").read_text())
