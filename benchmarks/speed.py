@@ -241,9 +241,8 @@ def _pipeline_arm(name: str, config, tasks, *, lake_figures: bool = True) -> Arm
 
 def _trainer_path(stored: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, float]:
     """Where the lake sits on the trainer's path, from the run's ``stored`` rows (:func:`_run_trajectories`)
-    and its ``steps`` (its
-    ``train_steps`` rows in step order, :func:`_lake_steps`; medians over the steps after the
-    first, in seconds): from the arrival at the writer of the last row a step trained on to the plan of
+    and its ``steps`` (its ``train_steps`` rows in step order, :func:`_lake_steps`; medians over the steps
+    after the first, in seconds): from the arrival at the writer of the last row a step trained on to the plan of
     its commit (``ingested_at``; conversion, checks, the launches' commit), from there to the batch
     selected (the commit, the trainer told, its look and read), and from a step's end (``finished_at``,
     after its checkpoint) to the next step's start (its ``train_steps`` and ``policy_versions`` commits,
@@ -264,10 +263,9 @@ def _trainer_path(stored: list[dict[str, Any]], steps: list[dict[str, Any]]) -> 
 
 def _finished(stored: list[dict[str, Any]], steps: list[dict[str, Any]], begin, end) -> dict[str, float]:
     """The run's rollouts that finished between ``begin`` and ``end`` (its steady span), from its
-    ``stored`` rows (:func:`_run_trajectories`):
-    how many a second, and how many were trained (by its ``steps``, :func:`_lake_steps`), cancelled (too
-    stale to finish: the driver cuts them short), or stored and not trained (passed over as stale, or not
-    yet consumed when the run stopped)."""
+    ``stored`` rows (:func:`_run_trajectories`): how many a second, and how many were trained (by its
+    ``steps``, :func:`_lake_steps`), cancelled (too stale to finish: the driver cuts them short), or stored
+    and not trained (passed over as stale, or not yet consumed when the run stopped)."""
     consumed = {i for row in steps for i in row["trajectory_ids"]}
     window = [r for r in stored if begin < r["timings"]["finished_at"] <= end]
     trained = sum(1 for r in window if r["trajectory_id"] in consumed)
