@@ -232,10 +232,8 @@ def events(args: argparse.Namespace) -> list[dict[str, Any]]:
 def step_metrics(lake, run_id: str) -> list[dict[str, Any]]:
     """Every committed step of ``run_id`` (``train_steps``) in step order: its metrics, wall seconds and
     trajectory ids."""
-    from sao.lake.store import sql_literal
-
-    rows = lake.read("train_steps", columns=["step", "metrics", "started_at", "finished_at", "trajectory_ids"],
-                     predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    rows = lake.read_run("train_steps", run_id,
+                         ["step", "metrics", "started_at", "finished_at", "trajectory_ids"]).to_pylist()
     rows = sorted(rows, key=lambda r: r["step"])
     if [r["step"] for r in rows] != list(range(len(rows))):
         raise RuntimeError(f"run {run_id}: train_steps has gaps: {[r['step'] for r in rows]}")
@@ -247,11 +245,9 @@ def trajectories(lake, run_id: str, tokenizer, persona_of_task: dict[str, str]) 
     """Each trajectory of ``run_id`` by id: its reader, reward, end and style (by markers, ``none`` for
     no or tied markers)."""
     from sao.envs.style_preference import classify_style
-    from sao.lake.store import sql_literal
 
-    rows = lake.read("trajectories", columns=["trajectory_id", "task_id", "reward", "termination_reason",
-                                              "completion_ids", "action_mask"],
-                     predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    rows = lake.read_run("trajectories", run_id, ["trajectory_id", "task_id", "reward", "termination_reason",
+                                                  "completion_ids", "action_mask"]).to_pylist()
     out = {}
     for row in rows:
         ids = [t for t, m in zip(row["completion_ids"], row["action_mask"], strict=True) if m]

@@ -267,10 +267,10 @@ def split_tasks(args: argparse.Namespace, base) -> tuple[list, list]:
 
 def _first_dispatch(settings, run_id: str) -> float:
     """When run ``run_id``'s first rollout was dispatched (epoch seconds), from the lake."""
-    from sao.lake.store import Lake, sql_literal
+    from sao.lake.store import Lake
 
     lake = Lake.open(settings.lake_config())
-    rows = lake.read("trajectories", columns=["timings"], predicate=f"run_id = {sql_literal(run_id)}")
+    rows = lake.read_run("trajectories", run_id, ["timings"])
     return min(t["created_at"] for t in rows.column("timings").to_pylist()).timestamp()
 
 
@@ -329,12 +329,11 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace, base, sft: Path, crit
 def _timeline(settings, started: float) -> dict[str, Any]:
     """From the lake: when each version was committed (seconds since the run's first rollout was
     dispatched), each step's metrics, and the run's trajectory counts."""
-    from sao.lake.store import Lake, sql_literal
+    from sao.lake.store import Lake
 
     lake = Lake.open(settings.lake_config())
-    predicate = f"run_id = {sql_literal(settings.run_id)}"
-    steps = sorted(lake.read("train_steps", predicate=predicate).to_pylist(), key=lambda r: r["step"])
-    timings = lake.read("trajectories", columns=["timings"], predicate=predicate).column("timings").to_pylist()
+    steps = sorted(lake.read_run("train_steps", settings.run_id).to_pylist(), key=lambda r: r["step"])
+    timings = lake.read_run("trajectories", settings.run_id, ["timings"]).column("timings").to_pylist()
     stored, dispatched = len(timings), min(t["created_at"] for t in timings).timestamp()
     steps_out = [{"step": row["step"], "version_before": row["policy_version_before"],
                   "version": row["policy_version_after"], "trajectories_version": row["trajectories_version"],

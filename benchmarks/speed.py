@@ -192,26 +192,23 @@ def _steady(name: str, batch: int, ends: Sequence[float], busy: Sequence[float],
                      step_s=[b - a for a, b in zip(ends, ends[1:], strict=False)], **extra)
 
 
-def _lake_steps(lake_root: Path, run_id: str) -> list[dict[str, Any]]:
+def _read_run(lake_root: Path, name: str, run_id: str, columns: list[str]) -> list[dict[str, Any]]:
     from sao.lake.config import LakeConfig
-    from sao.lake.store import Lake, sql_literal
-    from schemas import train_steps
+    from sao.lake.store import Lake
 
-    rows = Lake.open(LakeConfig(root=str(lake_root))).read(
-        train_steps.NAME, columns=["step", "trajectory_ids", "started_at", "finished_at", "timings", "metrics"],
-        predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    return Lake.open(LakeConfig(root=str(lake_root))).read_run(name, run_id, columns).to_pylist()
+
+
+def _lake_steps(lake_root: Path, run_id: str) -> list[dict[str, Any]]:
+    rows = _read_run(lake_root, "train_steps", run_id,
+                     ["step", "trajectory_ids", "started_at", "finished_at", "timings", "metrics"])
     return sorted(rows, key=lambda r: r["step"])
 
 
 def _run_trajectories(lake_root: Path, run_id: str) -> list[dict[str, Any]]:
     """The columns of the run's ``trajectories`` rows that :func:`_finished` and :func:`_trainer_path` read."""
-    from sao.lake.config import LakeConfig
-    from sao.lake.store import Lake, sql_literal
-    from schemas import trajectories
-
-    return Lake.open(LakeConfig(root=str(lake_root))).read(
-        trajectories.NAME, columns=["trajectory_id", "termination_reason", "timings", "arrived_at", "ingested_at"],
-        predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    return _read_run(lake_root, "trajectories", run_id,
+                     ["trajectory_id", "termination_reason", "timings", "arrived_at", "ingested_at"])
 
 
 def _pipeline_arm(name: str, config, tasks, *, lake_figures: bool = True) -> ArmResult:
@@ -277,8 +274,6 @@ def _finished(stored: list[dict[str, Any]], steps: list[dict[str, Any]], begin, 
 def _capacity_arms(args: argparse.Namespace, policy: Path, tasks) -> tuple[ArmResult, ArmResult]:
     """Rollouts alone into the lake, then the SAO trainer alone on those rollouts (already there: it
     never waits)."""
-    from sao.lake.config import LakeConfig
-    from sao.lake.store import Lake, sql_literal
     from sao.pipeline import collect_rollouts
     from sao.train.loop import prepare_run, run_training
 
@@ -286,8 +281,7 @@ def _capacity_arms(args: argparse.Namespace, policy: Path, tasks) -> tuple[ArmRe
     prepare_run(config.train)
     started = time.monotonic()
     stats = collect_rollouts(config, tasks, "capacity", args.rollouts)
-    rows = Lake.open(LakeConfig(root=str(args.workdir / "lake"))).read(
-        "trajectories", columns=["timings"], predicate=f"run_id = {sql_literal('capacity')}").to_pylist()
+    rows = _read_run(args.workdir / "lake", "trajectories", "capacity", ["timings"])
     launched = sorted(r["timings"]["created_at"].timestamp() for r in rows)
     finished = [r["timings"]["finished_at"].timestamp() for r in rows]
     # Steady state: while the driver still launched (the drain of the last rollouts' tail is not

@@ -233,10 +233,6 @@ def _repeated(values: Iterable[str]) -> list[str]:
     return sorted(v for v, n in Counter(values).items() if n > 1)
 
 
-def _read_run(lake: Lake, name: str, run_id: str, columns: list[str]) -> pa.Table:
-    return lake.read(name, columns=columns, predicate=f"run_id = {sql_literal(run_id)}")
-
-
 def check_run(
     lake: Lake, run_id: str, *, max_staleness: int | None = None, verify_checkpoints: bool = True
 ) -> CheckReport:
@@ -252,21 +248,18 @@ def check_run(
     """
     if not is_valid_run_id(run_id):
         raise ValueError(f"run_id {run_id!r} is not a valid run id")
-    stored = _read_run(
-        lake, trajectories.NAME, run_id,
+    stored = lake.read_run(trajectories.NAME, run_id,
         ["trajectory_id", "termination_reason", "min_policy_version", "ingest_seq", "episode_id", "episode_part"],
     )  # fmt: skip
-    events = _read_run(lake, rollout_tasks.NAME, run_id, ["trajectory_id", "event"])
+    events = lake.read_run(rollout_tasks.NAME, run_id, ["trajectory_id", "event"])
     is_abandoned = pc.equal(events["event"], rollout_tasks.ABANDONED).fill_null(False)
     issued = events.filter(pc.invert(is_abandoned))
     abandoned = events.filter(is_abandoned)["trajectory_id"].to_pylist()
     bad = _quarantined(lake, run_id, set(issued["trajectory_id"].to_pylist()))
-    steps = _read_run(
-        lake, train_steps.NAME, run_id,
+    steps = lake.read_run(train_steps.NAME, run_id,
         ["step", "policy_version_before", "trajectory_ids", "trajectories_version", "data_run_id"],
     )  # fmt: skip
-    versions = _read_run(
-        lake, policy_versions.NAME, run_id, ["version", "checkpoint_uri", "weights_hash"]
+    versions = lake.read_run(policy_versions.NAME, run_id, ["version", "checkpoint_uri", "weights_hash"]
     )
     if not any(t.num_rows for t in (stored, bad, issued, steps, versions)):
         raise UnknownRunError(f"run {run_id!r} has no row in any table of the lake at {lake.root}")
@@ -296,7 +289,7 @@ def check_run(
     if parents:  # a what-if replay: it consumed its parent's rows
         notes.append(f"a what-if replay of run {', '.join(parents)}: its steps read that run's trajectories; "
                      "issued rollouts, skips and the stale backlog are accounted for by checking that run")
-        read = _read_run(lake, trajectories.NAME, parents[0], ["trajectory_id", "termination_reason",
+        read = lake.read_run(trajectories.NAME, parents[0], ["trajectory_id", "termination_reason",
                                                                "min_policy_version", "ingest_seq"])
         findings += _check_consumption(read, steps, limit, skips=False, passed_over=passed_over)
         findings.append(_check_what_if_steps(lake, parents, steps))
@@ -383,7 +376,7 @@ def _check_what_if_steps(lake: Lake, parents: list[str], steps: pa.Table) -> Fin
     """Each what-if step read the snapshot and ids of its parent's step of the same number."""
     if len(parents) > 1:
         return _finding(FindingKind.WHAT_IF_DATA, parents, "the run's steps read more than one other run")
-    recorded = {r["step"]: r for r in _read_run(lake, train_steps.NAME, parents[0],
+    recorded = {r["step"]: r for r in lake.read_run(train_steps.NAME, parents[0],
                                                 ["step", "trajectory_ids", "trajectories_version"]).to_pylist()}
     differ = []
     for row in sorted(steps.to_pylist(), key=lambda r: r["step"]):
@@ -508,7 +501,7 @@ def stale_backlog(
             rows = read_trajectories(lake, run_id=run_id, trajectory_ids=sorted(set(stale_ids)),
                                      columns=["completion_ids"])  # fmt: skip
         except LakeError:  # an id stored twice (reported as a finding): read the run's lengths whole
-            rows = _read_run(lake, trajectories.NAME, run_id, ["trajectory_id", "completion_ids"])
+            rows = lake.read_run(trajectories.NAME, run_id, ["trajectory_id", "completion_ids"])
             rows = rows.filter(pc.is_in(rows["trajectory_id"], value_set=pa.array(stale_ids, pa.string())))
         lengths = pc.list_value_length(rows["completion_ids"]).to_pylist()
         counts.update(length_bucket(n) for n in lengths)

@@ -392,7 +392,7 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     lake = Lake.open(cfg.train.lake)
     issuer_id = f"{run_id}-driver"
     relaunch = _relaunches(lake, run_id, issuer_id, tasks)  # closes out a dead predecessor's rollouts
-    stored = lake.read("trajectories", columns=["trajectory_id"], predicate=f"run_id = {sql_literal(run_id)}").num_rows
+    stored = lake.read_run("trajectories", run_id, ["trajectory_id"]).num_rows
     missing = count - stored
     if missing <= 0:
         return DriverStats()

@@ -29,7 +29,7 @@ from sao.config import RESUME_SAFE, ConfigError, RunConfig, changed_keys, leaves
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
-from sao.lake.store import Lake, is_valid_run_id, sql_literal
+from sao.lake.store import Lake, is_valid_run_id
 from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
 from sao.runtime import init_ray
 from sao.train import checkpoint as checkpoints
@@ -187,8 +187,7 @@ def run_tasks(config: RunConfig, split: Split | str) -> list[Task]:
 
 def latest_config(lake: Lake, run_id: str) -> dict | None:
     """The config of run ``run_id``'s latest row in ``runs`` (None: the run has none)."""
-    rows = lake.read("runs", columns=["started_at", "config"],
-                     predicate=f"run_id = {sql_literal(run_id)}").to_pylist()
+    rows = lake.read_run("runs", run_id, ["started_at", "config"]).to_pylist()
     if not rows:
         return None
     return json.loads(max(rows, key=lambda row: row["started_at"])["config"])
@@ -537,8 +536,7 @@ def summarize(config: RunConfig, evaluations: list[Evaluation]) -> tuple[list[Pa
 
     lake = Lake.open(config.lake_config())
     plots = plot_run(lake, config.run_id, config.plots_dir, [(e.version, e.accuracy) for e in evaluations])
-    counts = lake.read("trajectories", columns=["termination_reason"],
-                       predicate=f"run_id = {sql_literal(config.run_id)}").column(0).to_pylist()
+    counts = lake.read_run("trajectories", config.run_id, ["termination_reason"]).column(0).to_pylist()
     lines = [f"# Run `{config.run_id}` ({config.algorithm.name.value})", "",
              "| policy version | held-out accuracy (T=1) |", "|---:|---:|"]
     lines += [f"| {e.version} | {e.accuracy:.3f} ± {e.stderr:.3f} ({e.num_tasks} tasks) |" for e in evaluations]

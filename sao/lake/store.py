@@ -179,6 +179,11 @@ class Lake:
         spec's schema: strings come back as ``string``, not DataFusion's ``string_view``."""
         return self.read_from(self.table(name, version), name, columns=columns, predicate=predicate)
 
+    def read_run(self, name: str, run_id: str, columns: list[str] | None = None, *,
+                 version: int | None = None) -> pa.Table:
+        """:meth:`read` of run ``run_id``'s rows of table ``name`` (the run id pushed down as a predicate)."""
+        return self.read(name, version=version, columns=columns, predicate=f"run_id = {sql_literal(run_id)}")
+
     def read_from(
         self,
         table: DeltaTable,

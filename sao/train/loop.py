@@ -52,7 +52,7 @@ from sao.lake.ledger import StepsSeen, VersionsSeen, record_train_step, register
 from sao.lake.maintenance import compact_run
 from sao.lake.reader import TrajectoryReader, read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
-from sao.lake.store import Lake, sql_literal
+from sao.lake.store import Lake
 from sao.models.critic import Critic, load_critic
 from sao.models.policy import load_policy
 from sao.models.tokenizer import load_tokenizer
@@ -97,8 +97,7 @@ class StepReport:
 
 def last_committed_step(lake: Lake, run_id: str) -> tuple[int, int] | None:
     """(step, policy_version_after) of the run's last ``train_steps`` row, or None."""
-    rows = lake.read(train_steps.NAME, columns=["step", "policy_version_after"],
-                     predicate=f"run_id = {sql_literal(run_id)}")
+    rows = lake.read_run(train_steps.NAME, run_id, ["step", "policy_version_after"])
     if rows.num_rows == 0:
         return None
     last = max(rows.to_pylist(), key=lambda r: r["step"])

@@ -93,6 +93,17 @@ def test_a_new_nullable_column_is_added_to_an_older_table(tmp_path, monkeypatch)
         Lake.open(root)
 
 
+def test_read_run_reads_that_runs_rows_only(local_lake):
+    """``local_lake`` holds versions 0 and 1 of ``run-0``; a run id with a quote is read as a literal."""
+    from sao.lake.ledger import register_policy_version
+
+    register_policy_version(local_lake, PolicyVersionRecord("run-1", 0, "ckpt/0", "sha256:0"))
+    rows = local_lake.read_run(policy_versions.NAME, "run-0", ["run_id", "version"]).to_pylist()
+    assert sorted(r["version"] for r in rows) == [0, 1] and {r["run_id"] for r in rows} == {"run-0"}
+    assert local_lake.read_run(policy_versions.NAME, "run-1", ["version"]).num_rows == 1
+    assert local_lake.read_run(policy_versions.NAME, "run-0' OR run_id = 'run-1").num_rows == 0
+
+
 def test_sql_literal_escapes_quotes():
     assert sql_literal("it's") == "'it''s'"
 
