@@ -22,6 +22,8 @@ default router, rather than being sent to be refused).
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import random
 import time
 
@@ -36,7 +38,26 @@ from ray.serve.request_router import (
 __all__ = ["ROUTER_PATH", "LeastOutstandingRouter"]
 
 ROUTER_PATH = "sao.rollout.routing.LeastOutstandingRouter"
-CHOICE_TTL_S = 1.0  # a choice that no send has followed within this long no longer counts
+CHOICE_TTL_S = 10.0  # a choice that no send has followed within this long no longer counts (a backstop)
+
+
+@dataclasses.dataclass
+class _Choice:
+    """A replica chosen for a request that has not been sent yet."""
+
+    replica_id: ReplicaID
+    request: PendingRequest | None
+    at: float
+
+    def dropped(self, now: float) -> bool:
+        """Whether the choice no longer stands: its request was cancelled, or it is older than the TTL."""
+        future = self.request.future if self.request is not None else None
+        return now - self.at > CHOICE_TTL_S or (future is not None and future.cancelled())
+
+    def fulfilled(self) -> bool:
+        """Whether Serve handed the choice to its request (the send follows)."""
+        future = self.request.future if self.request is not None else None
+        return future is not None and future.done() and not future.cancelled()
 
 
 class LeastOutstandingRouter(FIFOMixin, RequestRouter):
@@ -44,38 +65,52 @@ class LeastOutstandingRouter(FIFOMixin, RequestRouter):
     at random), in arrival order.
 
     Serve chooses replicas for several queued requests before it sends any of them, so a choice counts
-    at once (a burst would otherwise all go to the replica that was emptiest before it); the send that
-    follows takes its place. A choice that no send follows within :data:`CHOICE_TTL_S` (the router
-    dropped it: a cancelled request, a replica that stopped answering) stops counting.
+    at once (a burst would otherwise all go to the replica that was emptiest before it), until the send
+    that follows takes its place. A choice is kept per request: when Serve asks again for the same
+    request (the replica it was given turned out full, or its queue-length probe failed), the new choice
+    replaces the old one. A choice stops counting when its request is cancelled, or, as a backstop for a
+    send that never came, after :data:`CHOICE_TTL_S` (long: on a loaded machine a send can follow its
+    choice late, and a burst's early choices must not stop counting while its later ones are made).
     """
 
     def initialize_state(self, **kwargs) -> None:
         self._sent: collections.Counter[ReplicaID] = collections.Counter()  # sent, not finished
-        self._chosen: dict[ReplicaID, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self._chosen: dict[int, _Choice] = {}  # by request (id of its PendingRequest), in choice order
+        self._unnamed = itertools.count(-1, -1)  # keys of choices made for no request
 
-    def _load(self, replica_id: ReplicaID, now: float) -> int:
-        chosen = self._chosen[replica_id]
-        while chosen and now - chosen[0] > CHOICE_TTL_S:
-            chosen.popleft()
-        return self._sent[replica_id] + len(chosen)
+    def _load(self, replica_id: ReplicaID) -> int:
+        return self._sent[replica_id] + sum(1 for c in self._chosen.values() if c.replica_id == replica_id)
+
+    def _drop_stale(self, now: float) -> None:
+        for key in [key for key, choice in self._chosen.items() if choice.dropped(now)]:
+            del self._chosen[key]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         now = time.monotonic()
-        load = {r.replica_id: self._load(r.replica_id, now) for r in candidate_replicas}
+        key = id(pending_request) if pending_request is not None else next(self._unnamed)
+        self._chosen.pop(key, None)  # asked again for the same request: its earlier choice was not sent
+        self._drop_stale(now)
+        load = {r.replica_id: self._load(r.replica_id) for r in candidate_replicas}
         open_ = [r for r in candidate_replicas if load[r.replica_id] < r.max_ongoing_requests]
         if not open_:
             return []  # every replica is full with this handle's requests: the router backs off and retries
         fewest = min(load[r.replica_id] for r in open_)
         chosen = random.choice([r for r in open_ if load[r.replica_id] == fewest])
-        self._chosen[chosen.replica_id].append(now)
+        self._chosen[key] = _Choice(chosen.replica_id, pending_request, now)
         return [[chosen]]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
         self._sent[replica_id] += 1
-        if self._chosen[replica_id]:
-            self._chosen[replica_id].popleft()
+        # The request sent is one whose choice of this replica Serve fulfilled; any one of them stands for
+        # it (they count alike). Without one, the oldest choice made for no request goes; a choice whose
+        # request is still being routed stays.
+        mine = [key for key, choice in self._chosen.items() if choice.replica_id == replica_id]
+        sent = [key for key in mine if self._chosen[key].fulfilled()] or [
+            key for key in mine if self._chosen[key].request is None]
+        if sent:
+            del self._chosen[sent[0]]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)

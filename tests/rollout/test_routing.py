@@ -4,11 +4,110 @@ it, this test fails)."""
 
 import asyncio
 import collections
+import types
 
 import pytest
 
-from sao.rollout.routing import ROUTER_PATH
+from sao.rollout import routing
+from sao.rollout.routing import ROUTER_PATH, LeastOutstandingRouter
 from sao.rollout.serve import RolloutConfig, deployment_options
+
+
+class _Clock:
+    """``time.monotonic`` for the router, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(routing.time, "monotonic", clock)
+    return clock
+
+
+def _router() -> LeastOutstandingRouter:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    router = LeastOutstandingRouter(deployment_id=DeploymentID(name="rollout", app_name="test"),
+                                    handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    return router
+
+
+def _request(n: int):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    return PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}"))
+
+
+REPLICAS = [types.SimpleNamespace(replica_id=name, max_ongoing_requests=64) for name in ("a", "b")]
+
+
+async def _choose(router: LeastOutstandingRouter, request) -> str:
+    [[replica]] = await router.choose_replicas(REPLICAS, request)
+    return replica.replica_id
+
+
+def test_a_burst_chosen_before_any_send_splits_evenly_however_late_the_sends_come(clock):
+    """On a loaded machine the sends of a burst follow their choices by seconds: the choices still count."""
+
+    async def burst():
+        router = _router()
+        requests = [_request(n) for n in range(128)]
+        chosen = []
+        for request in requests:  # Serve chooses for the queued requests, then sends them as it gets to them
+            chosen.append(await _choose(router, request))
+            clock.now += 0.02  # 2.5 s for the burst's choices
+        for request, replica in zip(requests, chosen, strict=True):
+            request.future.set_result(replica)
+            router.on_send_request(replica)
+        return collections.Counter(chosen), router
+
+    split, router = asyncio.run(burst())
+    assert split == {"a": 64, "b": 64}
+    assert router._load("a") == router._load("b") == 64  # every choice became a send, none counts twice
+
+
+def test_a_request_chosen_again_replaces_its_earlier_choice(clock):
+    async def run():
+        router = _router()
+        router.on_send_request("b")  # b holds one request: the next choice is a
+        request = _request(0)
+        assert await _choose(router, request) == "a"
+        assert await _choose(router, request) == "a"  # Serve asked again (a full replica, a failed probe)
+        return router
+
+    router = asyncio.run(run())
+    assert (router._load("a"), router._load("b")) == (1, 1)
+
+
+def test_a_cancelled_request_and_an_old_choice_stop_counting_and_a_completion_frees_its_replica(clock):
+    async def run():
+        router = _router()
+        cancelled, stranded = _request(0), _request(1)
+        await _choose(router, cancelled)
+        await _choose(router, stranded)
+        assert router._load("a") + router._load("b") == 2
+        cancelled.future.cancel()
+        await _choose(router, _request(2))  # a choice looks at the others' state first
+        assert router._load("a") + router._load("b") == 2
+        clock.now += routing.CHOICE_TTL_S + 1  # no send followed ``stranded``'s choice
+        replica = await _choose(router, sent := _request(3))
+        assert router._load("a") + router._load("b") == 1
+        sent.future.set_result(replica)
+        router.on_send_request(replica)
+        assert router._load(replica) == 1
+        router.on_request_completed(replica, "i3")
+        return router, replica
+
+    router, replica = asyncio.run(run())
+    assert router._load(replica) == 0
 
 
 def test_the_rollout_app_routes_with_the_balancing_router_unless_told_otherwise():
@@ -26,7 +125,9 @@ def test_a_burst_lands_evenly_on_the_replicas_and_the_counts_return_to_zero(ray_
                       request_router_config=RequestRouterConfig(request_router_class=ROUTER_PATH))
     class Slow:
         async def __call__(self) -> str:
-            await asyncio.sleep(0.3)
+            # Longer than a loaded machine takes to send a burst: were some of its requests to finish while
+            # the rest were still being sent, the router would rightly favour the replica that freed more.
+            await asyncio.sleep(2.0)
             return serve.get_replica_context().replica_id.unique_id
 
     handle = serve.run(Slow.bind(), name="routing-test", route_prefix=None)
