@@ -21,6 +21,7 @@ default router, rather than being sent to be refused).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import itertools
@@ -49,15 +50,18 @@ class _Choice:
     request: PendingRequest | None
     at: float
 
+    @property
+    def future(self) -> asyncio.Future | None:
+        """The request's routing future (None for a choice made for no request)."""
+        return self.request.future if self.request is not None else None
+
     def dropped(self, now: float) -> bool:
         """Whether the choice no longer stands: its request was cancelled, or it is older than the TTL."""
-        future = self.request.future if self.request is not None else None
-        return now - self.at > CHOICE_TTL_S or (future is not None and future.cancelled())
+        return now - self.at > CHOICE_TTL_S or (self.future is not None and self.future.cancelled())
 
     def fulfilled(self) -> bool:
         """Whether Serve handed the choice to its request (the send follows)."""
-        future = self.request.future if self.request is not None else None
-        return future is not None and future.done() and not future.cancelled()
+        return self.future is not None and self.future.done() and not self.future.cancelled()
 
 
 class LeastOutstandingRouter(FIFOMixin, RequestRouter):
