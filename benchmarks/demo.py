@@ -21,7 +21,9 @@ their mean and its standard error over the seeds.
 
 Beside each run: its value pretraining (rollouts, the critic's explained variance on held-out ones) and
 the critic's explained variance on its targets in training, early and late (with
-``algorithm.oracle_values``, the oracle's beside it). ``--reread RECORD.json --workdir DIR`` adds these
+``algorithm.oracle_values``, the oracle's beside it), and how the critic's value moves at the first
+token where a failed rollout leaves its task's demonstration (the first wrong digit of a copy error),
+where a critic that places the error drops and the oracle's falls to 0 (:func:`critic_off_path`). ``--reread RECORD.json --workdir DIR`` adds these
 to a record written before they were recorded, from the folders its runs ran in; ``--reread RECORD.json
 --against FILE`` pairs a seeded record's runs with another base (a default run again at the same code, say),
 in place of the one it was written against.
@@ -198,6 +200,54 @@ def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
     return fit
 
 
+OFF_PATH_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs", "reward",
+                    "termination_reason", "min_policy_version", "logprob_kind", "sampling")
+
+
+def critic_off_path(workdir: Path) -> dict[str, dict[str, Any]] | None:
+    """How the critic's value moves where the run's failed rollouts leave their demonstration's path
+    (for a digit copied wrongly, at that digit; :func:`sao.train.oracle.value_steps_off_path`), early
+    and late: ``first``, the critic of version 0 (after value pretraining) on the failed rollouts
+    trained in the first :data:`FIT_STEPS` steps; ``last``, the run's last critic on those of its last
+    :data:`FIT_STEPS`. None: the run kept no critic (an algorithm without one)."""
+    from sao.lake.store import Lake
+    from sao.models.critic import load_critic
+    from sao.models.tokenizer import load_tokenizer
+    from sao.train.checkpoint import critic_dir, policy_dir
+    from sao.train.oracle import DemonstrationOracle, value_steps_off_path
+
+    root = _demo_run(workdir).checkpoint_root
+    lake = Lake.open(str(workdir / "lake"))
+    steps = sorted(lake.read("train_steps", columns=["step", "trajectory_ids"]).to_pylist(), key=lambda row: row["step"])
+    last = steps[-1]["step"] + 1 if steps else 0  # the version the last step made
+    if not steps or not all(critic_dir(root, version).is_dir() for version in (0, last)):
+        return None
+    rows = {row["trajectory_id"]: row for row in lake.read("trajectories", columns=list(OFF_PATH_COLUMNS)).to_pylist()}
+    demonstrations = DemonstrationOracle(None, load_tokenizer(policy_dir(root, 0)))
+    out = {}
+    for label, version, chosen in (("first", 0, steps[:FIT_STEPS]), ("last", last, steps[-FIT_STEPS:])):
+        failed = [rows[tid] for step in chosen for tid in step["trajectory_ids"]
+                  if rows[tid]["reward"] is not None and rows[tid]["reward"] < 1.0]
+        out[label] = {"version": version,
+                      **value_steps_off_path(load_critic(critic_dir(root, version)), demonstrations, failed)}
+    return out
+
+
+def _off_path(run: dict[str, Any], critic: bool = True) -> str:
+    """The critic's value step at the first token off the path, and on the path before it, early / late."""
+    if not critic:
+        return "no critic"
+    steps = run.get("critic_off_path")
+    if not steps:
+        return "not recorded"
+
+    def part(key: str) -> str:
+        off, on = steps[key]["step_off_path"], steps[key]["step_on_path"]
+        return "-" if off is None else f"{off:+.3f} ({'-' if on is None else f'{on:+.3f}'})"
+
+    return f"{part('first')} / {part('last')}"
+
+
 def _algorithm(record: dict[str, Any]) -> str:
     """The algorithm the record's runs trained with: the demo config's unless a ``--set`` names another."""
     from sao.config import demo_config, parse_set
@@ -252,8 +302,10 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         "",
         f"| run | version 0 | after training | rise | wall time (min) | of which {algorithm} training (min) | trajectories "
         "| failed after training: tool call / answer / structure | value pretraining: rollouts / held-out explained "
-        f"variance | critic's explained variance in training, first / last {FIT_STEPS} steps |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        f"variance | critic's explained variance in training, first / last {FIT_STEPS} steps | critic's value step "
+        f"at a failed rollout's first token off the demonstration's path (on the path before it), first / last "
+        f"{FIT_STEPS} steps |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for index, run in enumerate(runs):
         r = run["result"]
@@ -261,7 +313,8 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         lines.append(f"| {label} | {r['accuracy_before']:.3f} ± {r['stderr_before']:.3f} | "
                      f"{r['accuracy_after']:.3f} ± {r['stderr_after']:.3f} | "
                      f"{r['accuracy_after'] - r['accuracy_before']:+.3f} | {run['wall_s'] / 60:.1f} | "
-                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} | {_pretraining(run)} | {_fit(run, critic)} |")
+                     f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} | {_pretraining(run)} | {_fit(run, critic)} | "
+                     f"{_off_path(run, critic)} |")
     lines += [
         "",
         "| target | median (min-max) | met |",
@@ -343,7 +396,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str, Any]:
     """``record_path``'s record with what its runs' folders under ``workdir`` (``run-1``, ...) hold added
-    where it is missing (value pretraining, the critic's fit), for a record written before they were;
+    where it is missing (value pretraining, the critic's fit and its step off the path), for a record written before they were;
     ``workdir`` None: the record as it is (only paired again)."""
     record = json.loads(record_path.read_text())
     for index, run in enumerate(record["runs"] if workdir is not None else ()):
@@ -354,6 +407,8 @@ def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str
             run["value_pretraining"] = value_pretraining(folder)
         if run.get("critic_fit") is None:
             run["critic_fit"] = critic_fit(folder)
+        if run.get("critic_off_path") is None:
+            run["critic_off_path"] = critic_off_path(folder)
     record["reread"] = {"command": " ".join(["sao bench demo", *argv]), "machine": machine()}
     return record
 
@@ -379,7 +434,7 @@ def main(argv: list[str]) -> int:
         result, wall_s = run_demo(folder, run_sets(args.sets, seed))
         result.pop("summary", None)
         runs.append({"wall_s": wall_s, "seed": seed, "result": result, "value_pretraining": value_pretraining(folder),
-                     "critic_fit": critic_fit(folder)})
+                     "critic_fit": critic_fit(folder), "critic_off_path": critic_off_path(folder)})
     name = f"demo-{args.tag}" if args.tag else "demo"
     shown = run_sets(args.sets, None if args.seeds is None else "S")
     record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,

@@ -190,22 +190,26 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
                          warm_start_bias=args.warm_start_bias)
 
 
+SAO_OPTIONS = (("lr_critic", "algorithm.lr_critic"), ("whiten", "algorithm.whiten_advantages"))
+"""SAO's own options of this benchmark (its critic's learning rate, whitening) and the run-config key
+each sets: the baselines have no critic, and the group baseline's advantages are scaled by each
+group's std already."""
+
+
 def design(args: argparse.Namespace) -> dict[str, Any]:
     """What parts must share to be merged."""
     keys = ("steps", "shifts", "batch", "group_size", "max_staleness", "lr_policy", "entropy_coef", "graded",
             "answer_tag", "warm_start_bias", "max_tokens", "replicas", "max_in_flight", "value_samples", "sft_steps", "pre_window",
             "quick")
-    # SAO's own settings (its critic's learning rate, whitening) are named only when set, so parts run
-    # before the options existed (at the run config's settings) still merge with those run without them.
-    return ({key: getattr(args, key) for key in keys} | ({"lr_critic": args.lr_critic} if args.lr_critic else {})
-            | ({"whiten": True} if args.whiten else {}))
+    # SAO's own options are named only when set, so parts run before the options existed (at the run
+    # config's settings) still merge with those run without them.
+    return {key: getattr(args, key) for key in keys} | {
+        name: getattr(args, name) for name, _ in SAO_OPTIONS if getattr(args, name)}
 
 
 def sao_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The run-config settings of SAO's run alone (its critic's learning rate, whitening): the baselines
-    have no critic, and the group baseline's advantages are scaled by each group's std already."""
-    return (({"algorithm.lr_critic": args.lr_critic} if args.lr_critic else {})
-            | ({"algorithm.whiten_advantages": True} if args.whiten else {}))
+    """The run-config settings of SAO's run alone (:data:`SAO_OPTIONS` that are set)."""
+    return {key: getattr(args, name) for name, key in SAO_OPTIONS if getattr(args, name)}
 
 
 def events(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -16,6 +16,10 @@ tool's output, the answer) this is the success probability wherever the demonstr
 only way to succeed, and a lower bound elsewhere: a state after a wrong digit is worth 0, the state
 before it the chance of copying the rest right. Only tasks with a demonstration have oracle values:
 the built-in math_tool tasks (an unknown task id is an error, never a silent 0).
+
+:func:`value_steps_off_path` measures the other side: how the critic's own value moves at the first
+token of a failed rollout that leaves its demonstration's path (for a digit copied wrongly, that digit),
+where the oracle's falls to 0, beside how it moves at the tokens on the path before it.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from sao.envs.base import Task
 from sao.envs.math_tool import demonstration, generate_tasks
 from sao.models.chat import ChatTokens, prompt_ids
 from sao.train.batch import TrainBatch
+from sao.train.batch import collate as collate_rows
 from sao.train.sft import Example, action_logprobs, collate, conversation_example
+from sao.train.step import critic_values
 
-__all__ = ["DemonstrationOracle", "attach_oracle"]
+__all__ = ["DemonstrationOracle", "attach_oracle", "on_path", "value_steps_off_path"]
 
 
 class DemonstrationOracle:
@@ -97,16 +103,64 @@ class DemonstrationOracle:
         to_come = torch.cat([torch.flip(torch.cumsum(torch.flip(token, [1]), 1), [1]), zero], 1)  # (B, L + 1)
         for b, (row, (start, demo_ids)) in enumerate(zip(rows, spans, strict=True)):
             completion = list(row["completion_ids"])
-            on_path = 0  # completion tokens shared with the demonstration's, from the start
-            while on_path < min(len(completion), len(demo_ids)) and completion[on_path] == demo_ids[on_path]:
-                on_path += 1
-            # the state before completion token j is on the path for j <= on_path
-            reach = min(on_path, len(completion) - 1)
+            shared = on_path(completion, demo_ids)
+            # the state before completion token j is on the path for j <= shared
+            reach = min(shared, len(completion) - 1)
             if reach >= 0:
                 values[b, : reach + 1] = to_come[b, start : start + reach + 1].exp()
-            if len(completion) <= on_path:  # the whole completion is on the path
+            if len(completion) <= shared:  # the whole completion is on the path
                 v_end[b] = to_come[b, start + len(completion)].exp()
         return torch.where(batch.action_mask, values, torch.zeros_like(values)), v_end
+
+
+def on_path(completion: Sequence[int], demonstration_ids: Sequence[int]) -> int:
+    """How many of ``completion``'s first tokens are the demonstration's (its tokens from there on are
+    off the path; all of them on it when this is ``len(completion)``)."""
+    shared = 0
+    while shared < min(len(completion), len(demonstration_ids)) and completion[shared] == demonstration_ids[shared]:
+        shared += 1
+    return shared
+
+
+@torch.no_grad()
+def value_steps_off_path(critic: torch.nn.Module, demonstrations: DemonstrationOracle,
+                         rows: Sequence[Mapping]) -> dict[str, float | int | None]:
+    """How ``critic``'s value moves where each of ``rows`` (trajectory rows; failed rollouts are what
+    this is for) leaves its task's demonstration's path, beside how it moves on the path.
+
+    A rollout counts when its first token off the path is an action token ``j`` (one that leaves at
+    an observation, or never, does not). Its step off the path is ``V(after) - V(before)``: ``V(before)``
+    the value of the state token ``j`` was sampled in, ``V(after)`` that of the state of its next action
+    token (``V(s_end)`` when ``j`` is its last). The oracle's value falls to 0 there. Its steps on the
+    path are the same differences at its action tokens before ``j``. ``demonstrations``: their
+    completions (:meth:`DemonstrationOracle.completion`; its policy is not used).
+
+    Returns ``rollouts`` (counted), ``not_counted``, ``value_before`` (mean ``V(before)``),
+    ``step_off_path`` (mean over the rollouts) and ``step_on_path`` (mean over their action tokens
+    before ``j``); a mean over nothing is None.
+    """
+    if not rows:
+        return {"rollouts": 0, "not_counted": 0, "value_before": None, "step_off_path": None, "step_on_path": None}
+    batch = collate_rows(rows, trainer_version=0)
+    values, v_end = critic_values(critic, batch)
+    before, off, on = [], [], []
+    for b, row in enumerate(rows):
+        completion, mask = list(row["completion_ids"]), list(row["action_mask"])
+        first = on_path(completion, demonstrations.completion(row["task_id"])[0])
+        if first >= len(completion) or not mask[first]:
+            continue
+        actions = [j for j, flag in enumerate(mask) if flag]
+        value = [float(values[b, j]) for j in actions] + [float(v_end[b])]  # V at each action, then V(s_end)
+        at = actions.index(first)
+        before.append(value[at])
+        off.append(value[at + 1] - value[at])
+        on.extend(value[i + 1] - value[i] for i in range(at))
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    return {"rollouts": len(off), "not_counted": len(rows) - len(off), "value_before": mean(before),
+            "step_off_path": mean(off), "step_on_path": mean(on)}
 
 
 def attach_oracle(learner, tokenizer) -> None:

@@ -14,6 +14,7 @@ from benchmarks.demo import (
     _algorithm,
     _failures,
     _fit,
+    _off_path,
     _parse,
     _pretraining,
     critic_fit,
@@ -80,6 +81,7 @@ def test_quick_run_reports_the_demo_runs_recorded_result(tmp_path):
     assert 0.0 <= result["accuracy_after"] <= 1.0 and run["wall_s"] > result["train_wall_s"] > 0
     assert run["value_pretraining"]["num_train"] + run["value_pretraining"]["num_heldout"] == 8
     assert isinstance(run["critic_fit"], dict)  # empty when every return was alike (no variance to explain)
+    assert set(run["critic_off_path"]) == {"first", "last"} and run["critic_off_path"]["last"]["version"] == 2
     assert data["summary"]["accuracy_after"]["median"] == result["accuracy_after"]
     assert data["demo_command"].startswith("sao train --config configs/demo.yaml --set train.steps=2")
     assert "| held-out accuracy after training > 0.8 |" in md.read_text()
@@ -189,6 +191,16 @@ def test_the_critics_fit_is_its_explained_variance_early_and_late(tmp_path, monk
     assert _fit({"critic_fit": {}}, critic=False) == "no critic"
 
 
+def test_the_critics_step_off_the_path_is_shown_early_and_late_beside_its_step_on_the_path():
+    steps = {"first": {"step_off_path": -0.0296, "step_on_path": 0.0012},
+             "last": {"step_off_path": -0.0363, "step_on_path": None}}
+    assert _off_path({"critic_off_path": steps}) == "-0.030 (+0.001) / -0.036 (-)"
+    nothing = {"step_off_path": None, "step_on_path": None}
+    assert _off_path({"critic_off_path": {"first": nothing, "last": nothing}}) == "- / -"
+    assert _off_path({}) == _off_path({"critic_off_path": None}) == "not recorded"
+    assert _off_path({"critic_off_path": steps}, critic=False) == "no critic"
+
+
 def test_the_report_names_the_algorithm_the_runs_trained_with():
     assert _algorithm({"sets": []}) == "sao"  # the demo config's
     assert _algorithm({"sets": ["train.steps=5", "algorithm.name=self_imitation"]}) == "self_imitation"
@@ -207,6 +219,8 @@ def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replac
         (tmp_path / "work" / f"run-{index}" / "runs").mkdir(parents=True)
     monkeypatch.setattr(demo, "critic_fit", lambda folder: {"critic/explained_variance": {"first": 0.1, "last": 0.2}})
     monkeypatch.setattr(demo, "value_pretraining", lambda folder: {"num_train": folder.name})
+    monkeypatch.setattr(demo, "critic_off_path", lambda folder: {"folder": folder.name})
     runs = reread(path, tmp_path / "work", ["--reread", str(path)])["runs"]
     assert [run["value_pretraining"] for run in runs] == [{"num_train": 1}, {"num_train": "run-2"}]
     assert all(run["critic_fit"]["critic/explained_variance"]["last"] == 0.2 for run in runs)
+    assert [run["critic_off_path"] for run in runs] == [{"folder": "run-1"}, {"folder": "run-2"}]

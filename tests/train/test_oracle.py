@@ -15,7 +15,7 @@ from sao.models.tokenizer import build_tokenizer
 from sao.train.batch import collate
 from sao.train.config import UpdateConfig
 from sao.train.loop import compute_update
-from sao.train.oracle import DemonstrationOracle, attach_oracle
+from sao.train.oracle import DemonstrationOracle, attach_oracle, on_path, value_steps_off_path
 from sao.train.step import Learner, critic_values, policy_logprobs
 
 
@@ -79,6 +79,49 @@ def test_values_on_the_path_are_the_chance_of_completing_it_and_zero_after_leavi
     assert float(values[1, wrong + 1 :].abs().sum()) == 0.0 and v_end[1] == 0.0  # off the path
     assert values[2, :2].tolist() == pytest.approx([2.0 ** -remaining[0], 0.0], rel=1e-4, abs=0)
     assert 2.0 ** -remaining[0] > 1e-12  # every figure above is far from zero: the check is not vacuous
+
+
+class TokenValue(torch.nn.Module):
+    """A critic whose value at a position is the token id there over 100: the value of the state a
+    completion token was sampled in is the id of the token before it, over 100."""
+
+    def forward(self, input_ids, attention_mask=None):
+        return input_ids.float() / 100
+
+
+def test_value_steps_off_path_by_hand(tokenizer, tasks):
+    demonstrations = DemonstrationOracle(None, tokenizer, tasks)
+    task_id = next(iter(tasks))
+    demo, mask = demonstrations.completion(task_id)
+    vocab = len(tokenizer)
+    observation = mask.index(0)
+    assert mask[:4] == [1, 1, 1, 1] and observation > 4
+    wrong, wrong_last = (demo[3] + 1) % vocab, (demo[2] + 5) % vocab
+    prompt = [1, 2, 30]
+    rows = [
+        # off the path at action token 3, two on-path actions after it
+        row("digit", task_id, prompt, demo[:3] + [wrong] + demo[4:6], [1] * 6),
+        row("whole", task_id, prompt, demo, mask, reward=1.0),  # never off the path: not counted
+        # off the path at the tool's output (an observation): not counted
+        row("observation", task_id, prompt, demo[:observation] + [demo[observation] + 1], mask[: observation + 1]),
+        # off the path at its last action token: V after it is V(s_end), the value at its last position
+        row("last", task_id, prompt, demo[:2] + [wrong_last], [1, 1, 1], reason="length"),
+    ]
+    assert [on_path(r["completion_ids"], demo) for r in rows] == [3, len(demo), observation, 2]
+    result = value_steps_off_path(TokenValue(), demonstrations, rows)
+    # "digit": V(before token 3) = demo[2]; after it (the state of token 4) = the wrong token itself
+    # "last": V(before token 2) = demo[1]; after it, V(s_end) = the id at its last position, wrong_last
+    # on the path: V(j + 1) - V(j) for j before the wrong one, V(0) = the prompt's last token (30)
+    on_digit = [demo[0] - 30, demo[1] - demo[0], demo[2] - demo[1]]
+    on_last = [demo[0] - 30, demo[1] - demo[0]]
+    assert result["rollouts"] == 2 and result["not_counted"] == 2
+    assert result["value_before"] == pytest.approx((demo[2] + demo[1]) / 200)
+    assert result["step_off_path"] == pytest.approx(((wrong - demo[2]) + (wrong_last - demo[1])) / 200)
+    assert result["step_on_path"] == pytest.approx(sum(on_digit + on_last) / 500)
+    assert result["step_off_path"] != pytest.approx(result["step_on_path"])  # the two are told apart
+    empty = value_steps_off_path(TokenValue(), demonstrations, [])
+    assert empty == {"rollouts": 0, "not_counted": 0, "value_before": None, "step_off_path": None,
+                     "step_on_path": None}
 
 
 def test_a_task_without_a_demonstration_is_an_error_not_a_zero(tokenizer, tasks):
