@@ -209,9 +209,12 @@ def critic_off_path(workdir: Path) -> dict[str, dict[str, Any]] | None:
     (for a digit copied wrongly, at that digit; :func:`sao.train.oracle.value_steps_off_path`), early
     and late: ``first``, the critic of version 0 (after value pretraining) on the failed rollouts
     trained in the first :data:`FIT_STEPS` steps; ``last``, the run's last critic on those of its last
-    :data:`FIT_STEPS`. None: the run kept no critic (an algorithm without one)."""
+    :data:`FIT_STEPS`. Beside the critic's, the demonstration oracle's figures under the policy of the
+    same version (:class:`sao.train.oracle.DemonstrationOracle`): the step a critic that places the
+    error would take. None: the run kept no critic (an algorithm without one)."""
     from sao.lake.store import Lake
     from sao.models.critic import load_critic
+    from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
     from sao.train.checkpoint import critic_dir, policy_dir
     from sao.train.oracle import DemonstrationOracle, value_steps_off_path
@@ -223,13 +226,14 @@ def critic_off_path(workdir: Path) -> dict[str, dict[str, Any]] | None:
     if not steps or not all(critic_dir(root, version).is_dir() for version in (0, last)):
         return None
     rows = {row["trajectory_id"]: row for row in lake.read("trajectories", columns=list(OFF_PATH_COLUMNS)).to_pylist()}
-    demonstrations = DemonstrationOracle(None, load_tokenizer(policy_dir(root, 0)))
+    tokenizer = load_tokenizer(policy_dir(root, 0))
     out = {}
     for label, version, chosen in (("first", 0, steps[:FIT_STEPS]), ("last", last, steps[-FIT_STEPS:])):
         failed = [rows[tid] for step in chosen for tid in step["trajectory_ids"]
                   if rows[tid]["reward"] is not None and rows[tid]["reward"] < 1.0]
-        out[label] = {"version": version,
-                      **value_steps_off_path(load_critic(critic_dir(root, version)), demonstrations, failed)}
+        oracle = DemonstrationOracle(load_policy(policy_dir(root, version)), tokenizer)
+        out[label] = {"version": version, **value_steps_off_path(load_critic(critic_dir(root, version)), oracle,
+                                                                 failed, oracle_too=True)}
     return out
 
 
@@ -241,11 +245,14 @@ def _off_path(run: dict[str, Any], critic: bool = True) -> str:
     if not steps:
         return "not recorded"
 
-    def part(key: str) -> str:
-        off, on = steps[key]["step_off_path"], steps[key]["step_on_path"]
+    def part(key: str, prefix: str = "") -> str:
+        off, on = steps[key].get(f"{prefix}step_off_path"), steps[key].get(f"{prefix}step_on_path")
         return "-" if off is None else f"{off:+.3f} ({'-' if on is None else f'{on:+.3f}'})"
 
-    return f"{part('first')} / {part('last')}"
+    text = f"{part('first')} / {part('last')}"
+    if "oracle_step_off_path" in steps["last"]:
+        text += f" (oracle's {part('first', 'oracle_')} / {part('last', 'oracle_')})"
+    return text
 
 
 def _algorithm(record: dict[str, Any]) -> str:

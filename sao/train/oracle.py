@@ -123,44 +123,51 @@ def on_path(completion: Sequence[int], demonstration_ids: Sequence[int]) -> int:
 
 
 @torch.no_grad()
-def value_steps_off_path(critic: torch.nn.Module, demonstrations: DemonstrationOracle,
-                         rows: Sequence[Mapping]) -> dict[str, float | int | None]:
+def value_steps_off_path(critic: torch.nn.Module, demonstrations: DemonstrationOracle, rows: Sequence[Mapping],
+                         *, oracle_too: bool = False) -> dict[str, float | int | None]:
     """How ``critic``'s value moves where each of ``rows`` (trajectory rows; failed rollouts are what
     this is for) leaves its task's demonstration's path, beside how it moves on the path.
 
     A rollout counts when its first token off the path is an action token ``j`` (one that leaves at
     an observation, or never, does not). Its step off the path is ``V(after) - V(before)``: ``V(before)``
     the value of the state token ``j`` was sampled in, ``V(after)`` that of the state of its next action
-    token (``V(s_end)`` when ``j`` is its last). The oracle's value falls to 0 there. Its steps on the
-    path are the same differences at its action tokens before ``j``. ``demonstrations``: their
-    completions (:meth:`DemonstrationOracle.completion`; its policy is not used).
+    token (``V(s_end)`` when ``j`` is its last). Its steps on the path are the same differences at its
+    action tokens before ``j``. ``demonstrations``: their completions
+    (:meth:`DemonstrationOracle.completion`); with ``oracle_too``, its values as well (they need its
+    policy), whose step off the path is minus its value before, as its value falls to 0 there.
 
     Returns ``rollouts`` (counted), ``not_counted``, ``value_before`` (mean ``V(before)``),
     ``step_off_path`` (mean over the rollouts) and ``step_on_path`` (mean over their action tokens
-    before ``j``); a mean over nothing is None.
+    before ``j``), and with ``oracle_too`` the last three of the oracle's prefixed ``oracle_``; a mean
+    over nothing is None.
     """
-    if not rows:
-        return {"rollouts": 0, "not_counted": 0, "value_before": None, "step_off_path": None, "step_on_path": None}
-    batch = collate_rows(rows, trainer_version=0)
-    values, v_end = critic_values(critic, batch)
-    before, off, on = [], [], []
+    counted: list[tuple[int, list[int], int]] = []  # (row, its action tokens, the index among them of j)
     for b, row in enumerate(rows):
         completion, mask = list(row["completion_ids"]), list(row["action_mask"])
         first = on_path(completion, demonstrations.completion(row["task_id"])[0])
-        if first >= len(completion) or not mask[first]:
-            continue
-        actions = [j for j, flag in enumerate(mask) if flag]
-        value = [float(values[b, j]) for j in actions] + [float(v_end[b])]  # V at each action, then V(s_end)
-        at = actions.index(first)
-        before.append(value[at])
-        off.append(value[at + 1] - value[at])
-        on.extend(value[i + 1] - value[i] for i in range(at))
+        if first < len(completion) and mask[first]:
+            actions = [j for j, flag in enumerate(mask) if flag]
+            counted.append((b, actions, actions.index(first)))
+    out: dict[str, float | int | None] = {"rollouts": len(counted), "not_counted": len(rows) - len(counted)}
+    batch = collate_rows(rows, trainer_version=0) if counted else None
+    sources = [("", lambda: critic_values(critic, batch))]
+    if oracle_too:
+        sources.append(("oracle_", lambda: demonstrations(rows, batch)))
+    for prefix, read in sources:
+        values, v_end = read() if counted else (None, None)
+        before, off, on = [], [], []
+        for b, actions, at in counted:
+            value = [float(values[b, j]) for j in actions] + [float(v_end[b])]  # V at each action, then V(s_end)
+            before.append(value[at])
+            off.append(value[at + 1] - value[at])
+            on.extend(value[i + 1] - value[i] for i in range(at))
+        out |= {f"{prefix}value_before": _mean(before), f"{prefix}step_off_path": _mean(off),
+                f"{prefix}step_on_path": _mean(on)}
+    return out
 
-    def mean(xs: list[float]) -> float | None:
-        return sum(xs) / len(xs) if xs else None
 
-    return {"rollouts": len(off), "not_counted": len(rows) - len(off), "value_before": mean(before),
-            "step_off_path": mean(off), "step_on_path": mean(on)}
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def attach_oracle(learner, tokenizer) -> None:

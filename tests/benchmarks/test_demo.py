@@ -195,6 +195,9 @@ def test_the_critics_step_off_the_path_is_shown_early_and_late_beside_its_step_o
     steps = {"first": {"step_off_path": -0.0296, "step_on_path": 0.0012},
              "last": {"step_off_path": -0.0363, "step_on_path": None}}
     assert _off_path({"critic_off_path": steps}) == "-0.030 (+0.001) / -0.036 (-)"
+    oracle = {key: part | {"oracle_step_off_path": -0.5, "oracle_step_on_path": 0.02} for key, part in steps.items()}
+    assert _off_path({"critic_off_path": oracle}) == (
+        "-0.030 (+0.001) / -0.036 (-) (oracle's -0.500 (+0.020) / -0.500 (+0.020))")
     nothing = {"step_off_path": None, "step_on_path": None}
     assert _off_path({"critic_off_path": {"first": nothing, "last": nothing}}) == "- / -"
     assert _off_path({}) == _off_path({"critic_off_path": None}) == "not recorded"

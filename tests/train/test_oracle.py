@@ -90,10 +90,10 @@ class TokenValue(torch.nn.Module):
 
 
 def test_value_steps_off_path_by_hand(tokenizer, tasks):
-    demonstrations = DemonstrationOracle(None, tokenizer, tasks)
+    vocab = len(tokenizer)
+    demonstrations = DemonstrationOracle(Halves(vocab), tokenizer, tasks)
     task_id = next(iter(tasks))
     demo, mask = demonstrations.completion(task_id)
-    vocab = len(tokenizer)
     observation = mask.index(0)
     assert mask[:4] == [1, 1, 1, 1] and observation > 4
     wrong, wrong_last = (demo[3] + 1) % vocab, (demo[2] + 5) % vocab
@@ -119,9 +119,22 @@ def test_value_steps_off_path_by_hand(tokenizer, tasks):
     assert result["step_off_path"] == pytest.approx(((wrong - demo[2]) + (wrong_last - demo[1])) / 200)
     assert result["step_on_path"] == pytest.approx(sum(on_digit + on_last) / 500)
     assert result["step_off_path"] != pytest.approx(result["step_on_path"])  # the two are told apart
-    empty = value_steps_off_path(TokenValue(), demonstrations, [])
+    assert "oracle_step_off_path" not in result
+    # the oracle's value before token j on the path is 2 ** -(the demonstration's action tokens from j on),
+    # and 0 after leaving it: its step off the path is minus its value before
+    worth = [2.0 ** -sum(mask[j:]) for j in range(len(demo))]
+    oracle = value_steps_off_path(TokenValue(), demonstrations, rows, oracle_too=True)
+    assert {key: oracle[key] for key in result} == result  # the critic's figures are the same
+    assert oracle["oracle_value_before"] == pytest.approx((worth[3] + worth[2]) / 2, rel=1e-4)
+    assert oracle["oracle_step_off_path"] == pytest.approx(-(worth[3] + worth[2]) / 2, rel=1e-4)
+    on_path_steps = [worth[1] - worth[0], worth[2] - worth[1], worth[3] - worth[2], worth[1] - worth[0],
+                     worth[2] - worth[1]]
+    assert oracle["oracle_step_on_path"] == pytest.approx(sum(on_path_steps) / 5, rel=1e-4)
+    assert worth[2] > 1e-12  # far from zero: the oracle's figures are not vacuous
+    empty = value_steps_off_path(TokenValue(), demonstrations, [], oracle_too=True)
     assert empty == {"rollouts": 0, "not_counted": 0, "value_before": None, "step_off_path": None,
-                     "step_on_path": None}
+                     "step_on_path": None, "oracle_value_before": None, "oracle_step_off_path": None,
+                     "oracle_step_on_path": None}
 
 
 def test_a_task_without_a_demonstration_is_an_error_not_a_zero(tokenizer, tasks):
