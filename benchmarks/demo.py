@@ -19,14 +19,14 @@ environment's creation, which ``make demo`` does first).
 (another seeded run's result file) adds each seed's difference in held-out accuracy after training,
 their mean and its standard error over the seeds.
 
-Beside each run: its value pretraining (rollouts, the critic's explained variance on held-out ones) and
+Beside each run: its value pretraining (rollouts, the critic's explained variance on held-out ones);
 the critic's explained variance on its targets in training, early and late (with
-``algorithm.oracle_values``, the oracle's beside it), and how the critic's value moves at the first
+``algorithm.oracle_values``, the oracle's beside it); and how the critic's value moves at the first
 token where a failed rollout leaves its task's demonstration (the first wrong digit of a copy error),
-where a critic that places the error drops and the oracle's falls to 0 (:func:`critic_off_path`). ``--reread RECORD.json --workdir DIR`` adds these
-to a record written before they were recorded, from the folders its runs ran in; ``--reread RECORD.json
---against FILE`` pairs a seeded record's runs with another base (a default run again at the same code, say),
-in place of the one it was written against.
+where a critic that places the error drops and the oracle's falls to 0 (:func:`critic_off_path`).
+``--reread RECORD.json --workdir DIR`` adds these to a record written before they were recorded, from
+the folders its runs ran in; ``--reread RECORD.json --against FILE`` pairs a seeded record's runs with
+another base (a default run again at the same code, say), in place of the one it was written against.
 
 Target (issue 24): held-out sampled accuracy above 0.8, a rise of at least +0.25, in under 10 minutes.
 Writes ``docs/results/demo.json`` and the ``demo`` section of ``docs/RESULTS.md`` (``--tag T``:
@@ -403,8 +403,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str, Any]:
     """``record_path``'s record with what its runs' folders under ``workdir`` (``run-1``, ...) hold added
-    where it is missing (value pretraining, the critic's fit and its step off the path), for a record written before they were;
-    ``workdir`` None: the record as it is (only paired again)."""
+    where it is missing (value pretraining, the critic's fit and its step off the path), for a record
+    written before they were; ``workdir`` None: the record as it is (only paired again)."""
     record = json.loads(record_path.read_text())
     for index, run in enumerate(record["runs"] if workdir is not None else ()):
         folder = workdir / f"run-{index + 1}"
