@@ -212,6 +212,7 @@ def critic_off_path(workdir: Path) -> dict[str, dict[str, Any]] | None:
     :data:`FIT_STEPS`. Beside the critic's, the demonstration oracle's figures under the policy of the
     same version (:class:`sao.train.oracle.DemonstrationOracle`): the step a critic that places the
     error would take. None: the run kept no critic (an algorithm without one)."""
+    from sao.lake.reader import read_trajectories
     from sao.lake.store import Lake
     from sao.models.critic import load_critic
     from sao.models.policy import load_policy
@@ -219,18 +220,20 @@ def critic_off_path(workdir: Path) -> dict[str, dict[str, Any]] | None:
     from sao.train.checkpoint import critic_dir, policy_dir
     from sao.train.oracle import DemonstrationOracle, value_steps_off_path
 
-    root = _demo_run(workdir).checkpoint_root
+    run = _demo_run(workdir)
+    root = run.checkpoint_root
     lake = Lake.open(str(workdir / "lake"))
-    steps = sorted(lake.read("train_steps", columns=["step", "trajectory_ids"]).to_pylist(), key=lambda row: row["step"])
+    steps = sorted(lake.read_run("train_steps", run.run_id, ["step", "trajectory_ids"]).to_pylist(),
+                   key=lambda row: row["step"])
     last = steps[-1]["step"] + 1 if steps else 0  # the version the last step made
     if not steps or not all(critic_dir(root, version).is_dir() for version in (0, last)):
         return None
-    rows = {row["trajectory_id"]: row for row in lake.read("trajectories", columns=list(OFF_PATH_COLUMNS)).to_pylist()}
     tokenizer = load_tokenizer(policy_dir(root, 0))
     out = {}
     for label, version, chosen in (("first", 0, steps[:FIT_STEPS]), ("last", last, steps[-FIT_STEPS:])):
-        failed = [rows[tid] for step in chosen for tid in step["trajectory_ids"]
-                  if rows[tid]["reward"] is not None and rows[tid]["reward"] < 1.0]
+        trained = read_trajectories(lake, run_id=run.run_id, columns=OFF_PATH_COLUMNS,
+                                    trajectory_ids=[tid for step in chosen for tid in step["trajectory_ids"]])
+        failed = [row for row in trained.to_pylist() if row["reward"] is not None and row["reward"] < 1.0]
         oracle = DemonstrationOracle(load_policy(policy_dir(root, version)), tokenizer)
         out[label] = {"version": version, **value_steps_off_path(load_critic(critic_dir(root, version)), oracle,
                                                                  failed, oracle_too=True)}
