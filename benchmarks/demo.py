@@ -3,6 +3,7 @@
     sao bench demo [--runs 3 | --seeds 0,1,2 [--against FILE]] [--workdir DIR] [--set KEY=VALUE ...] [--tag NAME]
                    [--quick]
     sao bench demo --reread RECORD.json [--workdir DIR] [--against FILE]
+    sao bench demo --compare ARM.json [ARM.json ...] --against BASE.json --tag NAME
 
 Runs ``sao demo`` (``configs/demo.yaml``: SFT warm start, evaluation, value pretraining, SAO with Serve
 rollouts into a local Delta lake and Ray Train updates, evaluation again) as a child process in an empty
@@ -27,6 +28,8 @@ where a critic that places the error drops and the oracle's falls to 0 (:func:`c
 ``--reread RECORD.json --workdir DIR`` adds these to a record written before they were recorded, from
 the folders its runs ran in; ``--reread RECORD.json --against FILE`` pairs a seeded record's runs with
 another base (a default run again at the same code, say), in place of the one it was written against.
+``--compare`` runs nothing: it sets arms' records side by side, each paired with ``--against``, in one
+table and one figure (:mod:`benchmarks.demo_compare`).
 
 Target (issue 24): held-out sampled accuracy above 0.8, a rise of at least +0.25, in under 10 minutes.
 Writes ``docs/results/demo.json`` and the ``demo`` section of ``docs/RESULTS.md`` (``--tag T``:
@@ -76,6 +79,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="a result file of the same seeds (e.g. docs/results/demo-seeds.json): seed-by-seed differences")
     parser.add_argument("--reread", type=Path, default=None,
                         help="RECORD.json: add what its runs' folders (--workdir) hold to a record written without it")
+    parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="ARM.json",
+                        help="run nothing: these seeded records side by side, each paired with --against (one "
+                             "table, one figure; --tag names them)")
     parser.add_argument("--quick", action="store_true",
                         help="two steps, few evaluation tasks and value samples (the test suite's)")
     add_output_arguments(parser, DEFAULT_JSON, DEFAULT_RESULTS)
@@ -94,6 +100,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         seeded = [s for s in args.sets if s.partition("=")[0].strip() in SEED_KEYS]
         if seeded:
             parser.error(f"--seeds sets {', '.join(SEED_KEYS)} itself; drop {seeded}")
+    if args.compare is not None:
+        if args.against is None or not args.tag:
+            parser.error("--compare needs --against (the base every arm pairs with) and --tag (names the table)")
+        if args.reread is not None or args.seeds is not None or args.sets:
+            parser.error("--compare runs nothing: it takes no --reread, --seeds or --set")
+        for path in (*args.compare, args.against):
+            if not path.is_file():
+                parser.error(f"--compare: no such record {path}")
+        return args
     if args.reread is not None:
         if not args.reread.is_file():
             parser.error(f"--reread {args.reread}: no such record")
@@ -425,6 +440,11 @@ def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    if args.compare is not None:
+        from benchmarks import demo_compare
+
+        return demo_compare.main(args.against, args.compare, f"demo-{args.tag}", argv, out=args.out_json,
+                                 results_md=args.results_md)
     if args.reread is not None:
         record = reread(args.reread, args.workdir, argv)
         if args.against is not None:
