@@ -24,7 +24,9 @@ Beside each run: its value pretraining (rollouts, the critic's explained varianc
 the critic's explained variance on its targets in training, early and late (with
 ``algorithm.oracle_values``, the oracle's beside it); and how the critic's value moves at the first
 token where a failed rollout leaves its task's demonstration (the first wrong digit of a copy error),
-where a critic that places the error drops and the oracle's falls to 0 (:func:`critic_off_path`).
+where a critic that places the error drops and the oracle's falls to 0 (:func:`critic_off_path`); and
+the mean surprise ``-log p`` of the action tokens the run trained on, early and late, an estimate of the
+policy's entropy per token when it samples at temperature 1, as the demo does (:func:`sampled_surprise`).
 ``--reread RECORD.json --workdir DIR`` adds these to a record written before they were recorded, from
 the folders its runs ran in; ``--reread RECORD.json --against FILE`` pairs a seeded record's runs with
 another base (a default run again at the same code, say), in place of the one it was written against.
@@ -215,6 +217,55 @@ def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
     return fit
 
 
+def _trained_steps(workdir: Path):
+    """The demo run of ``workdir``, its lake, and its ``train_steps`` rows (step, trajectory ids) in step order."""
+    from sao.lake.store import Lake
+
+    run = _demo_run(workdir)
+    lake = Lake.open(str(workdir / "lake"))
+    steps = sorted(lake.read_run("train_steps", run.run_id, ["step", "trajectory_ids"]).to_pylist(),
+                   key=lambda row: row["step"])
+    return run, lake, steps
+
+
+def _trained_rows(lake, run_id: str, steps: list[dict[str, Any]], columns) -> list[dict[str, Any]]:
+    """``columns`` of the trajectories ``steps`` trained on (:func:`sao.lake.reader.read_trajectories`)."""
+    from sao.lake.reader import read_trajectories
+
+    ids = [tid for step in steps for tid in step["trajectory_ids"]]
+    return read_trajectories(lake, run_id=run_id, columns=columns, trajectory_ids=ids).to_pylist()
+
+
+SURPRISE_COLUMNS = ("trajectory_id", "logprobs", "action_mask", "reward", "logprob_kind", "sampling")
+
+
+def sampled_surprise(workdir: Path) -> dict[str, dict[str, Any]] | None:
+    """The mean of ``-log p`` over the action tokens of the rollouts trained in the run's first and last
+    :data:`FIT_STEPS` steps (``first``, ``last``), p being the probability the engine recorded for the
+    token it sampled: over every such token (``all``) and over the successful and the failed rollouts'
+    apart. Sampled at temperature 1 from the policy itself (``logprob_kind`` "sampling" at T=1, as the
+    demo samples), it estimates the policy's entropy per token where it went: what sampling at T=1 risks
+    at each token, a wrong digit among it. None: the run trained no step, or sampled otherwise."""
+    run, lake, steps = _trained_steps(workdir)
+    if not steps:
+        return None
+    out = {}
+    for label, chosen in (("first", steps[:FIT_STEPS]), ("last", steps[-FIT_STEPS:])):
+        rows = _trained_rows(lake, run.run_id, chosen, SURPRISE_COLUMNS)
+        if any(row["logprob_kind"] != "sampling" or row["sampling"]["temperature"] != 1.0 for row in rows):
+            return None
+        sums = {"all": [0.0, 0], "succeeded": [0.0, 0], "failed": [0.0, 0]}
+        for row in rows:
+            kind = "succeeded" if row["reward"] is not None and row["reward"] >= 1.0 else "failed"
+            taken = [-lp for lp, act in zip(row["logprobs"], row["action_mask"], strict=True) if act]
+            for key in ("all", kind):
+                sums[key][0] += sum(taken)
+                sums[key][1] += len(taken)
+        out[label] = {key: (total / count if count else None) for key, (total, count) in sums.items()}
+        out[label]["rollouts"] = len(rows)
+    return out
+
+
 OFF_PATH_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs", "reward",
                     "termination_reason", "min_policy_version", "logprob_kind", "sampling")
 
@@ -227,28 +278,22 @@ def critic_off_path(workdir: Path) -> dict[str, dict[str, Any]] | None:
     :data:`FIT_STEPS`. Beside the critic's, the demonstration oracle's figures under the policy of the
     same version (:class:`sao.train.oracle.DemonstrationOracle`): the step a critic that places the
     error would take. None: the run kept no critic (an algorithm without one)."""
-    from sao.lake.reader import read_trajectories
-    from sao.lake.store import Lake
     from sao.models.critic import load_critic
     from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
     from sao.train.checkpoint import critic_dir, policy_dir
     from sao.train.oracle import DemonstrationOracle, value_steps_off_path
 
-    run = _demo_run(workdir)
+    run, lake, steps = _trained_steps(workdir)
     root = run.checkpoint_root
-    lake = Lake.open(str(workdir / "lake"))
-    steps = sorted(lake.read_run("train_steps", run.run_id, ["step", "trajectory_ids"]).to_pylist(),
-                   key=lambda row: row["step"])
     last = steps[-1]["step"] + 1 if steps else 0  # the version the last step made
     if not steps or not all(critic_dir(root, version).is_dir() for version in (0, last)):
         return None
     tokenizer = load_tokenizer(policy_dir(root, 0))
     out = {}
     for label, version, chosen in (("first", 0, steps[:FIT_STEPS]), ("last", last, steps[-FIT_STEPS:])):
-        trained = read_trajectories(lake, run_id=run.run_id, columns=OFF_PATH_COLUMNS,
-                                    trajectory_ids=[tid for step in chosen for tid in step["trajectory_ids"]])
-        failed = [row for row in trained.to_pylist() if row["reward"] is not None and row["reward"] < 1.0]
+        trained = _trained_rows(lake, run.run_id, chosen, OFF_PATH_COLUMNS)
+        failed = [row for row in trained if row["reward"] is not None and row["reward"] < 1.0]
         oracle = DemonstrationOracle(load_policy(policy_dir(root, version)), tokenizer)
         out[label] = {"version": version, **value_steps_off_path(load_critic(critic_dir(root, version)), oracle,
                                                                  failed, oracle_too=True)}
@@ -271,6 +316,20 @@ def _off_path(run: dict[str, Any], critic: bool = True) -> str:
     if "oracle_step_off_path" in steps["last"]:
         text += f" (oracle's {part('first', 'oracle_')} / {part('last', 'oracle_')})"
     return text
+
+
+def _surprise(run: dict[str, Any]) -> str:
+    """The sampled tokens' mean surprise early / late, and late by outcome (:func:`sampled_surprise`)."""
+    figures = run.get("sampled_surprise")
+    if not figures:
+        return "not recorded"
+
+    def value(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    last = figures["last"]
+    return (f"{value(figures['first']['all'])} / {value(last['all'])} "
+            f"({value(last['succeeded'])} / {value(last['failed'])})")
 
 
 def _algorithm(record: dict[str, Any]) -> str:
@@ -329,8 +388,9 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         "| failed after training: tool call / answer / structure | value pretraining: rollouts / held-out explained "
         f"variance | critic's explained variance in training, first / last {FIT_STEPS} steps | critic's value step "
         f"at a failed rollout's first token off the demonstration's path (on the path before it), first / last "
-        f"{FIT_STEPS} steps |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        f"{FIT_STEPS} steps | mean -log p of a sampled action token, first / last {FIT_STEPS} steps (of the "
+        "successful / failed rollouts, last) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for index, run in enumerate(runs):
         r = run["result"]
@@ -339,7 +399,7 @@ def _markdown(record: dict[str, Any], name: str) -> str:
                      f"{r['accuracy_after']:.3f} ± {r['stderr_after']:.3f} | "
                      f"{r['accuracy_after'] - r['accuracy_before']:+.3f} | {run['wall_s'] / 60:.1f} | "
                      f"{r['train_wall_s'] / 60:.1f} | {r['trajectories']} | {_failures(r)} | {_pretraining(run)} | {_fit(run, critic)} | "
-                     f"{_off_path(run, critic)} |")
+                     f"{_off_path(run, critic)} | {_surprise(run)} |")
     lines += [
         "",
         "| target | median (min-max) | met |",
@@ -421,7 +481,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str, Any]:
     """``record_path``'s record with what its runs' folders under ``workdir`` (``run-1``, ...) hold added
-    where it is missing (value pretraining, the critic's fit and its step off the path), for a record
+    where it is missing (value pretraining, the critic's fit and its step off the path, the sampled
+    tokens' surprise), for a record
     written before they were; ``workdir`` None: the record as it is (only paired again)."""
     record = json.loads(record_path.read_text())
     for index, run in enumerate(record["runs"] if workdir is not None else ()):
@@ -434,6 +495,8 @@ def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str
             run["critic_fit"] = critic_fit(folder)
         if run.get("critic_off_path") is None:
             run["critic_off_path"] = critic_off_path(folder)
+        if run.get("sampled_surprise") is None:
+            run["sampled_surprise"] = sampled_surprise(folder)
     record["reread"] = {"command": " ".join(["sao bench demo", *argv]), "machine": machine()}
     return record
 
@@ -464,7 +527,8 @@ def main(argv: list[str]) -> int:
         result, wall_s = run_demo(folder, run_sets(args.sets, seed))
         result.pop("summary", None)
         runs.append({"wall_s": wall_s, "seed": seed, "result": result, "value_pretraining": value_pretraining(folder),
-                     "critic_fit": critic_fit(folder), "critic_off_path": critic_off_path(folder)})
+                     "critic_fit": critic_fit(folder), "critic_off_path": critic_off_path(folder),
+                     "sampled_surprise": sampled_surprise(folder)})
     name = f"demo-{args.tag}" if args.tag else "demo"
     shown = run_sets(args.sets, None if args.seeds is None else "S")
     record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,

@@ -73,6 +73,7 @@ def arm_row(record: dict[str, Any], base: dict[str, Any], file: str, *, is_base:
         "off_path": {when: {key: _off_path(runs, when, key) for key in (
             "step_off_path", "step_on_path", "value_before", "oracle_step_off_path", "oracle_value_before")}
             for when in ("first", "last")},
+        "surprise_last": _span([((run.get("sampled_surprise") or {}).get("last") or {}).get("all") for run in runs]),
         "pretraining_rollouts": sorted({p["num_train"] + p["num_heldout"] for p in pretraining if p}),
         "pretraining_explained_variance": _span([p["explained_variance_after"] if p else None for p in pretraining]),
         "train_min": _span([r["train_wall_s"] / 60 for r in results]),
@@ -141,13 +142,16 @@ def markdown(record: dict[str, Any], name: str, figure: Path | None) -> str:
         "seeds. Ranges are min to max over an arm's seeds. The critic's step is `V(after) - V(before)` at the "
         "first token where a failed rollout leaves its task's demonstration (a copy error's first wrong digit), "
         "over the failed rollouts trained in the first 25 steps (the critic after value pretraining) and the "
-        "last 25 (the last critic); in brackets the demonstration oracle's step at the same tokens.",
+        "last 25 (the last critic); in brackets the demonstration oracle's step at the same tokens. The "
+        "sampled tokens' mean `-log p` (their probability as the engine recorded it, at temperature 1) "
+        "estimates the policy's entropy per token where it went.",
         "",
         f"| arm (file) | setting | held-out accuracy, seeds {seeds} | median | vs the base, seed by seed | failed "
         "after training: tool call / answer | critic's explained variance, last 25 steps | value pretraining: "
         "rollouts, held-out explained variance | critic's step at the first wrong token, first 25 steps (oracle's) "
-        "| the same, last 25 steps (oracle's) | trajectories | training (min) | wall (min) |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| the same, last 25 steps (oracle's) | mean -log p of a sampled action token, last 25 steps | trajectories "
+        "| training (min) | wall (min) |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         against = row["against"]
@@ -161,7 +165,7 @@ def markdown(record: dict[str, Any], name: str, figure: Path | None) -> str:
         lines.append(
             f"| {row['tag'] or 'base'} (`{Path(row['file']).name}`) | {_setting(row)} | "
             f"{' / '.join(f'{a:.3f}' for a in row['accuracy'])} | {row['median']:.3f} | {versus} | {failures} | {fit} "
-            f"| {pretraining} | {_step(row, 'first')} | {_step(row, 'last')} | "
+            f"| {pretraining} | {_step(row, 'first')} | {_step(row, 'last')} | {_range(row['surprise_last'], '.3f')} | "
             f"{_range(row['trajectories'], ',.0f', sep='-')} | {_range(row['train_min'], '.1f', sep='-')} | {_range(row['wall_min'], '.1f', sep='-')} |")
     passing = [row["tag"] or "base" for row in rows if row["median"] > TARGET_ACCURACY]
     lines += ["", f"Arms whose median passes {TARGET_ACCURACY}: {', '.join(passing) if passing else 'none'}."]

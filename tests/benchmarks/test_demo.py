@@ -17,12 +17,14 @@ from benchmarks.demo import (
     _off_path,
     _parse,
     _pretraining,
+    _surprise,
     critic_fit,
     main,
     paired,
     reread,
     run_demo,
     run_sets,
+    sampled_surprise,
     summarise,
     value_pretraining,
 )
@@ -82,6 +84,8 @@ def test_quick_run_reports_the_demo_runs_recorded_result(tmp_path):
     assert run["value_pretraining"]["num_train"] + run["value_pretraining"]["num_heldout"] == 8
     assert isinstance(run["critic_fit"], dict)  # empty when every return was alike (no variance to explain)
     assert set(run["critic_off_path"]) == {"first", "last"} and run["critic_off_path"]["last"]["version"] == 2
+    surprise = run["sampled_surprise"]  # both steps are the first 25 and the last 25: the same 16 rollouts
+    assert surprise["first"] == surprise["last"] and surprise["last"]["rollouts"] == 16 and surprise["last"]["all"] > 0
     assert data["summary"]["accuracy_after"]["median"] == result["accuracy_after"]
     assert data["demo_command"].startswith("sao train --config configs/demo.yaml --set train.steps=2")
     assert "| held-out accuracy after training > 0.8 |" in md.read_text()
@@ -204,6 +208,36 @@ def test_the_critics_step_off_the_path_is_shown_early_and_late_beside_its_step_o
     assert _off_path({"critic_off_path": steps}, critic=False) == "no critic"
 
 
+def _sampled(reward, logprobs, mask, temperature=1.0, kind="sampling"):
+    return {"trajectory_id": "t", "reward": reward, "logprobs": logprobs, "action_mask": mask,
+            "logprob_kind": kind, "sampling": {"temperature": temperature}}
+
+
+def test_the_sampled_tokens_surprise_is_their_mean_minus_log_p_early_and_late_by_outcome(tmp_path, monkeypatch):
+    import benchmarks.demo as demo
+
+    steps = [{"step": step, "trajectory_ids": [f"t{step}"]} for step in range(60)]
+    early = [_sampled(1.0, [-0.1, -9.0, -0.3], [True, False, True]),  # the observation token does not count
+             _sampled(0.0, [-2.0, -0.5], [True, True])]
+    late = [_sampled(1.0, [-0.02, -0.04], [True, True]), _sampled(None, [-3.0], [True])]  # no reward: failed
+    chosen = []
+    monkeypatch.setattr(demo, "_trained_steps", lambda folder: (SimpleNamespace(run_id="demo"), None, steps))
+    monkeypatch.setattr(demo, "_trained_rows", lambda lake, run_id, picked, columns: (
+        chosen.append([s["step"] for s in picked]) or (early if picked[0]["step"] == 0 else late)))
+    figures = sampled_surprise(tmp_path)
+    assert chosen == [list(range(25)), list(range(35, 60))]
+    # early: (0.1 + 0.3 + 2.0 + 0.5) / 4 tokens; succeeded (0.1 + 0.3) / 2; failed (2.0 + 0.5) / 2
+    assert figures["first"] == pytest.approx({"all": 0.725, "succeeded": 0.2, "failed": 1.25, "rollouts": 2})
+    assert figures["last"] == pytest.approx({"all": 3.06 / 3, "succeeded": 0.03, "failed": 3.0, "rollouts": 2})
+    assert _surprise({"sampled_surprise": figures}) == "0.725 / 1.020 (0.030 / 3.000)"
+    assert _surprise({}) == "not recorded"
+    # sampled otherwise than from the policy at temperature 1: not an estimate of its entropy
+    late[0] = _sampled(1.0, [-0.02], [True], temperature=0.7)
+    assert sampled_surprise(tmp_path) is None
+    monkeypatch.setattr(demo, "_trained_steps", lambda folder: (SimpleNamespace(run_id="demo"), None, []))
+    assert sampled_surprise(tmp_path) is None
+
+
 def test_the_report_names_the_algorithm_the_runs_trained_with():
     assert _algorithm({"sets": []}) == "sao"  # the demo config's
     assert _algorithm({"sets": ["train.steps=5", "algorithm.name=self_imitation"]}) == "self_imitation"
@@ -223,7 +257,9 @@ def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replac
     monkeypatch.setattr(demo, "critic_fit", lambda folder: {"critic/explained_variance": {"first": 0.1, "last": 0.2}})
     monkeypatch.setattr(demo, "value_pretraining", lambda folder: {"num_train": folder.name})
     monkeypatch.setattr(demo, "critic_off_path", lambda folder: {"folder": folder.name})
+    monkeypatch.setattr(demo, "sampled_surprise", lambda folder: {"surprise": folder.name})
     runs = reread(path, tmp_path / "work", ["--reread", str(path)])["runs"]
+    assert [run["sampled_surprise"] for run in runs] == [{"surprise": "run-1"}, {"surprise": "run-2"}]
     assert [run["value_pretraining"] for run in runs] == [{"num_train": 1}, {"num_train": "run-2"}]
     assert all(run["critic_fit"]["critic/explained_variance"]["last"] == 0.2 for run in runs)
     assert [run["critic_off_path"] for run in runs] == [{"folder": "run-1"}, {"folder": "run-2"}]
