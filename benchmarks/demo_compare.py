@@ -73,7 +73,8 @@ def arm_row(record: dict[str, Any], base: dict[str, Any], file: str, *, is_base:
         "off_path": {when: {key: _off_path(runs, when, key) for key in (
             "step_off_path", "step_on_path", "value_before", "oracle_step_off_path", "oracle_value_before")}
             for when in ("first", "last")},
-        "surprise_last": _span([((run.get("sampled_surprise") or {}).get("last") or {}).get("all") for run in runs]),
+        "surprise_last": {key: _span([((run.get("sampled_surprise") or {}).get("last") or {}).get(key) for run in runs])
+                          for key in ("all", "succeeded")},
         "pretraining_rollouts": sorted({p["num_train"] + p["num_heldout"] for p in pretraining if p}),
         "pretraining_explained_variance": _span([p["explained_variance_after"] if p else None for p in pretraining]),
         "train_min": _span([r["train_wall_s"] / 60 for r in results]),
@@ -120,6 +121,19 @@ def _step(row: dict[str, Any], when: str) -> str:
     return f"{_range(spans['step_off_path'], '+.3f')} ({_range(spans['oracle_step_off_path'], '+.2f')})"
 
 
+def _surprise(row: dict[str, Any]) -> str:
+    spans = row["surprise_last"]
+    if spans["all"] is None:
+        return "not recorded"
+    return f"{_range(spans['all'], '.3f')} ({_range(spans['succeeded'], '.4f')})"
+
+
+def _accuracies(row: dict[str, Any], base: dict[str, Any]) -> str:
+    """Each seed's accuracy, the seeds named where they are not the base's."""
+    text = " / ".join(f"{a:.3f}" for a in row["accuracy"])
+    return text if row["seeds"] == base["seeds"] else f"{text} (seed {', '.join(map(str, row['seeds']))})"
+
+
 def _setting(row: dict[str, Any]) -> str:
     return ", ".join(f"`{s}`" for s in row["sets"]) if row["sets"] else "the demo config"
 
@@ -149,7 +163,8 @@ def markdown(record: dict[str, Any], name: str, figure: Path | None) -> str:
         f"| arm (file) | setting | held-out accuracy, seeds {seeds} | median | vs the base, seed by seed | failed "
         "after training: tool call / answer | critic's explained variance, last 25 steps | value pretraining: "
         "rollouts, held-out explained variance | critic's step at the first wrong token, first 25 steps (oracle's) "
-        "| the same, last 25 steps (oracle's) | mean -log p of a sampled action token, last 25 steps | trajectories "
+        "| the same, last 25 steps (oracle's) | mean -log p of a sampled action token, last 25 steps (of the "
+        "successful rollouts) | trajectories "
         "| training (min) | wall (min) |",
         "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -164,8 +179,8 @@ def markdown(record: dict[str, Any], name: str, figure: Path | None) -> str:
             f"{rollouts}, {_range(row['pretraining_explained_variance'], '.2f')}")
         lines.append(
             f"| {row['tag'] or 'base'} (`{Path(row['file']).name}`) | {_setting(row)} | "
-            f"{' / '.join(f'{a:.3f}' for a in row['accuracy'])} | {row['median']:.3f} | {versus} | {failures} | {fit} "
-            f"| {pretraining} | {_step(row, 'first')} | {_step(row, 'last')} | {_range(row['surprise_last'], '.3f')} | "
+            f"{_accuracies(row, base)} | {row['median']:.3f} | {versus} | {failures} | {fit} "
+            f"| {pretraining} | {_step(row, 'first')} | {_step(row, 'last')} | {_surprise(row)} | "
             f"{_range(row['trajectories'], ',.0f', sep='-')} | {_range(row['train_min'], '.1f', sep='-')} | {_range(row['wall_min'], '.1f', sep='-')} |")
     passing = [row["tag"] or "base" for row in rows if row["median"] > TARGET_ACCURACY]
     lines += ["", f"Arms whose median passes {TARGET_ACCURACY}: {', '.join(passing) if passing else 'none'}."]

@@ -11,7 +11,8 @@ from benchmarks.demo import EVAL_SEED, _parse, main
 from benchmarks.demo_compare import arm_row, compare, markdown
 
 
-def _run(seed, accuracy, *, tool_call=100, answer=30, fit=0.2, step=-0.02, oracle=-0.4, pretraining=256, minutes=3.0):
+def _run(seed, accuracy, *, tool_call=100, answer=30, fit=0.2, step=-0.02, oracle=-0.4, pretraining=256, minutes=3.0,
+         surprise=0.04):
     return {
         "seed": seed, "wall_s": 60 * (minutes + 2.5),
         "result": {"accuracy_after": accuracy, "accuracy_before": 0.45, "eval_tasks": 1000, "steps": 150,
@@ -21,6 +22,7 @@ def _run(seed, accuracy, *, tool_call=100, answer=30, fit=0.2, step=-0.02, oracl
         "value_pretraining": None if pretraining is None else {
             "num_train": pretraining - 51, "num_heldout": 51, "explained_variance_after": fit / 4},
         "critic_fit": {"critic/explained_variance": {"first": 0.0, "last": fit}},
+        "sampled_surprise": {"first": {"all": 0.09, "succeeded": 0.02}, "last": {"all": surprise, "succeeded": surprise / 8}},
         "critic_off_path": {when: {"step_off_path": step, "step_on_path": step / 4, "value_before": 0.5,
                                    "oracle_step_off_path": oracle, "oracle_value_before": -oracle}
                             for when in ("first", "last")},
@@ -31,7 +33,8 @@ MACHINE = {"cpus": 2, "memory_gib": 24, "platform": "Linux", "python": "3.11", "
 BASE = {"tag": "seeds", "sets": ["eval.tasks=1000"],
         "runs": [_run(1, 0.75), _run(2, 0.70, tool_call=220, fit=0.1, step=0.03), _run(3, 0.72, answer=61)]}
 ARM = {"tag": "floor", "sets": ["eval.tasks=1000", "algorithm.advantage_floor=0.0"],
-       "runs": [_run(2, 0.80, step=-0.05, oracle=-0.5), _run(1, 0.78, minutes=2.5), _run(3, 0.72, step=0.01)]}
+       "runs": [_run(2, 0.80, step=-0.05, oracle=-0.5, surprise=0.032), _run(1, 0.78, minutes=2.5),
+                _run(3, 0.72, step=0.01, surprise=0.024)]}
 GRPO = {"tag": "grpo", "sets": ["eval.tasks=1000", "algorithm.name=grpo", "rollout.group_size=8"],
         "runs": [{**_run(s, 0.70, pretraining=None), "critic_fit": {}, "critic_off_path": None} for s in (1, 2, 3)]}
 
@@ -48,6 +51,8 @@ def test_an_arms_row_gathers_its_runs_figures_by_seed_and_pairs_it_with_the_base
     assert row["off_path"]["last"]["oracle_step_off_path"] == {"min": -0.5, "max": -0.4}
     assert row["train_min"] == {"min": 2.5, "max": 3.0} and row["pretraining_rollouts"] == [256]
     assert row["critic"] and row["algorithm"] == "sao"
+    assert row["surprise_last"]["all"] == {"min": 0.024, "max": 0.04}
+    assert row["surprise_last"]["succeeded"] == pytest.approx({"min": 0.003, "max": 0.005})
 
 
 def test_a_figure_that_one_run_did_not_record_is_not_recorded_for_the_arm():
@@ -76,6 +81,16 @@ def test_the_table_pools_the_critics_step_over_every_run_that_recorded_it(tmp_pa
     assert "| -0.020 to +0.030 (-0.40) |" in text
     assert "| grpo (`grpo.json`) | `algorithm.name=grpo`, `rollout.group_size=8` |" in text and "| no critic |" in text
     assert "Arms whose median passes 0.8: none." in text
+    assert "| 0.024 to 0.040 (0.0030 to 0.0050) |" in text  # the floor's surprise late: all (succeeded)
+
+
+def test_an_arm_run_on_other_seeds_than_the_base_names_them():
+    one = {**ARM, "runs": [ARM["runs"][0]]}  # seed 2 alone
+    row = arm_row(one, BASE, "arm.json", is_base=False)
+    base = arm_row(BASE, BASE, "base.json", is_base=True)
+    text = markdown({"machine": MACHINE, "command": "c", "against": "base.json", "arms": [base, row],
+                     "pooled_off_path": {"last": {"runs": 0}}}, "demo-x", None)
+    assert "| 0.800 (seed 2) | 0.800 | +0.100 |" in text and "| 0.750 / 0.700 / 0.720 | 0.720 | (the base) |" in text
 
 
 def test_records_without_seeds_or_that_do_not_pair_are_refused():
