@@ -17,7 +17,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "load_parts", "machine", "parts_lines", "median_spread", "publish", "update_section", "write_json"]
+__all__ = ["git_commit", "load_parts", "machine", "parts_lines", "median_spread", "publish", "save_figure",
+           "update_section", "write_json"]
 
 
 def median_spread(values: list[float]) -> dict[str, float]:
@@ -124,6 +125,18 @@ def parts_lines(commands: list[str], parts: list[dict[str, Any]]) -> list[str]:
     return ["Commands (one per part, then merged): " + "; ".join(f"`{c}`" for c in commands) + ".", "",
             "Parts: " + "; ".join(f"seed {p['seed']}: {machine_line(p['machine'])} "
                                   f"{p['wall_s'] / 60:.1f} min" for p in parts)]
+
+
+def save_figure(figure, path: Path) -> Path:
+    """Lay ``figure`` (a matplotlib figure) out, write it to ``path`` as a PNG (its folder made if
+    missing) and close it; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

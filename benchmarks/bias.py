@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, update_section, write_json
+from benchmarks._report import machine, machine_line, save_figure, update_section, write_json
 from benchmarks.speed import DEFAULT_SFT, policy_dir
 
 
@@ -168,10 +168,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     axes[2].set_xlabel("action tokens per trajectory")
     axes[2].set_ylabel("share of action tokens")
     axes[2].legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _markdown(record: dict[str, Any], plot: Path | None) -> str:

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line
+from benchmarks._report import machine, machine_line, save_figure
 
 FAILURE_KINDS = ("tool_call", "answer")
 """The failure classes a row shows (structure failures are under 1% in every arm recorded)."""
@@ -227,11 +227,7 @@ def plot(record: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel(f"held-out accuracy minus the base's ({Path(record['against']).name}), seed by seed", fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("dots: seeds; black: mean ± 2 standard errors over the seeds", fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def main(base_file: Path, arm_files: list[Path], name: str, argv: list[str], *, out: Path | None,

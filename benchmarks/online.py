@@ -80,7 +80,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._report import load_parts as seed_parts
-from benchmarks._report import machine, parts_lines, update_section, write_json
+from benchmarks._report import machine, parts_lines, save_figure, update_section, write_json
 from benchmarks.stats import interval_text, two_sample_bootstrap
 from sao.online import (
     online_pipeline,
@@ -474,11 +474,7 @@ def plot(parts: list[dict[str, Any]], record: dict[str, Any], smooth_window: int
     axes[0][0].set_ylabel(f"reward of the reader's rows (trailing mean over {smooth_window} steps)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     figure.suptitle(f"mean over seeds {', '.join(map(str, record['seeds']))}; dashed: the reader's shift", fontsize=9)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def _mean(values) -> str:

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._proctree import TreeSampler
-from benchmarks._report import machine, median_spread, update_section, write_json
+from benchmarks._report import machine, median_spread, save_figure, update_section, write_json
 from benchmarks.peer_report import ARMS, CPU_TARGET, RATIOS, SPLIT_PARTS, markdown
 from sao.algos.waits import mean_group_wait
 
@@ -614,11 +614,7 @@ def plot(records: dict[str, dict[str, Any]], summaries: dict[str, dict[str, Any]
         axes[2].axhline(target_reward, linestyle="--", color="gray", label=f"target {target_reward:g} (3-step mean)")
     if axes[2].lines:
         axes[2].legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 # --- main ---------------------------------------------------------------------------------------------------

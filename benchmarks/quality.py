@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._report import load_parts as seed_parts
-from benchmarks._report import machine, parts_lines, update_section, write_json
+from benchmarks._report import machine, parts_lines, save_figure, update_section, write_json
 from benchmarks.stats import (
     area_weights,
     decode_rewards,
@@ -562,11 +562,7 @@ def plot(record: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     figure.suptitle("one line per run (seed)", fontsize=9)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def _fmt(s: dict[str, float], digits: int = 3) -> str:

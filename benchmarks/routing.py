@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._report import machine, machine_line, update_section, write_json
+from benchmarks._report import machine, machine_line, save_figure, update_section, write_json
 
 DEFAULT_SFT = Path("runs/bench/bench-learning/sft")
 
@@ -144,11 +144,7 @@ def plot(arms: dict[str, list[dict[str, float]]], path: Path) -> Path:
     axes[2].set(title="DIS kept fraction", xlabel="step")
     for ax in axes:
         ax.legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def main(argv: list[str]) -> int:

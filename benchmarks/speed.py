@@ -56,6 +56,7 @@ from benchmarks._report import (
     machine,
     machine_line,
     median_spread,
+    save_figure,
     spread_text,
     update_section,
     write_json,
@@ -465,10 +466,7 @@ def _plot(record: dict[str, Any], path: Path) -> None:
     right.set_xlabel("seconds since the first step")
     right.set_ylabel("trajectories trained")
     right.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _markdown(record: dict[str, Any], plot: Path | None) -> str:
