@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import statistics
@@ -217,48 +218,68 @@ def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
     return fit
 
 
-def _trained_steps(workdir: Path):
-    """The demo run of ``workdir``, its lake, and its ``train_steps`` rows (step, trajectory ids) in step order."""
+TRAINED_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs", "reward",
+                   "termination_reason", "min_policy_version", "logprob_kind", "sampling")
+"""The columns of the trained rollouts that :func:`sampled_surprise` and :func:`critic_off_path` read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedWindows:
+    """A demo run's rollouts trained in its first and its last :data:`FIT_STEPS` steps, read once from its
+    lake (:data:`TRAINED_COLUMNS`) for the figures that look at them."""
+
+    run: Any
+    """The demo run (:func:`_demo_run`)."""
+    last_version: int
+    """The policy version the run's last step made (0: it trained no step)."""
+    rows: dict[str, list[dict[str, Any]]]
+    """``"first"`` and ``"last"``: the rows of each window; empty when the run trained no step."""
+
+
+def _windows(steps: list[dict[str, Any]]) -> tuple[tuple[str, list[dict[str, Any]]], ...]:
+    """``steps`` (in step order) cut into the windows of :class:`TrainedWindows`: none when there are none."""
+    return (("first", steps[:FIT_STEPS]), ("last", steps[-FIT_STEPS:])) if steps else ()
+
+
+def trained_windows(workdir: Path) -> TrainedWindows:
+    """The trained rollouts of the demo run of ``workdir``, early and late (:class:`TrainedWindows`)."""
+    from sao.lake.reader import read_trajectories
     from sao.lake.store import Lake
 
     run = _demo_run(workdir)
     lake = Lake.open(str(workdir / "lake"))
     steps = sorted(lake.read_run("train_steps", run.run_id, ["step", "trajectory_ids"]).to_pylist(),
                    key=lambda row: row["step"])
-    return run, lake, steps
+    rows = {}
+    for label, chosen in _windows(steps):
+        ids = [tid for step in chosen for tid in step["trajectory_ids"]]
+        rows[label] = read_trajectories(lake, run_id=run.run_id, columns=TRAINED_COLUMNS,
+                                        trajectory_ids=ids).to_pylist()
+    return TrainedWindows(run, steps[-1]["step"] + 1 if steps else 0, rows)
 
 
-def _trained_rows(lake, run_id: str, steps: list[dict[str, Any]], columns) -> list[dict[str, Any]]:
-    """``columns`` of the trajectories ``steps`` trained on (:func:`sao.lake.reader.read_trajectories`)."""
-    from sao.lake.reader import read_trajectories
-
-    ids = [tid for step in steps for tid in step["trajectory_ids"]]
-    return read_trajectories(lake, run_id=run_id, columns=columns, trajectory_ids=ids).to_pylist()
+def _succeeded(row: dict[str, Any]) -> bool:
+    """Whether a demo rollout solved its task: the demo's reward is 1 for a right answer."""
+    return row["reward"] >= 1.0
 
 
-SURPRISE_COLUMNS = ("trajectory_id", "logprobs", "action_mask", "reward", "logprob_kind", "sampling")
-
-
-def sampled_surprise(workdir: Path) -> dict[str, dict[str, Any]] | None:
+def sampled_surprise(windows: TrainedWindows) -> dict[str, dict[str, Any]] | None:
     """The mean of ``-log p`` over the action tokens of the rollouts trained in the run's first and last
     :data:`FIT_STEPS` steps (``first``, ``last``), p being the probability the engine recorded for the
     token it sampled: over every such token (``all``) and over the successful and the failed rollouts'
     apart. Sampled at temperature 1 from the policy itself (``logprob_kind`` "sampling" at T=1, as the
     demo samples), it estimates the policy's entropy per token where it went: what sampling at T=1 risks
     at each token, a wrong digit among it. None: the run trained no step, or sampled otherwise."""
-    run, lake, steps = _trained_steps(workdir)
-    if not steps:
+    if not windows.rows:
         return None
     out = {}
-    for label, chosen in (("first", steps[:FIT_STEPS]), ("last", steps[-FIT_STEPS:])):
-        rows = _trained_rows(lake, run.run_id, chosen, SURPRISE_COLUMNS)
+    for label, rows in windows.rows.items():
         if any(row["logprob_kind"] != "sampling" or row["sampling"]["temperature"] != 1.0 for row in rows):
             return None
         sums = {"all": [0.0, 0], "succeeded": [0.0, 0], "failed": [0.0, 0]}
         for row in rows:
-            kind = "succeeded" if row["reward"] is not None and row["reward"] >= 1.0 else "failed"
             taken = [-lp for lp, act in zip(row["logprobs"], row["action_mask"], strict=True) if act]
-            for key in ("all", kind):
+            for key in ("all", "succeeded" if _succeeded(row) else "failed"):
                 sums[key][0] += sum(taken)
                 sums[key][1] += len(taken)
         out[label] = {key: (total / count if count else None) for key, (total, count) in sums.items()}
@@ -266,34 +287,29 @@ def sampled_surprise(workdir: Path) -> dict[str, dict[str, Any]] | None:
     return out
 
 
-OFF_PATH_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs", "reward",
-                    "termination_reason", "min_policy_version", "logprob_kind", "sampling")
-
-
-def critic_off_path(workdir: Path) -> dict[str, dict[str, Any]] | None:
+def critic_off_path(windows: TrainedWindows) -> dict[str, dict[str, Any]] | None:
     """How the critic's value moves where the run's failed rollouts leave their demonstration's path
     (for a digit copied wrongly, at that digit; :func:`sao.train.oracle.value_steps_off_path`), early
     and late: ``first``, the critic of version 0 (after value pretraining) on the failed rollouts
     trained in the first :data:`FIT_STEPS` steps; ``last``, the run's last critic on those of its last
     :data:`FIT_STEPS`. Beside the critic's, the demonstration oracle's figures under the policy of the
     same version (:class:`sao.train.oracle.DemonstrationOracle`): the step a critic that places the
-    error would take. None: the run kept no critic (an algorithm without one)."""
+    error would take. None: the run trained no step, or kept no critic (an algorithm without one)."""
     from sao.models.critic import load_critic
     from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
     from sao.train.checkpoint import critic_dir, policy_dir
     from sao.train.oracle import DemonstrationOracle, value_steps_off_path
 
-    run, lake, steps = _trained_steps(workdir)
-    root = run.checkpoint_root
-    last = steps[-1]["step"] + 1 if steps else 0  # the version the last step made
-    if not steps or not all(critic_dir(root, version).is_dir() for version in (0, last)):
+    root = windows.run.checkpoint_root
+    versions = {"first": 0, "last": windows.last_version}
+    if not windows.rows or not all(critic_dir(root, version).is_dir() for version in versions.values()):
         return None
     tokenizer = load_tokenizer(policy_dir(root, 0))
     out = {}
-    for label, version, chosen in (("first", 0, steps[:FIT_STEPS]), ("last", last, steps[-FIT_STEPS:])):
-        trained = _trained_rows(lake, run.run_id, chosen, OFF_PATH_COLUMNS)
-        failed = [row for row in trained if row["reward"] is not None and row["reward"] < 1.0]
+    for label, rows in windows.rows.items():
+        version = versions[label]
+        failed = [row for row in rows if not _succeeded(row)]
         oracle = DemonstrationOracle(load_policy(policy_dir(root, version)), tokenizer)
         out[label] = {"version": version, **value_steps_off_path(load_critic(critic_dir(root, version)), oracle,
                                                                  failed, oracle_too=True)}
@@ -493,10 +509,12 @@ def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str
             run["value_pretraining"] = value_pretraining(folder)
         if run.get("critic_fit") is None:
             run["critic_fit"] = critic_fit(folder)
-        if run.get("critic_off_path") is None:
-            run["critic_off_path"] = critic_off_path(folder)
-        if run.get("sampled_surprise") is None:
-            run["sampled_surprise"] = sampled_surprise(folder)
+        if run.get("critic_off_path") is None or run.get("sampled_surprise") is None:
+            windows = trained_windows(folder)
+            if run.get("critic_off_path") is None:
+                run["critic_off_path"] = critic_off_path(windows)
+            if run.get("sampled_surprise") is None:
+                run["sampled_surprise"] = sampled_surprise(windows)
     record["reread"] = {"command": " ".join(["sao bench demo", *argv]), "machine": machine()}
     return record
 
@@ -526,9 +544,10 @@ def main(argv: list[str]) -> int:
               f"{folder} (about 6-10 minutes on 2 cores) ...", file=sys.stderr)
         result, wall_s = run_demo(folder, run_sets(args.sets, seed))
         result.pop("summary", None)
+        windows = trained_windows(folder)
         runs.append({"wall_s": wall_s, "seed": seed, "result": result, "value_pretraining": value_pretraining(folder),
-                     "critic_fit": critic_fit(folder), "critic_off_path": critic_off_path(folder),
-                     "sampled_surprise": sampled_surprise(folder)})
+                     "critic_fit": critic_fit(folder), "critic_off_path": critic_off_path(windows),
+                     "sampled_surprise": sampled_surprise(windows)})
     name = f"demo-{args.tag}" if args.tag else "demo"
     shown = run_sets(args.sets, None if args.seeds is None else "S")
     record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,

@@ -27,6 +27,9 @@ from benchmarks._report import machine, machine_line, save_figure
 FAILURE_KINDS = ("tool_call", "answer")
 """The failure classes a row shows (structure failures are under 1% in every arm recorded)."""
 
+OFF_PATH_KEYS = ("step_off_path", "step_on_path", "value_before", "oracle_step_off_path", "oracle_value_before")
+"""The figures of :func:`benchmarks.demo.critic_off_path` a row gathers, early and late."""
+
 
 def _span(values: list[float | None]) -> dict[str, float] | None:
     """Min and max of a figure over an arm's runs; None unless every run recorded it."""
@@ -41,8 +44,13 @@ def _share(result: dict[str, Any], kind: str) -> float | None:
     return None if not failures else failures.get(kind, 0) / result["eval_tasks"]
 
 
-def _off_path(runs: list[dict[str, Any]], when: str, key: str) -> dict[str, float] | None:
-    return _span([((run.get("critic_off_path") or {}).get(when) or {}).get(key) for run in runs])
+def _recorded(run: dict[str, Any], *keys: str) -> Any:
+    """The figure a run recorded under ``keys`` (each a level of its record); None where a level is missing
+    or None (a record written before the figure was)."""
+    value: Any = run
+    for key in keys:
+        value = (value or {}).get(key)
+    return value
 
 
 def arm_row(record: dict[str, Any], base: dict[str, Any], file: str, *, is_base: bool) -> dict[str, Any]:
@@ -68,12 +76,11 @@ def arm_row(record: dict[str, Any], base: dict[str, Any], file: str, *, is_base:
         "median": statistics.median(r["accuracy_after"] for r in results),
         "against": None if is_base else paired(base, runs),
         "failures": failures,
-        "critic_fit_last": _span([((run.get("critic_fit") or {}).get("critic/explained_variance") or {}).get("last")
-                                  for run in runs]),
-        "off_path": {when: {key: _off_path(runs, when, key) for key in (
-            "step_off_path", "step_on_path", "value_before", "oracle_step_off_path", "oracle_value_before")}
-            for when in ("first", "last")},
-        "surprise_last": {key: _span([((run.get("sampled_surprise") or {}).get("last") or {}).get(key) for run in runs])
+        "critic_fit_last": _span([_recorded(run, "critic_fit", "critic/explained_variance", "last") for run in runs]),
+        "off_path": {when: {key: _span([_recorded(run, "critic_off_path", when, key) for run in runs])
+                            for key in OFF_PATH_KEYS}
+                     for when in ("first", "last")},
+        "surprise_last": {key: _span([_recorded(run, "sampled_surprise", "last", key) for run in runs])
                           for key in ("all", "succeeded")},
         "pretraining_rollouts": sorted({p["num_train"] + p["num_heldout"] for p in pretraining if p}),
         "pretraining_explained_variance": _span([p["explained_variance_after"] if p else None for p in pretraining]),
@@ -95,7 +102,7 @@ def compare(base_file: Path, arm_files: list[Path]) -> dict[str, Any]:
     pooled = {}
     for when in ("first", "last"):
         spans = {}
-        for key in ("step_off_path", "step_on_path", "value_before", "oracle_step_off_path", "oracle_value_before"):
+        for key in OFF_PATH_KEYS:
             found = [row["off_path"][when][key] for row in rows if row["off_path"][when][key] is not None]
             spans[key] = None if not found else {"min": min(s["min"] for s in found),
                                                  "max": max(s["max"] for s in found)}

@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, str] = {
     "speed": "speed",
     "bias": "bias",
     "demo": "demo",
+    "fresh": "fresh_clone",
     "gpu-check": "gpu_check",
 }
 

@@ -213,19 +213,24 @@ def _sampled(reward, logprobs, mask, temperature=1.0, kind="sampling"):
             "logprob_kind": kind, "sampling": {"temperature": temperature}}
 
 
-def test_the_sampled_tokens_surprise_is_their_mean_minus_log_p_early_and_late_by_outcome(tmp_path, monkeypatch):
+def test_the_trained_windows_are_a_runs_first_and_last_25_steps():
     import benchmarks.demo as demo
 
     steps = [{"step": step, "trajectory_ids": [f"t{step}"]} for step in range(60)]
+    assert [(label, [s["step"] for s in chosen]) for label, chosen in demo._windows(steps)] == [
+        ("first", list(range(25))), ("last", list(range(35, 60)))]
+    assert [(label, len(chosen)) for label, chosen in demo._windows(steps[:10])] == [("first", 10), ("last", 10)]
+    assert demo._windows([]) == ()
+
+
+def test_the_sampled_tokens_surprise_is_their_mean_minus_log_p_early_and_late_by_outcome():
+    from benchmarks.demo import TrainedWindows
+
     early = [_sampled(1.0, [-0.1, -9.0, -0.3], [True, False, True]),  # the observation token does not count
              _sampled(0.0, [-2.0, -0.5], [True, True])]
-    late = [_sampled(1.0, [-0.02, -0.04], [True, True]), _sampled(None, [-3.0], [True])]  # no reward: failed
-    chosen = []
-    monkeypatch.setattr(demo, "_trained_steps", lambda folder: (SimpleNamespace(run_id="demo"), None, steps))
-    monkeypatch.setattr(demo, "_trained_rows", lambda lake, run_id, picked, columns: (
-        chosen.append([s["step"] for s in picked]) or (early if picked[0]["step"] == 0 else late)))
-    figures = sampled_surprise(tmp_path)
-    assert chosen == [list(range(25)), list(range(35, 60))]
+    late = [_sampled(1.0, [-0.02, -0.04], [True, True]), _sampled(0.5, [-3.0], [True])]  # under 1: failed
+    windows = TrainedWindows(SimpleNamespace(run_id="demo"), 60, {"first": early, "last": late})
+    figures = sampled_surprise(windows)
     # early: (0.1 + 0.3 + 2.0 + 0.5) / 4 tokens; succeeded (0.1 + 0.3) / 2; failed (2.0 + 0.5) / 2
     assert figures["first"] == pytest.approx({"all": 0.725, "succeeded": 0.2, "failed": 1.25, "rollouts": 2})
     assert figures["last"] == pytest.approx({"all": 3.06 / 3, "succeeded": 0.03, "failed": 3.0, "rollouts": 2})
@@ -233,9 +238,8 @@ def test_the_sampled_tokens_surprise_is_their_mean_minus_log_p_early_and_late_by
     assert _surprise({}) == "not recorded"
     # sampled otherwise than from the policy at temperature 1: not an estimate of its entropy
     late[0] = _sampled(1.0, [-0.02], [True], temperature=0.7)
-    assert sampled_surprise(tmp_path) is None
-    monkeypatch.setattr(demo, "_trained_steps", lambda folder: (SimpleNamespace(run_id="demo"), None, []))
-    assert sampled_surprise(tmp_path) is None
+    assert sampled_surprise(windows) is None
+    assert sampled_surprise(TrainedWindows(SimpleNamespace(run_id="demo"), 0, {})) is None
 
 
 def test_the_report_names_the_algorithm_the_runs_trained_with():
@@ -256,8 +260,9 @@ def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replac
         (tmp_path / "work" / f"run-{index}" / "runs").mkdir(parents=True)
     monkeypatch.setattr(demo, "critic_fit", lambda folder: {"critic/explained_variance": {"first": 0.1, "last": 0.2}})
     monkeypatch.setattr(demo, "value_pretraining", lambda folder: {"num_train": folder.name})
-    monkeypatch.setattr(demo, "critic_off_path", lambda folder: {"folder": folder.name})
-    monkeypatch.setattr(demo, "sampled_surprise", lambda folder: {"surprise": folder.name})
+    monkeypatch.setattr(demo, "trained_windows", lambda folder: folder.name)  # read once for both figures
+    monkeypatch.setattr(demo, "critic_off_path", lambda windows: {"folder": windows})
+    monkeypatch.setattr(demo, "sampled_surprise", lambda windows: {"surprise": windows})
     runs = reread(path, tmp_path / "work", ["--reread", str(path)])["runs"]
     assert [run["sampled_surprise"] for run in runs] == [{"surprise": "run-1"}, {"surprise": "run-2"}]
     assert [run["value_pretraining"] for run in runs] == [{"num_train": 1}, {"num_train": "run-2"}]
