@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: the machine's description and the sections of docs/RESULTS.md.
+"""Shared by the benchmarks: the machine's description, the sections of docs/RESULTS.md, and a
+command run with its output passed on.
 
 Each benchmark owns one section of ``docs/RESULTS.md`` between ``<!-- NAME:begin -->`` and
 ``<!-- NAME:end -->`` markers and replaces only that section, so benchmarks can run in any order.
@@ -7,6 +8,7 @@ Each benchmark owns one section of ``docs/RESULTS.md`` between ``<!-- NAME:begin
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
 import importlib.metadata
 import json
@@ -14,10 +16,12 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "load_parts", "machine", "parts_lines", "median_spread", "publish", "save_figure",
+__all__ = ["git_commit", "load_parts", "machine", "parts_lines", "median_spread", "publish", "run_echoed", "save_figure",
            "update_section", "write_json"]
 
 
@@ -162,3 +166,22 @@ def publish(name: str, result: dict[str, Any], markdown: str, *, out: Path | Non
         write_json(out or default_json, result)
     if results_md is not None or not quick:
         update_section(results_md or default_results, name, markdown)
+
+
+def run_echoed(command: list[str], cwd: Path, *, env: dict[str, str] | None = None, label: str | None = None) -> float:
+    """Run ``command`` in ``cwd`` (with ``env``: default this process's), passing its output on to stderr
+    as it comes, each line after ``[label]`` when given; its wall seconds. Raises RuntimeError naming
+    the command, its exit status and folder, with the last 60 lines of its output, when it fails."""
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    prefix = f"[{label}] " if label else ""
+    started = time.perf_counter()
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as child:
+        for line in child.stdout:
+            print(f"{prefix}{line}", end="", file=sys.stderr, flush=True)
+            tail.append(line)
+    seconds = time.perf_counter() - started
+    if child.returncode != 0:
+        raise RuntimeError(f"{label + ': ' if label else ''}{' '.join(command)} exited {child.returncode} in {cwd}:\n"
+                           f"{''.join(tail)}")
+    return seconds

@@ -41,15 +41,12 @@ Writes ``docs/results/demo.json`` and the ``demo`` section of ``docs/RESULTS.md`
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +56,7 @@ from benchmarks._report import (
     machine_line,
     median_spread,
     publish,
+    run_echoed,
     spread_text,
 )
 
@@ -168,15 +166,7 @@ def run_demo(workdir: Path, sets: list[str]) -> tuple[dict[str, Any], float]:
     workdir.mkdir(parents=True, exist_ok=True)
     if any(workdir.iterdir()):
         raise RuntimeError(f"{workdir} is not empty: the demo must start from nothing")
-    started = time.perf_counter()
-    tail: collections.deque[str] = collections.deque(maxlen=60)
-    with subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
-        for line in child.stdout:  # the demo's own progress, passed on as it comes
-            print(line, end="", file=sys.stderr, flush=True)
-            tail.append(line)
-    wall_s = time.perf_counter() - started
-    if child.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {child.returncode}:\n{''.join(tail)}")
+    wall_s = run_echoed(command, workdir)  # the demo's own progress, passed on as it comes
     result = json.loads((_demo_run(workdir).run_dir / "result.json").read_text())
     return result, wall_s
 

@@ -228,12 +228,11 @@ def plot(record: dict[str, Any], path: Path) -> Path:
         error = 0.0 if against["stderr"] is None else 2 * against["stderr"]
         ax.errorbar(against["mean_diff"], y, xerr=error, fmt="o", color="black", markersize=4, capsize=3, zorder=4)
     ax.axvline(0.0, color="grey", linewidth=1)
-    ax.axvline(TARGET_ACCURACY - base["median"], color="tab:red", linestyle="--", linewidth=1,
-               label=f"the base's median + this = {TARGET_ACCURACY}")
+    ax.axvline(TARGET_ACCURACY - base["median"], color="tab:red", linestyle="--", linewidth=1)
     ax.set_yticks(range(len(rows)), [row["tag"] or "base" for row in reversed(rows)], fontsize=7)
     ax.set_xlabel(f"held-out accuracy minus the base's ({Path(record['against']).name}), seed by seed", fontsize=8)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.set_title("dots: seeds; black: mean ± 2 standard errors over the seeds", fontsize=8)
+    ax.set_title("dots: seeds; black: mean ± 2 standard errors over the seeds\n"
+                 f"red dashed: the base's median + this = {TARGET_ACCURACY}", fontsize=8)
     return save_figure(figure, path)
 
 

@@ -116,4 +116,4 @@ def test_every_registered_benchmark_runs_through_sao_bench():
     usage = CliRunner().invoke(app, ["bench", "lake", "--help"])
     assert usage.exit_code == 0 and "--quick" in usage.output
     unknown = CliRunner().invoke(app, ["bench", "nope"])
-    assert unknown.exit_code == 2 and "unknown benchmark 'nope'; known: bias, demo, endpoint, gpu-check, lake" in unknown.stderr
+    assert unknown.exit_code == 2 and "unknown benchmark 'nope'; known: bias, demo, endpoint, fresh, gpu-check, lake" in unknown.stderr
