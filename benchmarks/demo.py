@@ -167,8 +167,12 @@ def run_demo(workdir: Path, sets: list[str]) -> tuple[dict[str, Any], float]:
     if any(workdir.iterdir()):
         raise RuntimeError(f"{workdir} is not empty: the demo must start from nothing")
     wall_s = run_echoed(command, workdir)  # the demo's own progress, passed on as it comes
-    result = json.loads((_demo_run(workdir).run_dir / "result.json").read_text())
-    return result, wall_s
+    return demo_result(workdir), wall_s
+
+
+def demo_result(workdir: Path) -> dict[str, Any]:
+    """The result the demo run of ``workdir`` recorded (``runs/demo/result.json``)."""
+    return json.loads((_demo_run(workdir).run_dir / "result.json").read_text())
 
 
 PRETRAINING_KEYS = ("num_train", "num_heldout", "optimizer_steps", "explained_variance_before",

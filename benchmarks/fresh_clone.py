@@ -47,9 +47,8 @@ from benchmarks._report import (
     publish,
     run_echoed,
     spread_text,
-    update_section,
 )
-from benchmarks.demo import TARGET_ACCURACY, TARGET_RISE, TARGET_WALL_S, _demo_run
+from benchmarks.demo import TARGET_ACCURACY, TARGET_RISE, TARGET_WALL_S, demo_result
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "docs" / "results" / "fresh-clone.json"
@@ -90,9 +89,9 @@ def fresh_clone_run(repo: Path, folder: Path, *, warm_pip_cache: bool = False) -
     return seconds
 
 
-def demo_result(clone: Path) -> dict[str, Any]:
+def clone_result(clone: Path) -> dict[str, Any]:
     """What the clone's demo run recorded (:data:`RESULT_KEYS`, and the rise)."""
-    result = json.loads((_demo_run(clone).run_dir / "result.json").read_text())
+    result = demo_result(clone)
     out = {key: result.get(key) for key in RESULT_KEYS}
     out["rise"] = result["accuracy_after"] - result["accuracy_before"]
     return out
@@ -169,9 +168,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     if args.reread is not None:
-        markdown = _markdown(json.loads(args.reread.read_text()))
-        print(markdown)
-        update_section(args.results_md or DEFAULT_RESULTS, "fresh-clone", markdown)
+        record = json.loads(args.reread.read_text())  # the section again; the record stays as it is
+        publish("fresh-clone", record, _markdown(record), out=None, results_md=args.results_md or DEFAULT_RESULTS,
+                quick=True, default_json=args.reread, default_results=DEFAULT_RESULTS)
         return 0
     machine_info = machine()  # the load before the runs, not after them
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sao-bench-fresh-"))
@@ -182,7 +181,7 @@ def main(argv: list[str]) -> int:
         print(f"sao bench fresh: run {index + 1} of {args.runs} in {folder}: clone, make install, make demo "
               f"(about 7-12 minutes on 2 cores) ...", file=sys.stderr)
         seconds = fresh_clone_run(args.repo, folder, warm_pip_cache=args.warm_pip_cache)
-        runs.append({"seconds": seconds, "commit": git_commit(folder / "clone"), "result": demo_result(folder / "clone")})
+        runs.append({"seconds": seconds, "commit": git_commit(folder / "clone"), "result": clone_result(folder / "clone")})
         print(f"sao bench fresh: run {index + 1}: {seconds['total'] / 60:.1f} min", file=sys.stderr)
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
