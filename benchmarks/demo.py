@@ -26,7 +26,9 @@ the critic's explained variance on its targets in training, early and late (with
 token where a failed rollout leaves its task's demonstration (the first wrong digit of a copy error),
 where a critic that places the error drops and the oracle's falls to 0 (:func:`critic_off_path`); and
 the mean surprise ``-log p`` of the action tokens the run trained on, early and late, an estimate of the
-policy's entropy per token when it samples at temperature 1, as the demo does (:func:`sampled_surprise`).
+policy's entropy per token when it samples at temperature 1, as the demo does (:func:`sampled_surprise`);
+and what the trainer's step took early and late, its period and its wait for a batch (:func:`step_cost`):
+whether the run's steps get dearer as its lake grows (issue 25's flat-cost windows).
 ``--reread RECORD.json --workdir DIR`` adds these to a record written before they were recorded, from
 the folders its runs ran in; ``--reread RECORD.json --against FILE`` pairs a seeded record's runs with
 another base (a default run again at the same code, say), in place of the one it was written against.
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -210,6 +213,31 @@ def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
         if values:
             fit[name] = {"first": statistics.fmean(values[:FIT_STEPS]), "last": statistics.fmean(values[-FIT_STEPS:])}
     return fit
+
+
+COST_TIMINGS = ("wait_read_s", "update_s")
+"""The parts of a step (``train_steps.timings``) that :func:`step_cost` averages beside its period: the
+wait for its batch (rollouts to arrive, then the lake's commit and read) and the update."""
+
+
+def step_cost(workdir: Path) -> dict[str, dict[str, float]] | None:
+    """What a step of the demo run of ``workdir`` took, early and late (``{"first", "last"}``), from its
+    lake's ``train_steps``: the mean period (from the step before's end to the step's end) and the mean
+    of each of :data:`COST_TIMINGS`, over the first and the last :data:`FIT_STEPS` steps that have a
+    step before them (the first step's wait holds the start-up: steps 1-25 against the last 25 of 150).
+    None: the run trained fewer than two steps."""
+    from sao.lake.store import Lake
+
+    run = _demo_run(workdir)
+    rows = sorted(Lake.open(str(workdir / "lake")).read_run("train_steps", run.run_id,
+                                                             ["step", "finished_at", "timings"]).to_pylist(),
+                  key=lambda row: row["step"])
+    if len(rows) < 2:
+        return None
+    steps = [{"period_s": (row["finished_at"] - before["finished_at"]).total_seconds(),
+              **{key: dict(row["timings"])[key] for key in COST_TIMINGS}} for before, row in itertools.pairwise(rows)]
+    return {label: {key: statistics.fmean(step[key] for step in chosen) for key in ("period_s", *COST_TIMINGS)}
+            for label, chosen in _windows(steps)}
 
 
 TRAINED_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs", "reward",
@@ -420,6 +448,9 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         f"| wall time < {TARGET_WALL_S / 60:.0f} min | {spread_text({k: v / 60 for k, v in summary['wall_s'].items()}, '.1f', sep=' to ')} min | "
         f"{'yes' if met['wall'] else 'NO'} |",
     ]
+    cost = _step_cost_text(runs)
+    if cost:
+        lines += ["", cost]
     if record.get("against"):
         against = record["against"]
         error = "" if against["stderr"] is None else f" ± {against['stderr']:.3f} (standard error over the seeds)"
@@ -435,6 +466,23 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         lines += ["", f"Read again with `{again['command']}` (commit `{again['machine'].get('commit')}`): the runs are "
                   "as recorded; what it added or paired anew is above."]
     return "\n".join(lines)
+
+
+def _step_cost_text(runs: list[dict[str, Any]]) -> str:
+    """The trainer's step early and late (:func:`step_cost`), medians over the runs that recorded it."""
+    costs = [run["step_cost"] for run in runs if run.get("step_cost")]
+    if not costs:
+        return ""
+
+    def shown(key: str, unit: str = " s") -> str:
+        first, last = (statistics.median(cost[label][key] for cost in costs) for label in ("first", "last"))
+        return f"{first:.2f}{unit} -> {last:.2f}{unit}"
+
+    ratios = [cost["last"]["period_s"] / cost["first"]["period_s"] for cost in costs]
+    return (f"The trainer's step, steps 1-{FIT_STEPS} -> the last {FIT_STEPS} (medians over "
+            f"{len(costs)} run(s)): period {shown('period_s')} (late over early "
+            f"{spread_text(median_spread(ratios), '.2f', sep=' to ')}); waiting for its batch (`wait_read_s`: "
+            f"rollouts to arrive, then the lake's commit and read) {shown('wait_read_s')}; update {shown('update_s')}.")
 
 
 def _seeds_text(record: dict[str, Any]) -> str:
@@ -492,7 +540,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str, Any]:
     """``record_path``'s record with what its runs' folders under ``workdir`` (``run-1``, ...) hold added
     where it is missing (value pretraining, the critic's fit and its step off the path, the sampled
-    tokens' surprise), for a record
+    tokens' surprise, the step's cost early and late), for a record
     written before they were; ``workdir`` None: the record as it is (only paired again)."""
     record = json.loads(record_path.read_text())
     for index, run in enumerate(record["runs"] if workdir is not None else ()):
@@ -503,6 +551,8 @@ def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str
             run["value_pretraining"] = value_pretraining(folder)
         if run.get("critic_fit") is None:
             run["critic_fit"] = critic_fit(folder)
+        if run.get("step_cost") is None:
+            run["step_cost"] = step_cost(folder)
         if run.get("critic_off_path") is None or run.get("sampled_surprise") is None:
             windows = trained_windows(folder)
             if run.get("critic_off_path") is None:
@@ -541,7 +591,7 @@ def main(argv: list[str]) -> int:
         windows = trained_windows(folder)
         runs.append({"wall_s": wall_s, "seed": seed, "result": result, "value_pretraining": value_pretraining(folder),
                      "critic_fit": critic_fit(folder), "critic_off_path": critic_off_path(windows),
-                     "sampled_surprise": sampled_surprise(windows)})
+                     "sampled_surprise": sampled_surprise(windows), "step_cost": step_cost(folder)})
     name = f"demo-{args.tag}" if args.tag else "demo"
     shown = run_sets(args.sets, None if args.seeds is None else "S")
     record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,

@@ -3,6 +3,7 @@ recorded result read back and reported; nothing written under docs/."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from benchmarks.demo import (
     _off_path,
     _parse,
     _pretraining,
+    _step_cost_text,
     _surprise,
     critic_fit,
     main,
@@ -25,6 +27,7 @@ from benchmarks.demo import (
     run_demo,
     run_sets,
     sampled_surprise,
+    step_cost,
     summarise,
     value_pretraining,
 )
@@ -86,6 +89,8 @@ def test_quick_run_reports_the_demo_runs_recorded_result(tmp_path):
     assert set(run["critic_off_path"]) == {"first", "last"} and run["critic_off_path"]["last"]["version"] == 2
     surprise = run["sampled_surprise"]  # both steps are the first 25 and the last 25: the same 16 rollouts
     assert surprise["first"] == surprise["last"] and surprise["last"]["rollouts"] == 16 and surprise["last"]["all"] > 0
+    cost = run["step_cost"]  # two steps: one period, in both windows
+    assert cost["first"] == cost["last"] and cost["last"]["period_s"] > cost["last"]["update_s"] > 0
     assert data["summary"]["accuracy_after"]["median"] == result["accuracy_after"]
     assert data["demo_command"].startswith("sao train --config configs/demo.yaml --set train.steps=2")
     assert "| held-out accuracy after training > 0.8 |" in md.read_text()
@@ -195,6 +200,37 @@ def test_the_critics_fit_is_its_explained_variance_early_and_late(tmp_path, monk
     assert _fit({"critic_fit": {}}, critic=False) == "no critic"
 
 
+def test_the_steps_cost_is_its_period_and_its_parts_early_and_late(tmp_path, monkeypatch):
+    import sao.lake.store as store
+
+    start = dt.datetime(2026, 12, 6, tzinfo=dt.UTC)
+    ends, rows = [0.0], []  # step 0 ends at 10 s (start-up); then 40 steps of 1 s, 20 of 2 s
+    for step in range(61):
+        ends.append(ends[-1] + (10.0 if step == 0 else 1.0 if step <= 40 else 2.0))
+        wait = 9.0 if step == 0 else 0.25 if step <= 40 else 1.25
+        rows.append({"step": step, "finished_at": start + dt.timedelta(seconds=ends[-1]),
+                     "timings": [("wait_read_s", wait), ("update_s", 0.5), ("commit_s", 0.1)]})
+    asked = {}
+
+    def read_run(name, run_id, columns):
+        asked.update(name=name, run_id=run_id)
+        return SimpleNamespace(to_pylist=lambda: list(reversed(rows)))  # in no order: sorted by step
+
+    monkeypatch.setattr(store.Lake, "open", classmethod(lambda cls, root: SimpleNamespace(read_run=read_run)))
+    cost = step_cost(tmp_path)
+    assert asked == {"name": "train_steps", "run_id": "demo"}
+    # steps 1-25 (step 0's start-up left out) against steps 36-60: 20 of 2 s and 5 of 1 s
+    assert cost["first"] == {"period_s": 1.0, "wait_read_s": 0.25, "update_s": 0.5}
+    assert cost["last"] == pytest.approx({"period_s": 1.8, "wait_read_s": 1.05, "update_s": 0.5})
+    text = _step_cost_text([{"step_cost": cost}, {"step_cost": None}, {}])
+    assert text == ("The trainer's step, steps 1-25 -> the last 25 (medians over 1 run(s)): period 1.00 s -> 1.80 s "
+                    "(late over early 1.80 (1.80 to 1.80)); waiting for its batch (`wait_read_s`: rollouts to arrive, "
+                    "then the lake's commit and read) 0.25 s -> 1.05 s; update 0.50 s -> 0.50 s.")
+    assert _step_cost_text([{}]) == ""  # a record written before it was recorded
+    rows[1:] = []
+    assert step_cost(tmp_path) is None  # one step has no period
+
+
 def test_the_critics_step_off_the_path_is_shown_early_and_late_beside_its_step_on_the_path():
     steps = {"first": {"step_off_path": -0.0296, "step_on_path": 0.0012},
              "last": {"step_off_path": -0.0363, "step_on_path": None}}
@@ -263,8 +299,10 @@ def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replac
     monkeypatch.setattr(demo, "trained_windows", lambda folder: folder.name)  # read once for both figures
     monkeypatch.setattr(demo, "critic_off_path", lambda windows: {"folder": windows})
     monkeypatch.setattr(demo, "sampled_surprise", lambda windows: {"surprise": windows})
+    monkeypatch.setattr(demo, "step_cost", lambda folder: {"cost": folder.name})
     runs = reread(path, tmp_path / "work", ["--reread", str(path)])["runs"]
     assert [run["sampled_surprise"] for run in runs] == [{"surprise": "run-1"}, {"surprise": "run-2"}]
     assert [run["value_pretraining"] for run in runs] == [{"num_train": 1}, {"num_train": "run-2"}]
     assert all(run["critic_fit"]["critic/explained_variance"]["last"] == 0.2 for run in runs)
     assert [run["critic_off_path"] for run in runs] == [{"folder": "run-1"}, {"folder": "run-2"}]
+    assert [run["step_cost"] for run in runs] == [{"cost": "run-1"}, {"cost": "run-2"}]
