@@ -220,12 +220,18 @@ COST_TIMINGS = ("wait_read_s", "update_s")
 wait for its batch (rollouts to arrive, then the lake's commit and read) and the update."""
 
 
-def step_cost(workdir: Path) -> dict[str, dict[str, float]] | None:
-    """What a step of the demo run of ``workdir`` took, early and late (``{"first", "last"}``), from its
-    lake's ``train_steps``: the mean period (from the step before's end to the step's end) and the mean
-    of each of :data:`COST_TIMINGS`, over the first and the last :data:`FIT_STEPS` steps that have a
-    step before them (the first step's wait holds the start-up: steps 1-25 against the last 25 of 150).
+def step_cost(workdir: Path) -> dict[str, Any] | None:
+    """What a step of the demo run of ``workdir`` took, early and late, from its lake's ``train_steps``:
+
+    - ``"first"`` and ``"last"``: the mean period (from the step before's end to the step's end) and the
+      mean of each of :data:`COST_TIMINGS`, over the first and the last :data:`FIT_STEPS` steps that have
+      a step before them (the first step's wait holds the start-up: steps 1-25 against the last 25 of 150);
+    - ``"flat"``: the mean period over the flat-cost target's windows
+      (:func:`benchmarks.long_run.flat_windows`: steps 50-149 against 900-999 of 1,000), each window's
+      ``steps`` and ``period_s``, and ``ratio``, late over early.
+
     None: the run trained fewer than two steps."""
+    from benchmarks.long_run import flat_windows
     from sao.lake.store import Lake
 
     run = _demo_run(workdir)
@@ -236,8 +242,16 @@ def step_cost(workdir: Path) -> dict[str, dict[str, float]] | None:
         return None
     steps = [{"period_s": (row["finished_at"] - before["finished_at"]).total_seconds(),
               **{key: dict(row["timings"])[key] for key in COST_TIMINGS}} for before, row in itertools.pairwise(rows)]
-    return {label: {key: statistics.fmean(step[key] for step in chosen) for key in ("period_s", *COST_TIMINGS)}
-            for label, chosen in _windows(steps)}
+    cost: dict[str, Any] = {
+        label: {key: statistics.fmean(step[key] for step in chosen) for key in ("period_s", *COST_TIMINGS)}
+        for label, chosen in _windows(steps)}
+    flat: dict[str, Any] = {}
+    for name, (lo, hi) in flat_windows(len(rows)).items():
+        lo = min(max(lo, 1), len(steps))  # steps[i] is step i + 1's: step 0 has no step before it
+        hi = min(max(hi, lo + 1), len(rows))  # at least one step, in a short run too
+        flat[name] = {"steps": [lo, hi], "period_s": statistics.fmean(step["period_s"] for step in steps[lo - 1:hi - 1])}
+    cost["flat"] = {**flat, "ratio": flat["late"]["period_s"] / flat["early"]["period_s"]}
+    return cost
 
 
 TRAINED_COLUMNS = ("trajectory_id", "task_id", "prompt_ids", "completion_ids", "action_mask", "logprobs", "reward",
@@ -474,15 +488,23 @@ def _step_cost_text(runs: list[dict[str, Any]]) -> str:
     if not costs:
         return ""
 
-    def shown(key: str, unit: str = " s") -> str:
+    def shown(key: str) -> str:
         first, last = (statistics.median(cost[label][key] for cost in costs) for label in ("first", "last"))
-        return f"{first:.2f}{unit} -> {last:.2f}{unit}"
+        return f"{first:.2f} s -> {last:.2f} s"
 
     ratios = [cost["last"]["period_s"] / cost["first"]["period_s"] for cost in costs]
-    return (f"The trainer's step, steps 1-{FIT_STEPS} -> the last {FIT_STEPS} (medians over "
+    text = (f"The trainer's step, steps 1-{FIT_STEPS} -> the last {FIT_STEPS} (medians over "
             f"{len(costs)} run(s)): period {shown('period_s')} (late over early "
             f"{spread_text(median_spread(ratios), '.2f', sep=' to ')}); waiting for its batch (`wait_read_s`: "
             f"rollouts to arrive, then the lake's commit and read) {shown('wait_read_s')}; update {shown('update_s')}.")
+    flats = [cost["flat"] for cost in costs if "flat" in cost]  # a record from before it was recorded has none
+    if len(flats) == len(costs):
+        (early_lo, early_hi), (late_lo, late_hi) = (flats[0][name]["steps"] for name in ("early", "late"))
+        text += (f" Over the flat-cost target's windows (`sao bench longrun`'s: steps {early_lo}-{early_hi - 1} "
+                 f"against {late_lo}-{late_hi - 1}), the period late over early: "
+                 f"{spread_text(median_spread([flat['ratio'] for flat in flats]), '.3f', sep=' to ')} (target at "
+                 "most 1.10).")
+    return text
 
 
 def _seeds_text(record: dict[str, Any]) -> str:
@@ -551,8 +573,9 @@ def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str
             run["value_pretraining"] = value_pretraining(folder)
         if run.get("critic_fit") is None:
             run["critic_fit"] = critic_fit(folder)
-        if run.get("step_cost") is None:
-            run["step_cost"] = step_cost(folder)
+        if run.get("step_cost") is None or "flat" not in run["step_cost"]:
+            cost = step_cost(folder)  # what the record lacks added, what it holds kept
+            run["step_cost"] = None if cost is None else {**cost, **(run.get("step_cost") or {})}
         if run.get("critic_off_path") is None or run.get("sampled_surprise") is None:
             windows = trained_windows(folder)
             if run.get("critic_off_path") is None:

@@ -149,15 +149,16 @@ def run_once(root: Path, args: argparse.Namespace, index: int) -> dict[str, Any]
             "train_steps_versions": lake.version(train_steps.NAME) + 1}
 
 
-def _windows(steps: int) -> dict[str, tuple[int, int]]:
-    """Steps [start, end) of the early window (5-15% of the run) and the late one (the last 10%)."""
+def flat_windows(steps: int) -> dict[str, tuple[int, int]]:
+    """Steps [start, end) of the early window (5-15% of the run) and the late one (the last 10%): the
+    flat-cost target's windows (steps 50-150 and 900-1000 of 1,000), which ``sao bench demo`` uses too."""
     return {"early": (steps * 5 // 100, steps * 15 // 100), "late": (steps - steps // 10, steps)}
 
 
 def summarise(run: dict[str, Any], steps: int) -> dict[str, Any]:
     """Mean period and parts over both windows, and the late/early ratio."""
     out: dict[str, Any] = {}
-    for name, (lo, hi) in _windows(steps).items():
+    for name, (lo, hi) in flat_windows(steps).items():
         window = {"steps": [lo, hi], "period_s": statistics.fmean(run["periods"][lo:hi])}
         for part in PARTS:
             window[part] = statistics.fmean(t.get(part, 0.0) for t in run["timings"][lo:hi])

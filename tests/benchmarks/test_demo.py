@@ -222,11 +222,22 @@ def test_the_steps_cost_is_its_period_and_its_parts_early_and_late(tmp_path, mon
     # steps 1-25 (step 0's start-up left out) against steps 36-60: 20 of 2 s and 5 of 1 s
     assert cost["first"] == {"period_s": 1.0, "wait_read_s": 0.25, "update_s": 0.5}
     assert cost["last"] == pytest.approx({"period_s": 1.8, "wait_read_s": 1.05, "update_s": 0.5})
-    text = _step_cost_text([{"step_cost": cost}, {"step_cost": None}, {}])
-    assert text == ("The trainer's step, steps 1-25 -> the last 25 (medians over 1 run(s)): period 1.00 s -> 1.80 s "
-                    "(late over early 1.80 (1.80 to 1.80)); waiting for its batch (`wait_read_s`: rollouts to arrive, "
-                    "then the lake's commit and read) 0.25 s -> 1.05 s; update 0.50 s -> 0.50 s.")
+    # sao bench longrun's windows of 61 steps: steps 3-8 (5-15%) against 55-60 (the last 10%)
+    assert cost["flat"] == {"early": {"steps": [3, 9], "period_s": 1.0}, "late": {"steps": [55, 61], "period_s": 2.0},
+                            "ratio": 2.0}
+    text = ("The trainer's step, steps 1-25 -> the last 25 (medians over 1 run(s)): period 1.00 s -> 1.80 s "
+            "(late over early 1.80 (1.80 to 1.80)); waiting for its batch (`wait_read_s`: rollouts to arrive, "
+            "then the lake's commit and read) 0.25 s -> 1.05 s; update 0.50 s -> 0.50 s.")
+    flat = (" Over the flat-cost target's windows (`sao bench longrun`'s: steps 3-8 against 55-60), the period late "
+            "over early: 2.000 (2.000 to 2.000) (target at most 1.10).")
+    assert _step_cost_text([{"step_cost": cost}, {"step_cost": None}, {}]) == text + flat
+    before_flat = {label: cost[label] for label in ("first", "last")}  # a record from before the windows
+    assert _step_cost_text([{"step_cost": before_flat}]) == text
     assert _step_cost_text([{}]) == ""  # a record written before it was recorded
+    rows[2:] = []
+    short = step_cost(tmp_path)  # two steps: one period, in every window
+    assert short["first"] == short["last"] and short["first"]["period_s"] == 1.0
+    assert short["flat"]["early"] == short["flat"]["late"] == {"steps": [1, 2], "period_s": 1.0}
     rows[1:] = []
     assert step_cost(tmp_path) is None  # one step has no period
 
@@ -287,7 +298,8 @@ def test_the_report_names_the_algorithm_the_runs_trained_with():
 def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replaced(tmp_path, monkeypatch):
     import benchmarks.demo as demo
 
-    record = {"tag": "x", "runs": [{"seed": 1, "value_pretraining": {"num_train": 1}}, {"seed": 2}]}
+    record = {"tag": "x", "runs": [{"seed": 1, "value_pretraining": {"num_train": 1}, "step_cost": {"first": "kept"}},
+                                   {"seed": 2}]}
     path = tmp_path / "demo-x.json"
     path.write_text(json.dumps(record))
     with pytest.raises(FileNotFoundError, match="run-1 holds no run"):
@@ -299,10 +311,11 @@ def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replac
     monkeypatch.setattr(demo, "trained_windows", lambda folder: folder.name)  # read once for both figures
     monkeypatch.setattr(demo, "critic_off_path", lambda windows: {"folder": windows})
     monkeypatch.setattr(demo, "sampled_surprise", lambda windows: {"surprise": windows})
-    monkeypatch.setattr(demo, "step_cost", lambda folder: {"cost": folder.name})
+    monkeypatch.setattr(demo, "step_cost", lambda folder: {"first": folder.name, "flat": folder.name})
     runs = reread(path, tmp_path / "work", ["--reread", str(path)])["runs"]
     assert [run["sampled_surprise"] for run in runs] == [{"surprise": "run-1"}, {"surprise": "run-2"}]
     assert [run["value_pretraining"] for run in runs] == [{"num_train": 1}, {"num_train": "run-2"}]
     assert all(run["critic_fit"]["critic/explained_variance"]["last"] == 0.2 for run in runs)
     assert [run["critic_off_path"] for run in runs] == [{"folder": "run-1"}, {"folder": "run-2"}]
-    assert [run["step_cost"] for run in runs] == [{"cost": "run-1"}, {"cost": "run-2"}]
+    # a step cost recorded before the flat-cost windows keeps what it has and gains them
+    assert [run["step_cost"] for run in runs] == [{"first": "kept", "flat": "run-1"}, {"first": "run-2", "flat": "run-2"}]

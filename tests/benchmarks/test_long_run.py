@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from benchmarks.long_run import PARTS, _windows, main, summarise
+from benchmarks.long_run import PARTS, flat_windows, main, summarise
 
 
 def test_windows_are_five_to_fifteen_percent_and_the_last_ten():
-    assert _windows(1000) == {"early": (50, 150), "late": (900, 1000)}
-    assert _windows(20) == {"early": (1, 3), "late": (18, 20)}
+    assert flat_windows(1000) == {"early": (50, 150), "late": (900, 1000)}
+    assert flat_windows(20) == {"early": (1, 3), "late": (18, 20)}
 
 
 def test_summary_of_hand_worked_periods():
