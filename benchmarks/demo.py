@@ -499,11 +499,13 @@ def _step_cost_text(runs: list[dict[str, Any]]) -> str:
             f"rollouts to arrive, then the lake's commit and read) {shown('wait_read_s')}; update {shown('update_s')}.")
     flats = [cost["flat"] for cost in costs if "flat" in cost]  # a record from before it was recorded has none
     if len(flats) == len(costs):
+        from benchmarks.long_run import TARGET_RATIO
+
         (early_lo, early_hi), (late_lo, late_hi) = (flats[0][name]["steps"] for name in ("early", "late"))
         text += (f" Over the flat-cost target's windows (`sao bench longrun`'s: steps {early_lo}-{early_hi - 1} "
                  f"against {late_lo}-{late_hi - 1}), the period late over early: "
                  f"{spread_text(median_spread([flat['ratio'] for flat in flats]), '.3f', sep=' to ')} (target at "
-                 "most 1.10).")
+                 f"most {TARGET_RATIO:.2f}).")
     return text
 
 
