@@ -7,7 +7,8 @@ all at once, and those answers lag the requests still in transit, so the cache s
 almost empty: measured on the peer benchmark's synchronous batch (128 rollouts, 2 replicas of 64 slots),
 the split was as uneven as 38 and 90, and the requests beyond a replica's 64 slots waited for slots to
 free while the other replica had slots idle. This router counts what it sent and what finished (Serve
-calls both hooks for every request it sends, accepted or not) and never consults the lagging counts:
+calls both hooks for every request it sends, accepted or not; the completion hook runs on the router's
+thread shortly after the caller has the result) and never consults the lagging counts:
 the same batches split 64 / 64, and a test's bursts of 128 split within 60-68 (tests/rollout/
 test_routing.py). On 2 shared CPU cores this made no measurable difference to throughput (the CPU an
 idle replica leaves goes to the busy one; docs/HISTORY.md); it matters where each replica has its own
@@ -59,9 +60,20 @@ class _Choice:
         """Whether the choice no longer stands: its request was cancelled, or it is older than the TTL."""
         return now - self.at > CHOICE_TTL_S or (self.future is not None and self.future.cancelled())
 
-    def fulfilled(self) -> bool:
-        """Whether Serve handed the choice to its request (the send follows)."""
-        return self.future is not None and self.future.done() and not self.future.cancelled()
+    def given(self) -> ReplicaID | None:
+        """The replica Serve gave the choice's request (the send to it follows), or None while it has none.
+
+        It need not be the replica chosen: Serve hands each replica chosen to the oldest request still
+        waiting, which may be another request than the one it was chosen for (``FIFOMixin``).
+        """
+        future = self.future
+        if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+            return None
+        return future.result().replica_id
+
+    def counts_on(self) -> ReplicaID:
+        """The replica the choice loads: the one its request was given, else the one chosen."""
+        return self.given() or self.replica_id
 
 
 class LeastOutstandingRouter(FIFOMixin, RequestRouter):
@@ -83,7 +95,7 @@ class LeastOutstandingRouter(FIFOMixin, RequestRouter):
         self._unnamed = itertools.count(-1, -1)  # keys of choices made for no request
 
     def _load(self, replica_id: ReplicaID) -> int:
-        return self._sent[replica_id] + sum(1 for c in self._chosen.values() if c.replica_id == replica_id)
+        return self._sent[replica_id] + sum(1 for c in self._chosen.values() if c.counts_on() == replica_id)
 
     def _drop_stale(self, now: float) -> None:
         for key in [key for key, choice in self._chosen.items() if choice.dropped(now)]:
@@ -107,12 +119,12 @@ class LeastOutstandingRouter(FIFOMixin, RequestRouter):
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
         self._sent[replica_id] += 1
-        # The request sent is one whose choice of this replica Serve fulfilled; any one of them stands for
-        # it (they count alike). Without one, the oldest choice made for no request goes; a choice whose
-        # request is still being routed stays.
-        mine = [key for key, choice in self._chosen.items() if choice.replica_id == replica_id]
-        sent = [key for key in mine if self._chosen[key].fulfilled()] or [
-            key for key in mine if self._chosen[key].request is None]
+        # The request sent is one that Serve gave this replica; any one of their choices stands for it
+        # (they count alike, on this replica). Without one, the oldest choice of this replica made for no
+        # request goes; a choice whose request is still waiting for a replica stays.
+        given = [key for key, choice in self._chosen.items() if choice.given() == replica_id]
+        sent = given or [key for key, choice in self._chosen.items()
+                         if choice.request is None and choice.replica_id == replica_id]
         if sent:
             del self._chosen[sent[0]]
 
