@@ -43,7 +43,7 @@ lint: install-dev
 # pytest's exit status is kept in .pytest-rc so that .ci/run can tell "no tests" (5) apart.
 test: lint
 	@rm -f .pytest-rc
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
+	$(PY) -m pytest --durations=15 $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
 # The slow tier (tests marked `slow`: the crash harness, the benchmarks' quick runs, the largest
 # end-to-end runs; see docs/TESTING.md); .ci/run runs it after `make test`.

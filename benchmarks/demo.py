@@ -215,6 +215,30 @@ def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
     return fit
 
 
+CURVE_PARTS = 10
+""":func:`reward_curve` cuts a run's steps into this many consecutive parts."""
+
+
+def reward_curve(workdir: Path) -> list[dict[str, Any]] | None:
+    """The demo run of ``workdir``'s learning curve on its training tasks, from its lake's ``train_steps``:
+    the mean of the batches' mean reward (``batch/reward_mean``: the demo's reward is 1 for a right
+    answer, so the share its trained rollouts solved, sampled at T=1 by policies at most
+    ``max_staleness`` versions behind) over each of :data:`CURVE_PARTS` consecutive parts of its steps,
+    as ``{"steps": [first, last + 1], "reward": mean}``. None: no step recorded it."""
+    from sao.lake.store import Lake
+
+    run = _demo_run(workdir)
+    rows = sorted(Lake.open(str(workdir / "lake")).read_run("train_steps", run.run_id, ["step", "metrics"]).to_pylist(),
+                  key=lambda row: row["step"])
+    rewards = [(row["step"], dict(row["metrics"]).get("batch/reward_mean")) for row in rows]
+    rewards = [(step, reward) for step, reward in rewards if reward is not None]
+    if not rewards:
+        return None
+    bounds = [round(part * len(rewards) / CURVE_PARTS) for part in range(CURVE_PARTS + 1)]
+    return [{"steps": [rewards[lo][0], rewards[hi - 1][0] + 1], "reward": statistics.fmean(r for _, r in rewards[lo:hi])}
+            for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+
 COST_TIMINGS = ("wait_read_s", "update_s")
 """The parts of a step (``train_steps.timings``) that :func:`step_cost` averages beside its period: the
 wait for its batch (rollouts to arrive, then the lake's commit and read) and the update."""
@@ -462,9 +486,9 @@ def _markdown(record: dict[str, Any], name: str) -> str:
         f"| wall time < {TARGET_WALL_S / 60:.0f} min | {spread_text({k: v / 60 for k, v in summary['wall_s'].items()}, '.1f', sep=' to ')} min | "
         f"{'yes' if met['wall'] else 'NO'} |",
     ]
-    cost = _step_cost_text(runs)
-    if cost:
-        lines += ["", cost]
+    for text in (_step_cost_text(runs), _reward_curve_text(runs)):
+        if text:
+            lines += ["", text]
     if record.get("against"):
         against = record["against"]
         error = "" if against["stderr"] is None else f" ± {against['stderr']:.3f} (standard error over the seeds)"
@@ -507,6 +531,23 @@ def _step_cost_text(runs: list[dict[str, Any]]) -> str:
                  f"{spread_text(median_spread([flat['ratio'] for flat in flats]), '.3f', sep=' to ')} (target at "
                  f"most {TARGET_RATIO:.2f}).")
     return text
+
+
+def _reward_curve_text(runs: list[dict[str, Any]]) -> str:
+    """Each run's learning curve on its training tasks (:func:`reward_curve`), part by part."""
+    curves = [(index, run) for index, run in enumerate(runs) if run.get("reward_curve")]
+    if not curves:
+        return ""
+
+    def label(index: int, run: dict[str, Any]) -> str:
+        return f"run {index + 1}" if run.get("seed") is None else f"seed {run['seed']}"
+
+    shown = "; ".join(f"{label(index, run)}: " + ", ".join(
+        f"{part['reward']:.2f} ({part['steps'][0]}-{part['steps'][1] - 1})" for part in run["reward_curve"])
+        for index, run in curves)
+    return (f"The share of its training batches' rollouts that solved their task (sampled at T=1, policies at most "
+            f"`max_staleness` versions behind; the mean of `batch/reward_mean`), over each of {CURVE_PARTS} "
+            f"consecutive parts of the run's steps (steps in brackets): {shown}.")
 
 
 def _seeds_text(record: dict[str, Any]) -> str:
@@ -564,7 +605,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str, Any]:
     """``record_path``'s record with what its runs' folders under ``workdir`` (``run-1``, ...) hold added
     where it is missing (value pretraining, the critic's fit and its step off the path, the sampled
-    tokens' surprise, the step's cost early and late), for a record
+    tokens' surprise, the step's cost early and late, the learning curve on the training tasks), for a record
     written before they were; ``workdir`` None: the record as it is (only paired again)."""
     record = json.loads(record_path.read_text())
     for index, run in enumerate(record["runs"] if workdir is not None else ()):
@@ -578,6 +619,8 @@ def reread(record_path: Path, workdir: Path | None, argv: list[str]) -> dict[str
         if run.get("step_cost") is None or "flat" not in run["step_cost"]:
             cost = step_cost(folder)  # what the record lacks added, what it holds kept
             run["step_cost"] = None if cost is None else {**cost, **(run.get("step_cost") or {})}
+        if run.get("reward_curve") is None:
+            run["reward_curve"] = reward_curve(folder)
         if run.get("critic_off_path") is None or run.get("sampled_surprise") is None:
             windows = trained_windows(folder)
             if run.get("critic_off_path") is None:
@@ -616,7 +659,8 @@ def main(argv: list[str]) -> int:
         windows = trained_windows(folder)
         runs.append({"wall_s": wall_s, "seed": seed, "result": result, "value_pretraining": value_pretraining(folder),
                      "critic_fit": critic_fit(folder), "critic_off_path": critic_off_path(windows),
-                     "sampled_surprise": sampled_surprise(windows), "step_cost": step_cost(folder)})
+                     "sampled_surprise": sampled_surprise(windows), "step_cost": step_cost(folder),
+                     "reward_curve": reward_curve(folder)})
     name = f"demo-{args.tag}" if args.tag else "demo"
     shown = run_sets(args.sets, None if args.seeds is None else "S")
     record = {"machine": machine_info, "command": " ".join(["sao bench demo", *argv]), "tag": args.tag,

@@ -18,12 +18,14 @@ from benchmarks.demo import (
     _off_path,
     _parse,
     _pretraining,
+    _reward_curve_text,
     _step_cost_text,
     _surprise,
     critic_fit,
     main,
     paired,
     reread,
+    reward_curve,
     run_demo,
     run_sets,
     sampled_surprise,
@@ -89,6 +91,8 @@ def test_quick_run_reports_the_demo_runs_recorded_result(tmp_path):
     assert set(run["critic_off_path"]) == {"first", "last"} and run["critic_off_path"]["last"]["version"] == 2
     surprise = run["sampled_surprise"]  # both steps are the first 25 and the last 25: the same 16 rollouts
     assert surprise["first"] == surprise["last"] and surprise["last"]["rollouts"] == 16 and surprise["last"]["all"] > 0
+    assert [part["steps"] for part in run["reward_curve"]] == [[0, 1], [1, 2]]  # two steps: two parts
+    assert all(0.0 <= part["reward"] <= 1.0 for part in run["reward_curve"])
     cost = run["step_cost"]  # two steps: one period, in both windows
     assert cost["first"] == cost["last"] and cost["last"]["period_s"] > cost["last"]["update_s"] > 0
     assert data["summary"]["accuracy_after"]["median"] == result["accuracy_after"]
@@ -242,6 +246,39 @@ def test_the_steps_cost_is_its_period_and_its_parts_early_and_late(tmp_path, mon
     assert step_cost(tmp_path) is None  # one step has no period
 
 
+def test_the_reward_curve_is_the_batches_mean_reward_over_each_tenth_of_the_steps(tmp_path, monkeypatch):
+    import sao.lake.store as store
+
+    # 25 steps: the batches solve 0.25 of their tasks at steps 0-11, 0.5 at 12-21, 1.0 at 22-24; step 5
+    # recorded no reward (a record from before the metric), so 24 steps are cut into parts of 2 or 3
+    rewards = [0.25] * 12 + [0.5] * 10 + [1.0] * 3
+    metrics = [{"critic/explained_variance": 0.1, **({} if step == 5 else {"batch/reward_mean": reward})}
+               for step, reward in enumerate(rewards)]
+    rows = [{"step": step, "metrics": list(m.items())} for step, m in enumerate(metrics)]
+    asked = {}
+
+    def read_run(name, run_id, columns):
+        asked.update(name=name, run_id=run_id, columns=columns)
+        return SimpleNamespace(to_pylist=lambda: list(reversed(rows)))  # in no order: sorted by step
+
+    monkeypatch.setattr(store.Lake, "open", classmethod(lambda cls, root: SimpleNamespace(read_run=read_run)))
+    curve = reward_curve(tmp_path)
+    assert asked == {"name": "train_steps", "run_id": "demo", "columns": ["step", "metrics"]}
+    # the 24 steps with a reward (0-4, 6-24), cut at 0, 2, 5, 7, 10, 12, 14, 17, 19, 22, 24 (round(2.4 i))
+    assert [part["steps"] for part in curve] == [[0, 2], [2, 5], [6, 8], [8, 11], [11, 13], [13, 15], [15, 18],
+                                                 [18, 20], [20, 23], [23, 25]]
+    assert [part["reward"] for part in curve] == pytest.approx(
+        [0.25, 0.25, 0.25, 0.25, (0.25 + 0.5) / 2, 0.5, 0.5, 0.5, (0.5 + 0.5 + 1.0) / 3, 1.0])
+    text = _reward_curve_text([{"seed": 1, "reward_curve": curve[:2]}, {}, {"seed": None, "reward_curve": curve[-1:]}])
+    assert text == ("The share of its training batches' rollouts that solved their task (sampled at T=1, policies at "
+                    "most `max_staleness` versions behind; the mean of `batch/reward_mean`), over each of 10 "
+                    "consecutive parts of the run's steps (steps in brackets): seed 1: 0.25 (0-1), 0.25 (2-4); "
+                    "run 3: 1.00 (23-24).")
+    assert _reward_curve_text([{}, {"reward_curve": None}]) == ""  # records from before it was recorded
+    rows[:] = [{"step": 0, "metrics": [("critic/explained_variance", 0.1)]}]
+    assert reward_curve(tmp_path) is None
+
+
 def test_the_critics_step_off_the_path_is_shown_early_and_late_beside_its_step_on_the_path():
     steps = {"first": {"step_off_path": -0.0296, "step_on_path": 0.0012},
              "last": {"step_off_path": -0.0363, "step_on_path": None}}
@@ -312,7 +349,9 @@ def test_a_record_is_reread_from_its_runs_folders_and_nothing_recorded_is_replac
     monkeypatch.setattr(demo, "critic_off_path", lambda windows: {"folder": windows})
     monkeypatch.setattr(demo, "sampled_surprise", lambda windows: {"surprise": windows})
     monkeypatch.setattr(demo, "step_cost", lambda folder: {"first": folder.name, "flat": folder.name})
+    monkeypatch.setattr(demo, "reward_curve", lambda folder: [{"steps": [0, 1], "reward": folder.name}])
     runs = reread(path, tmp_path / "work", ["--reread", str(path)])["runs"]
+    assert [run["reward_curve"][0]["reward"] for run in runs] == ["run-1", "run-2"]
     assert [run["sampled_surprise"] for run in runs] == [{"surprise": "run-1"}, {"surprise": "run-2"}]
     assert [run["value_pretraining"] for run in runs] == [{"num_train": 1}, {"num_train": "run-2"}]
     assert all(run["critic_fit"]["critic/explained_variance"]["last"] == 0.2 for run in runs)
