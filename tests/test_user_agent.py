@@ -72,7 +72,8 @@ def tool_calling_policy(tokenizer, path):
     return path
 
 
-@pytest.mark.ray
+@pytest.mark.slow  # 72 s: in `make test` it held the suite over its 12 minutes; the endpoint's agent path is
+@pytest.mark.ray   # checked there (tests/rollout/test_env_agent.py)
 def test_three_steps_with_an_agent_of_ones_own(tmp_path, tokenizer, ray_session, monkeypatch):
     from sao.lake.store import Lake
     from sao.models.policy import load_policy
