@@ -200,13 +200,18 @@ FIT_STEPS = 25
 """The critic's fit is the mean of each of :data:`FIT_METRICS` over a run's first and last this many steps."""
 
 
+def _steps(workdir: Path, columns: list[str]) -> list[dict[str, Any]]:
+    """The demo run's rows of ``train_steps`` in ``workdir``'s lake (``step`` and ``columns``), in step order."""
+    from sao.lake.store import Lake
+
+    rows = Lake.open(str(workdir / "lake")).read_run("train_steps", _demo_run(workdir).run_id, ["step", *columns])
+    return sorted(rows.to_pylist(), key=lambda row: row["step"])
+
+
 def critic_fit(workdir: Path) -> dict[str, dict[str, float]]:
     """Of the run of ``workdir`` (its lake's ``train_steps``), each of :data:`FIT_METRICS` it recorded:
     the mean over the first and the last :data:`FIT_STEPS` steps that have it (``{"first", "last"}``)."""
-    from sao.lake.store import Lake
-
-    rows = Lake.open(str(workdir / "lake")).read("train_steps", columns=["step", "metrics"]).to_pylist()
-    metrics = [dict(row["metrics"]) for row in sorted(rows, key=lambda row: row["step"])]
+    metrics = [dict(row["metrics"]) for row in _steps(workdir, ["metrics"])]
     fit = {}
     for name in FIT_METRICS:
         values = [m[name] for m in metrics if name in m]
@@ -225,12 +230,7 @@ def reward_curve(workdir: Path) -> list[dict[str, Any]] | None:
     answer, so the share its trained rollouts solved, sampled at T=1 by policies at most
     ``max_staleness`` versions behind) over each of :data:`CURVE_PARTS` consecutive parts of its steps,
     as ``{"steps": [first, last + 1], "reward": mean}``. None: no step recorded it."""
-    from sao.lake.store import Lake
-
-    run = _demo_run(workdir)
-    rows = sorted(Lake.open(str(workdir / "lake")).read_run("train_steps", run.run_id, ["step", "metrics"]).to_pylist(),
-                  key=lambda row: row["step"])
-    rewards = [(row["step"], dict(row["metrics"]).get("batch/reward_mean")) for row in rows]
+    rewards = [(row["step"], dict(row["metrics"]).get("batch/reward_mean")) for row in _steps(workdir, ["metrics"])]
     rewards = [(step, reward) for step, reward in rewards if reward is not None]
     if not rewards:
         return None
@@ -256,12 +256,8 @@ def step_cost(workdir: Path) -> dict[str, Any] | None:
 
     None: the run trained fewer than two steps."""
     from benchmarks.long_run import flat_windows
-    from sao.lake.store import Lake
 
-    run = _demo_run(workdir)
-    rows = sorted(Lake.open(str(workdir / "lake")).read_run("train_steps", run.run_id,
-                                                             ["step", "finished_at", "timings"]).to_pylist(),
-                  key=lambda row: row["step"])
+    rows = _steps(workdir, ["finished_at", "timings"])
     if len(rows) < 2:
         return None
     steps = [{"period_s": (row["finished_at"] - before["finished_at"]).total_seconds(),

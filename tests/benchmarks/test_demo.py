@@ -180,7 +180,7 @@ def test_value_pretraining_is_read_from_the_runs_report_and_shown_with_its_expla
 
 
 class _Steps:
-    """What ``Lake.read("train_steps", ...)`` gives, as rows: maps come back as (key, value) pairs."""
+    """What ``Lake.read_run("train_steps", ...)`` gives, as rows: maps come back as (key, value) pairs."""
 
     def __init__(self, metrics):
         self.rows = [{"step": step, "metrics": list(m.items())} for step, m in enumerate(metrics)]
@@ -195,7 +195,7 @@ def test_the_critics_fit_is_its_explained_variance_early_and_late(tmp_path, monk
     steps = [{"critic/explained_variance": 0.0 if step < 40 else 0.5} for step in range(60)]
     steps += [{"critic/explained_variance": 0.5, "oracle/explained_variance": 0.9} for _ in range(10)]
     monkeypatch.setattr(store.Lake, "open", classmethod(lambda cls, root: SimpleNamespace(
-        read=lambda name, columns: _Steps(steps))))
+        read_run=lambda name, run_id, columns: _Steps(steps))))
     fit = critic_fit(tmp_path)
     assert fit["critic/explained_variance"] == {"first": 0.0, "last": 0.5}
     assert fit["oracle/explained_variance"] == {"first": 0.9, "last": 0.9}  # only the steps that have it
