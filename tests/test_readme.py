@@ -45,8 +45,8 @@ MAKE_RUNS = {"demo": "sao demo", "ui": "sao ui", "test": "pytest"}
 """What ``make -n TARGET`` must show for each target the README names."""
 
 COVERED_BY = {
-    "sao ui": "tests/flows/test_deployments.py::test_the_run_button_trains_a_tiny_run_to_completion_with_artifacts",
-    "sao demo": "tests/flows/test_train_flow.py::test_train_flow_runs_a_tiny_run_and_reports",
+    "sao ui": "tests/flows/test_deployments.py::test_a_run_from_the_ui_crashed_then_retried_resumes_to_completion_with_artifacts",
+    "sao demo": "tests/benchmarks/test_demo.py::test_quick_run_reports_the_demo_runs_recorded_result",
     "pytest": ".ci/run",  # `make test` is what CI runs
 }
 """The test that exercises a command too long or too global to run from here."""

@@ -1,4 +1,7 @@
-"""The `sao` command's own behaviour: help, usage errors, the demo placeholder."""
+"""The `sao` command's own behaviour: help, usage errors, the demo placeholder, a fast start."""
+
+import subprocess
+import sys
 
 from typer.testing import CliRunner
 
@@ -23,3 +26,13 @@ def test_unknown_benchmark_is_a_usage_error_without_traceback():
 def test_unknown_command_exits_2():
     result = runner.invoke(app, ["frobnicate"])
     assert result.exit_code == 2
+
+
+def test_the_sao_command_starts_without_the_training_stack():
+    """`sao --help`, `sao sql` and `sao lake ...` must not wait for torch, transformers, Ray and Prefect to
+    import (about 8 s on 2 cores): a command imports those when it runs."""
+    heavy = ("torch", "transformers", "ray", "prefect")
+    code = f"import sys, sao.cli; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing sao.cli imports {done.stdout.strip()}"

@@ -31,10 +31,11 @@ from flows.deployments import FLOWS, SERVED_NAME
 from flows.train import artifact_key
 from sao.lake.store import Lake
 from sao.prefect_server import LOOPBACK, free_port, port_in_use, prefect_env
+from sao.train.pretrain import REPORT_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"train": {"steps": 2, "batch_size": 4}, "eval": {"tasks": 4}, "rollout": {"num_replicas": 1, "max_tokens": 96},
-        "value_pretraining": {"samples": 0}}  # value pretraining: test_train_flow
+        "value_pretraining": {"samples": 0}}  # value pretraining: tests/flows/test_train_flow.py
 PREFECT_COMMANDS = {  # what README.md tells a user to run for prefect.yaml (tests/test_readme.py checks)
     "create_pool": ("work-pool", "create", "sao-local", "--type", "process"),
     "deploy": ("--no-prompt", "deploy", "--all"),
@@ -165,36 +166,6 @@ def test_sao_ui_listens_on_loopback_only(ui):
     assert any(c.laddr.port == ui.port for c in psutil.Process(ui.server_pid).net_connections(kind="inet"))
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-@pytest.mark.timeout(600)
-def test_the_run_button_trains_a_tiny_run_to_completion_with_artifacts(ui, policy_dir):
-    # The served run executes in sao ui's folder: relative workdir and lake resolve there.
-    shutil.copytree(policy_dir, ui.root / "runs" / "tiny" / "sft")  # the warm start is reused
-    parameters = {"config": {"run_id": "tiny", **TINY, "workdir": "runs", "lake": {"root": "lake"}}}
-    started = time.monotonic()
-    run = call(ui, _run_to_completion, f"train/{SERVED_NAME}", parameters, 540)
-    assert run.state.is_completed(), f"{run.state!r} after {time.monotonic() - started:.0f} s:\n{ui.tail()}"
-    artifacts = {a.key: a for a in call(ui, _artifacts, run.id)}
-    assert {artifact_key("tiny", what) for what in ("progress", "metrics", "report")} <= set(artifacts)
-    assert float(artifacts["tiny-progress"].data) == 100.0
-    metrics = artifacts["tiny-metrics"].data
-    rows = json.loads(metrics) if isinstance(metrics, str) else metrics
-    assert "actor/kept_frac" in {row["metric"] for row in rows}
-    report = artifacts["tiny-report"].data
-    assert "held-out accuracy" in report and "learning_curve" in report
-    lake = Lake.open(str(ui.root / "lake"), create=False)
-    assert lake.read("train_steps", predicate="run_id = 'tiny'").num_rows == 2
-    # The form the UI renders comes from the deployment's parameter schema.
-    # It is the run config's: one group per section, each field with its description.
-    schema = call(ui, _deployments)[f"train/{SERVED_NAME}"]["parameter_openapi_schema"]
-    sections = schema["definitions"]
-    assert {"TrainSection", "AlgorithmSection", "RolloutSection", "LakeSection", "RaySection"} <= set(sections)
-    assert {"steps", "batch_size", "max_staleness"} <= set(sections["TrainSection"]["properties"])
-    assert sections["AlgorithmSection"]["properties"]["eps_high"]["description"].startswith("DIS interval")
-    assert "grpo_dis" in json.dumps(sections["Algorithm"])  # the algorithm is a choice, not free text
-
-
 def _prefect(ui: UI, *args: str, cwd: Path = REPO) -> str:
     done = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=cwd, env=ui.env(), capture_output=True,
                           text=True, timeout=240)
@@ -275,13 +246,14 @@ def _flow_run_processes(flow_run_id: UUID) -> list[psutil.Process]:
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(900)
-def test_retrying_a_crashed_flow_run_from_the_ui_resumes_the_run(ui, policy_dir):
-    """The flow run's process is killed (SIGKILL, with what it started) mid-training: Prefect marks the
-    run Crashed; Retry resumes the same run id from its last committed step, and the lake reconciles."""
+def test_a_run_from_the_ui_crashed_then_retried_resumes_to_completion_with_artifacts(ui, policy_dir):
+    """A run started through the API the UI's Run button posts to; its flow run's process is killed
+    (SIGKILL, with what it started) mid-training: Prefect marks the run Crashed; Retry resumes the same
+    run id from its last committed step, the run completes with its artifacts, and the lake reconciles."""
     shutil.copytree(policy_dir, ui.root / "runs" / "retry" / "sft")
     steps = 12  # enough that the kill lands mid-run: a tiny step takes well under a second
     parameters = {"config": {"run_id": "retry", **TINY, "train": {"steps": steps, "batch_size": 4}, "workdir": "runs",
-                             "lake": {"root": "lake"}}}
+                             "lake": {"root": "lake"}, "value_pretraining": {"samples": 8}}}
     run = call(ui, _start_run, f"train/{SERVED_NAME}", parameters)
     lake_root = ui.root / "lake"
     deadline = time.monotonic() + 400
@@ -310,6 +282,31 @@ def test_retrying_a_crashed_flow_run_from_the_ui_resumes_the_run(ui, policy_dir)
     check = subprocess.run([str(Path(sys.executable).with_name("sao")), "lake", "check", "--lake", str(lake_root),
                             "--run", "retry"], capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stdout[-4000:]
+    # Value pretraining, done before the kill and not again: its version-0 rollouts, stored as their own
+    # run, and the version-0 critic fitted on them.
+    lake = Lake.open(str(lake_root), create=False)
+    assert lake.read("trajectories", predicate="run_id = 'retry-v0'").num_rows == 8
+    assert lake.read("policy_versions", predicate="run_id = 'retry-v0'").column("version").to_pylist() == [0]
+    report = json.loads((ui.root / "runs" / "retry" / "checkpoints" / "v000000" / "critic" / REPORT_FILE).read_text())
+    assert report["data_run_id"] == "retry-v0" and report["num_train"] + report["num_heldout"] == 8
+    # What the run shows in the UI: its artifacts (each attempt writes its own versions of a key)...
+    artifacts = call(ui, _artifacts, run.id)
+    assert ({artifact_key("retry", what) for what in ("progress", "metrics", "report", "pretrain-value")}
+            <= {a.key for a in artifacts})
+    assert max(float(a.data) for a in artifacts if a.key == "retry-progress") == 100.0
+    for metrics in (a.data for a in artifacts if a.key == "retry-metrics"):
+        rows = json.loads(metrics) if isinstance(metrics, str) else metrics
+        assert "actor/kept_frac" in {row["metric"] for row in rows}
+    assert any("held-out accuracy" in a.data and "learning_curve" in a.data for a in artifacts
+               if a.key == "retry-report")
+    # ... and the form it was started from, the deployment's parameter schema: the run config's, one
+    # group per section, each field with its description.
+    schema = call(ui, _deployments)[f"train/{SERVED_NAME}"]["parameter_openapi_schema"]
+    sections = schema["definitions"]
+    assert {"TrainSection", "AlgorithmSection", "RolloutSection", "LakeSection", "RaySection"} <= set(sections)
+    assert {"steps", "batch_size", "max_staleness"} <= set(sections["TrainSection"]["properties"])
+    assert sections["AlgorithmSection"]["properties"]["eps_high"]["description"].startswith("DIS interval")
+    assert "grpo_dis" in json.dumps(sections["Algorithm"])  # the algorithm is a choice, not free text
 
 
 @pytest.mark.slow

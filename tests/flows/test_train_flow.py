@@ -1,5 +1,6 @@
-"""The Prefect flow `train`, end to end on a tiny run: warm start reused, value pretraining on version-0
-rollouts, Serve rollouts into the lake, Ray Train updates, evaluation, report artifacts."""
+"""The Prefect flow `train`, end to end on two steps of each example config (the demo's in `make test`):
+warm start reused, Serve rollouts into the lake, Ray Train updates, evaluation, report artifacts. Value
+pretraining in the flow: tests/flows/test_deployments.py (a run from the UI, crashed and retried)."""
 
 import json
 import shutil
@@ -7,50 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sao.config import RunConfig
 from sao.lake.store import Lake
-from sao.train.pretrain import REPORT_FILE
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.mark.slow
-def test_train_flow_runs_a_tiny_run_and_reports(tmp_path, policy_dir, ray_session, prefect_harness):
-    from prefect.client.orchestration import get_client
-
-    from flows.train import artifact_key, train
-
-    shutil.copytree(policy_dir, tmp_path / "runs" / "tiny" / "sft")  # the warm start is reused
-    config = RunConfig(run_id="tiny", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")},
-                       train={"steps": 2, "batch_size": 4}, eval={"tasks": 4},
-                       rollout={"num_replicas": 1, "max_tokens": 96},
-                       value_pretraining={"samples": 8})
-    result = train(config=config, sources={"train.steps": "test"})
-    assert result["version"] == 2
-    assert 0.0 <= result["accuracy_before"] <= 1.0 and 0.0 <= result["accuracy_after"] <= 1.0
-    assert result["stderr_after"] >= 0.0 and result["eval_tasks"] > 0 and result["train_wall_s"] > 0
-    for when in ("before", "after"):  # every failed held-out episode has its class
-        failures = result[f"failures_{when}"]
-        assert set(failures) == {"tool_call", "answer", "structure"}
-        assert sum(failures.values()) == round((1 - result[f"accuracy_{when}"]) * result["eval_tasks"])
-    lake = Lake.open(str(tmp_path / "lake"))
-    assert lake.read("train_steps").num_rows == 2
-    assert lake.read("trajectories", predicate="run_id = 'tiny'").num_rows >= 8
-    # Value pretraining: version-0 rollouts stored as their own run, the version-0 critic fitted on them.
-    assert lake.read("trajectories", predicate="run_id = 'tiny-v0'").num_rows == 8
-    assert lake.read("policy_versions", predicate="run_id = 'tiny-v0'").column("version").to_pylist() == [0]
-    report = json.loads((tmp_path / "runs" / "tiny" / "checkpoints" / "v000000" / "critic" / REPORT_FILE).read_text())
-    assert report["data_run_id"] == "tiny-v0" and report["num_train"] + report["num_heldout"] == 8
-    assert (tmp_path / "runs" / "tiny" / "plots" / "learning_curve.png").exists()
-
-    async def artifacts():
-        async with get_client() as client:
-            return await client.read_artifacts()
-
-    import asyncio
-
-    keys = {a.key for a in asyncio.run(artifacts())}
-    assert {artifact_key("tiny", what) for what in ("progress", "report", "metrics", "pretrain-value")} <= keys
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,11 +24,13 @@ EXAMPLE_CONFIGS = ["configs/demo.yaml", *(pytest.param(str(p.relative_to(REPO)),
 def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ray_session, prefect_harness,
                                                monkeypatch):
     """An example as its README says to run it (from the repository root, where its data and reward
-    modules are found), for 2 steps, its warm start reused; the run reconciles with `sao lake check`."""
+    modules are found), for 2 steps, its warm start reused; the run reconciles with `sao lake check`.
+    (Value pretraining in the flow, with its artifact: tests/flows/test_deployments.py.)"""
     from flows.train import train
     from sao.audit import check_run
     from sao.config import resolve
 
+    demo = example == "configs/demo.yaml"
     monkeypatch.chdir(REPO)
     config, sources = resolve(example, [
         f"workdir={tmp_path / 'runs'}", f"lake.root={tmp_path / 'lake'}", "train.steps=2", "train.batch_size=8",
@@ -76,15 +38,42 @@ def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ra
     shutil.copytree(policy_dir, config.sft_dir)
     result = train(config=config, sources=sources)
     assert result["version"] == 2 and result["settings"]["data"] == config.public()["data"]
+    assert 0.0 <= result["accuracy_before"] <= 1.0 and 0.0 <= result["accuracy_after"] <= 1.0
+    assert result["stderr_after"] >= 0.0 and result["eval_tasks"] == 4 and result["train_wall_s"] > 0
     lake = Lake.open(config.lake.root)
     report = check_run(lake, config.run_id)
     assert report.ok, report
+    if demo:
+        _demo_run_reported(config, result)
     rows = lake.read("trajectories", predicate=f"run_id = '{config.run_id}'").to_pylist()
     if config.data.train is not None:  # the user's tasks, scored by the user's rewards
         assert {row["env_name"] for row in rows} == {"dataset"}
         assert all(row["error"] is None for row in rows), [row["error"] for row in rows if row["error"]]
     (started,) = lake.read("runs", predicate=f"run_id = '{config.run_id}'").to_pylist()
     assert json.loads(started["config"]) == config.public() and started["event"] == "start"
+
+
+def _demo_run_reported(config, result: dict) -> None:
+    """What the demo's run reports besides its steps: failures by class, the learning curve, and the
+    flow's artifacts."""
+    from prefect.client.orchestration import get_client
+
+    from flows.train import artifact_key
+
+    for when in ("before", "after"):  # every failed held-out episode has its class
+        failures = result[f"failures_{when}"]
+        assert set(failures) == {"tool_call", "answer", "structure"}
+        assert sum(failures.values()) == round((1 - result[f"accuracy_{when}"]) * result["eval_tasks"])
+    assert (config.run_dir / "plots" / "learning_curve.png").exists()
+
+    async def artifacts():
+        async with get_client() as client:
+            return await client.read_artifacts()
+
+    import asyncio
+
+    keys = {a.key for a in asyncio.run(artifacts())}
+    assert {artifact_key(config.run_id, what) for what in ("progress", "report", "metrics")} <= keys
 
 
 def test_the_replay_flow_runs_a_what_if_replay(tmp_path, policy_dir, tokenizer, prefect_harness):
