@@ -16,12 +16,15 @@ import os
 import shlex
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import typer
 
 from sao.cli_common import fail, require_flows
-from sao.config import ConfigError, RunConfig, resolve
-from sao.train.config import Algorithm
+from sao.train.algorithm import Algorithm
+
+if TYPE_CHECKING:  # the run config imports the training stack (torch): each command imports it when it runs
+    from sao.config import RunConfig
 
 SQL_TO_TRY = (
     ("Why did trajectories end?",
@@ -80,6 +83,7 @@ def run_or_resume(config: RunConfig, sources: dict[str, str] | None = None) -> N
     that may not change is refused (exit 2) before anything starts."""
     require_flows("sao train")
     from sao import interrupt, runs
+    from sao.config import ConfigError
     from sao.data import DataError
     from sao.models.policy import ModelDirectoryError
     from sao.prefect_server import PrefectServerError
@@ -143,6 +147,7 @@ def config_from_cli(config_file: str | None, sets: list[str] | None, flags: dict
                     ) -> tuple[RunConfig, dict[str, str]]:
     """The run config of a command line (defaults < ``--config`` < ``--set`` < flags); a bad value
     exits 2 naming each dotted key, the value and where it came from."""
+    from sao.config import ConfigError, resolve
 
     given = {}
     for name, value in flags.items():
@@ -199,7 +204,7 @@ def demo() -> None:
     """The end-to-end demo (configs/demo.yaml): SFT warm start, value pretraining, SAO with Ray Serve
     rollouts into a local Delta lake and Ray Train updates read from it, accuracy before and after, SQL
     to try."""
-    from sao.config import DEMO_CONFIG
+    from sao.config import DEMO_CONFIG, ConfigError, resolve
 
     try:
         config, sources = resolve(DEMO_CONFIG)
@@ -230,5 +235,7 @@ def config_show(
 def config_schema() -> None:
     """Print the run config's JSON schema (every key, its type, default, bounds and description)."""
     import json
+
+    from sao.config import RunConfig
 
     typer.echo(json.dumps(RunConfig.model_json_schema(), indent=2))

@@ -34,21 +34,13 @@ from sao.algos.masked import LossAggregation
 from sao.lake.config import LakeConfig
 from sao.lake.store import is_valid_run_id
 from sao.models.critic import CriticConfig
+from sao.train.algorithm import Algorithm
 from sao.train.batch import BOOTSTRAP_REASONS, END_REASONS, SKIP_REASONS
 from sao.train.device import DeviceSetting, check_settings
 from sao.train.retention import RetentionConfig
 from schemas.trajectories import RUN_ID_PATTERN
 
 __all__ = ["AdvantageEstimator", "Algorithm", "PolicyLossKind", "ReplayContext", "TrainConfig", "UpdateConfig"]
-
-
-class Algorithm(enum.StrEnum):
-    SAO = "sao"
-    GRPO = "grpo"
-    GRPO_DIS = "grpo_dis"
-    PPO_ASYNC = "ppo_async"
-    RUNNING_MEAN = "running_mean"
-    SELF_IMITATION = "self_imitation"
 
 
 class AdvantageEstimator(enum.StrEnum):
