@@ -35,7 +35,7 @@ from sao.train.pretrain import REPORT_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"train": {"steps": 2, "batch_size": 4}, "eval": {"tasks": 4}, "rollout": {"num_replicas": 1, "max_tokens": 96},
-        "value_pretraining": {"samples": 0}}  # value pretraining: tests/flows/test_train_flow.py
+        "value_pretraining": {"samples": 0}}  # the crashed-and-retried run below pretrains its critic
 PREFECT_COMMANDS = {  # what README.md tells a user to run for prefect.yaml (tests/test_readme.py checks)
     "create_pool": ("work-pool", "create", "sao-local", "--type", "process"),
     "deploy": ("--no-prompt", "deploy", "--all"),
