@@ -304,8 +304,7 @@ def trained_windows(workdir: Path) -> TrainedWindows:
 
     run = _demo_run(workdir)
     lake = Lake.open(str(workdir / "lake"))
-    steps = sorted(lake.read_run("train_steps", run.run_id, ["step", "trajectory_ids"]).to_pylist(),
-                   key=lambda row: row["step"])
+    steps = _steps(workdir, ["trajectory_ids"])
     rows = {}
     for label, chosen in _windows(steps):
         ids = [tid for step in chosen for tid in step["trajectory_ids"]]

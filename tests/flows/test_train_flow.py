@@ -30,7 +30,6 @@ def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ra
     from sao.audit import check_run
     from sao.config import resolve
 
-    demo = example == "configs/demo.yaml"
     monkeypatch.chdir(REPO)
     config, sources = resolve(example, [
         f"workdir={tmp_path / 'runs'}", f"lake.root={tmp_path / 'lake'}", "train.steps=2", "train.batch_size=8",
@@ -43,7 +42,7 @@ def test_every_example_config_trains_two_steps(example, tmp_path, policy_dir, ra
     lake = Lake.open(config.lake.root)
     report = check_run(lake, config.run_id)
     assert report.ok, report
-    if demo:
+    if example == "configs/demo.yaml":
         _demo_run_reported(config, result)
     rows = lake.read("trajectories", predicate=f"run_id = '{config.run_id}'").to_pylist()
     if config.data.train is not None:  # the user's tasks, scored by the user's rewards
