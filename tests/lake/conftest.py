@@ -94,13 +94,22 @@ def s3_options() -> Iterator[dict[str, str]]:
         }
 
 
-@pytest.fixture(params=["local", "s3"])
-def lake_config(request: pytest.FixtureRequest, tmp_path) -> LakeConfig:
-    """A fresh, empty lake location: a temporary folder, or a fresh prefix in the moto bucket."""
+BACKENDS = ["local", "s3"]
+
+
+def fresh_lake_config(request: pytest.FixtureRequest, folder) -> LakeConfig:
+    """A fresh, empty lake location for the backend ``request.param`` names: ``folder / "lake"``, or a
+    fresh prefix in the moto bucket."""
     if request.param == "local":
-        return LakeConfig(root=str(tmp_path / "lake"))
+        return LakeConfig(root=str(folder / "lake"))
     options = request.getfixturevalue("s3_options")
     return LakeConfig(root=f"s3://{BUCKET}/{uuid.uuid4().hex}", storage_options=options)
+
+
+@pytest.fixture(params=BACKENDS)
+def lake_config(request: pytest.FixtureRequest, tmp_path) -> LakeConfig:
+    """A fresh, empty lake location: a temporary folder, or a fresh prefix in the moto bucket."""
+    return fresh_lake_config(request, tmp_path)
 
 
 def open_with_versions(config: LakeConfig) -> Lake:

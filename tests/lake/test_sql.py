@@ -11,15 +11,20 @@ from sao.lake.sql import EXAMPLE_QUERIES, ReadOnlyQueryError, check_read_only, r
 from sao.lake.store import LakeError
 from sao.lake.synthetic import make_trajectories
 from sao.lake.writer import TrajectoryWriter
-from tests.lake.conftest import RUN
+from tests.lake.conftest import BACKENDS, RUN, fresh_lake_config, open_with_versions
 from tests.lake.validate.test_rules import CASES
 
 
-@pytest.fixture
-def filled(lake, tmp_path):
+@pytest.fixture(scope="module", params=BACKENDS)
+def filled(request, tmp_path_factory):
+    """A lake of each backend with rows in every table, built once for this module: every test here
+    only reads it (a refused statement never reaches the engine, and one that did would change what
+    the tests after it read)."""
     from sao.config import RunConfig
     from sao.runs import record_start
 
+    tmp_path = tmp_path_factory.mktemp("sql")
+    lake = open_with_versions(fresh_lake_config(request, tmp_path))
     records = make_trajectories(5, seed=41, num_tokens=12)
     with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
         writer.add_many([*records, CASES["logprob_positive"][0]])
