@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch used on laptops and CI. On a GPU machine: make TORCH_SPEC='torch==2.14.0' ...
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# `make test` runs its tests on this many pytest-xdist workers (the tests marked `ray` on one of them,
+# one after another: tests/conftest.py). Without workers the suite keeps about one of 2 cores busy; 1: no workers.
+TEST_WORKERS ?= 2
 # The rollout replicas' environment for the vLLM engine (rollout.engine: vllm; docs/VLLM.md): vLLM and
 # the project's core, no Prefect. On a GPU: make vllm-env VLLM_SPEC='vllm==0.33.*' TORCH_SPEC='torch==2.14.0'
 VLLM_VENV ?= .venv-vllm
@@ -43,7 +46,7 @@ lint: install-dev
 # pytest's exit status is kept in .pytest-rc so that .ci/run can tell "no tests" (5) apart.
 test: lint
 	@rm -f .pytest-rc
-	$(PY) -m pytest --durations=15 $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
+	$(PY) -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) --durations=15 $(PYTEST_ARGS); rc=$$?; echo $$rc > .pytest-rc; exit $$rc
 
 # The slow tier (tests marked `slow`: the crash harness, the benchmarks' quick runs, the largest
 # end-to-end runs; see docs/TESTING.md); .ci/run runs it after `make test`.

@@ -41,3 +41,16 @@ def _prefect_temporary_servers_stopped():
     if server is not None:
         for instance in list(server.SubprocessASGIServer._instances.values()):
             instance.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``pytest -n 2 --dist loadgroup``), the tests marked
+    ``ray`` run one after another on one worker, as in a run without workers: they share the
+    session's local Ray instance (:func:`ray_session`) or start Ray of their own, and a second Ray
+    instance beside it would take the same 2 CPUs (and write the same local-cluster address file)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
