@@ -267,6 +267,9 @@ def _rows(iterator, batch_size: int | None = None) -> Iterable[list[dict]]:
 def _train_func(config: dict) -> None:
     import ray.train
 
+    from sao.train.ray_trainer import unsealed
+
+    config = unsealed(config)
     cfg: TrainConfig = config["train"]
     pcfg: PretrainConfig = config["pretrain"]
     context = ray.train.get_context()
@@ -313,7 +316,7 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
     from ray.train import DataConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from sao.train.ray_trainer import run_fit, scaling_config, torch_config
+    from sao.train.ray_trainer import run_fit, scaling_config, sealed, torch_config
 
     pcfg = pcfg or PretrainConfig()
     if not cfg.update.uses_critic:
@@ -330,9 +333,9 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
     storage = storage_path or str(Path(cfg.checkpoint_root).resolve().parent / "ray_train")
     trainer = TorchTrainer(
         _train_func,
-        train_loop_config={"train": cfg, "pretrain": pcfg, "gpu": gpu, "report": {
+        train_loop_config=sealed({"train": cfg, "pretrain": pcfg, "gpu": gpu, "report": {
             "run_id": cfg.run_id, "data_run_id": data_run, "trajectories_version": version, "num_train": num_train,
-            "epochs": pcfg.epochs, "target": str(pcfg.target)}},
+            "epochs": pcfg.epochs, "target": str(pcfg.target)}}),
         scaling_config=scaling_config(pcfg.num_workers, pcfg.cpus_per_worker, gpu, gpus_per_worker=cfg.gpus_per_worker),
         torch_config=torch_config(gpu),
         run_config=RunConfig(name=f"pretrain-value-{cfg.run_id}", storage_path=storage),

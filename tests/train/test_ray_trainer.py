@@ -1,6 +1,9 @@
-"""Ray Train: two data-parallel workers give the same update as one."""
+"""Ray Train: two data-parallel workers give the same update as one; the config Ray Train's controller sees."""
 
+import pickle
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,10 +13,8 @@ from sao.lake.store import Lake
 from sao.train.checkpoint import load_checkpoint
 from sao.train.config import TrainConfig, UpdateConfig
 from sao.train.loop import prepare_run, run_training
-from sao.train.ray_trainer import fit
+from sao.train.ray_trainer import fit, unsealed
 from tests.train.test_loop import make_config, roll_out
-
-pytestmark = pytest.mark.ray
 
 
 def _load(path):
@@ -22,6 +23,7 @@ def _load(path):
     return load_checkpoint(path.parent / "moved", 1)
 
 
+@pytest.mark.ray
 def test_two_workers_give_the_same_update_as_one(tmp_path, policy_dir, tokenizer, ray_session):
     # adam_eps = 1 makes the first Adam step about lr * g: linear in the gradient, so a comparison of
     # weights is a comparison of gradients (with eps 1e-8 every step is lr * sign(g)).
@@ -48,3 +50,26 @@ def test_two_workers_give_the_same_update_as_one(tmp_path, policy_dir, tokenizer
         assert torch.allclose(ca, cb, rtol=1e-5, atol=1e-9), name
     steps = Lake.open(two.lake).read("train_steps").to_pylist()
     assert dict(steps[0]["metrics"])["batch/world_size"] == 2.0
+
+
+def test_ray_trains_controller_gets_a_config_it_unpickles_without_the_training_stack(tmp_path, policy_dir,
+                                                                                     monkeypatch):
+    captured = {}
+
+    class Trainer:  # stands in for TorchTrainer: what fit() hands Ray Train
+        def __init__(self, train_func, *, train_loop_config, **options):
+            captured.update(train_loop_config)
+
+        def fit(self):
+            return "fitted"
+
+    monkeypatch.setattr("ray.train.torch.TorchTrainer", Trainer)
+    cfg = make_config(tmp_path, policy_dir)
+    assert fit(cfg, max_steps=3) == "fitted"
+    assert set(captured) == {"sealed"} and isinstance(captured["sealed"], bytes)
+    assert unsealed(captured) == {"config": cfg, "gpu": False, "max_steps": 3}
+    # what Ray Train's controller process unpickles imports neither this package nor transformers
+    code = ("import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sao', 'transformers', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(captured), capture_output=True, check=True)
+    assert out.stdout.decode().strip() == "[]"
