@@ -12,9 +12,8 @@ until Ray Train's controller polls) so the Ray dashboard shows progress; the lak
 The train-loop config reaches the workers :func:`sealed`: Ray Train's controller, a process of its own
 that starts before the workers, unpickles the config it passes on, and an object of this package in
 it made that process import the training stack (torch's models, transformers, ``sao.train``) that only
-the workers use: about 5 s more before every run's first step and every value pretraining on 2 cores
-(``TorchTrainer.fit`` of a worker that only unpickles its config: 24.1-27.7 s with the config as
-objects, 21.4-22.1 s sealed, 3 fits each, alternating).
+the workers use: the controller's start took 6.5-7.7 s instead of 2.9-3.7 s on 2 cores, before the
+training's first step and before value pretraining's fit alike (docs/HISTORY.md).
 """
 
 from __future__ import annotations
