@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from sao.cli_common import fail
+from sao.cli_common import HELP_MARKUP, fail
 from sao.lake.cli import lake_app, sql
 from sao.runs_cli import config_app, demo, train
 from sao.train.cli import replay
@@ -23,6 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 # `sao bench NAME [ARGS...]` runs `benchmarks/<module>.py`'s `main(argv)`. One line per benchmark.

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import typer
 
-__all__ = ["fail", "open_lake", "require_flows"]
+__all__ = ["HELP_MARKUP", "fail", "open_lake", "require_flows"]
+
+# How every `sao` command's --help renders its texts (each `typer.Typer` of the CLI passes it). Markdown
+# joins the docstrings' wrapped lines into paragraphs that fit the terminal, and keeps the `[train.steps]`
+# that ends a flag's help; Typer's default, Rich markup, keeps the hard line breaks and takes such
+# brackets for style tags, so the config key a flag sets went missing from `sao train --help`.
+HELP_MARKUP = "markdown"
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

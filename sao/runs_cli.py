@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from sao.cli_common import fail, require_flows
+from sao.cli_common import HELP_MARKUP, fail, require_flows
 from sao.train.algorithm import Algorithm
 
 if TYPE_CHECKING:  # the run config imports the training stack (torch): each command imports it when it runs
@@ -216,7 +216,8 @@ def demo() -> None:
     run_or_resume(config, sources)
 
 
-config_app = typer.Typer(help="The run config: its resolved values and its schema.", no_args_is_help=True)
+config_app = typer.Typer(help="The run config: its resolved values and its schema.", no_args_is_help=True,
+                         rich_markup_mode=HELP_MARKUP)
 
 
 @config_app.command("show")

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from sao.cli_common import fail, open_lake
+from sao.cli_common import HELP_MARKUP, fail, open_lake
 from sao.lake.config import LakeConfig, MaintenanceConfig
 
 __all__ = ["lake_app", "sql"]
@@ -25,6 +25,7 @@ lake_app = typer.Typer(
     help="Inspect, check and maintain the Delta lake (tables, versions, counts, examples, check, "
     "compact, vacuum).",
     no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 LakeOption = Annotated[

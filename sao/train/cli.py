@@ -137,7 +137,7 @@ def replay(
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="What-if: algorithm.KEY=VALUE, an update setting to change (repeatable).")] = None,
     as_run: Annotated[str | None, typer.Option(
-        "--as", help="What-if: the run id it is recorded under (default: RUN-whatif-<hash>).")] = None,
+        "--as", help="What-if: the run id it is recorded under (default: the run id, `-whatif-` and a hash of the request).")] = None,
 ) -> None:
     """Replay recorded training steps (bit for bit on CPU), re-check one recorded trajectory, or re-run
     steps on their frozen data with changed update settings (--set: what-if)."""

@@ -16,6 +16,17 @@ def test_help_lists_the_commands():
     assert "demo" in result.output and "bench" in result.output
 
 
+def test_a_flags_help_shows_the_config_key_it_sets():
+    """`sao train --help` says each flag names the config key it sets, as `[train.steps]` at the end of
+    the flag's help; Rich markup took such brackets for style tags and dropped them."""
+    result = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for key in ("[train.steps]", "[train.max_staleness]", "[algorithm.lr_policy]", "[lake.root]", "[run_id]"):
+        assert key in result.output, key
+    replay = runner.invoke(app, ["replay", "--help"], env={"COLUMNS": "200"})
+    assert "the run id, -whatif- and a hash of the request" in " ".join(replay.output.split())
+
+
 def test_unknown_benchmark_is_a_usage_error_without_traceback():
     result = runner.invoke(app, ["bench", "no-such-bench"])
     assert result.exit_code == 2
