@@ -269,7 +269,7 @@ def _reading(rows: list[dict[str, Any]]) -> list[str]:
         "bound on work in flight, `batch x (max_staleness + 1)`: grow the batch with the replicas.",
         f"- **The lake writer** at {wide['flush_rows']} rows per commit (the pipeline's default for an asynchronous "
         "run's batch of up to 32, kept small so a laptop's trainer is fed quickly; larger batches commit every half "
-        "batch, a synchronous run each batch whole: `PipelineConfig.writer_config`) caps a {wide['replicas']}-replica deployment; about "
+        f"batch, a synchronous run each batch whole: `PipelineConfig.writer_config`) caps a {wide['replicas']}-replica deployment; about "
         f"{_about(batched['rows_per_commit'])} rows per commit or more (`WriterConfig.flush_rows` "
         f"{batched['flush_rows']} with the age flush) {_times(doubling)} and hands the limit back to the trainer.",
         f"- **More replicas do not help a trainer-bound run**: {widest['replicas']} replicas with a "

@@ -158,6 +158,7 @@ def test_reading_the_table_takes_its_figures_from_the_rows():
     assert "28% go stale" in before and "(0.3 s) cuts the stale share to 11%" in before
     assert "(256 against 249 per second)" in before and "a step of 28 minutes" in before
     assert "still on 2048 (12 minutes, 2.3x faster); about 30% of rollouts" in before
+    assert "caps a 512-replica deployment" in before and "{" not in before  # every figure filled in
 
     changed = json.loads(json.dumps(data))
     base, faster, sharded, _, batched, widest, long, long_faster = changed["datacentre"]
