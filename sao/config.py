@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -54,7 +55,7 @@ from sao.rollout.driver import DriverConfig
 from sao.rollout.torch_engine import TorchEngineConfig
 from sao.rollout.vllm_engine import VLLMEngineConfig
 from sao.runtime import RayConfig
-from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.config import TrainConfig, UpdateConfig, check_gpus_per_worker
 from sao.train.device import DeviceSetting, check_settings
 from sao.train.evaluate import EvalConfig
 from sao.train.pretrain import PretrainConfig
@@ -116,7 +117,15 @@ def attribute_docs(component: type) -> dict[str, str]:
                 docs[name] += " " + line.strip()
         elif not line.strip() and docs:
             names = []
-    return {name: re.sub(r"``([^`]*)``", r"\1", text) for name, text in docs.items()}
+    module = sys.modules.get(component.__module__)
+
+    def role(match: re.Match) -> str:  # :data:`NAME` shows the value too, :meth:`x` / :mod:`y` the name
+        kind, name = match.group(1), match.group(2)
+        value = getattr(module, name, None) if kind == "data" else None
+        return name if value is None else f"{name} ({value})"
+
+    return {name: re.sub(r":(\w+):`~?([^`]*)`", role, re.sub(r"``([^`]*)``", r"\1", text))
+            for name, text in docs.items()}
 
 
 class Section(BaseModel):
@@ -298,7 +307,8 @@ class RolloutSection(Section):
     max_in_flight: int = Field(default_of(PipelineConfig, "max_in_flight"), ge=1)
     """Trajectories generated at once across replicas."""
     group_size: int = Field(default_of(PipelineConfig, "group_size"), ge=1)
-    """Rollouts per task, launched together (GRPO's groups; 1 for SAO)."""
+    """Rollouts per task (GRPO's groups; 1 for SAO): next to each other in the task stream, so launched
+    one after another as slots free up (a group may span policy versions)."""
     cancel_stale: bool = Field(default_of(PipelineConfig, "cancel_stale"))
     """Cancel a rollout still in flight once the trainer is more than train.max_staleness versions past
     the version at its launch (the trainer would pass it over); it is stored as `cancelled`."""
@@ -308,8 +318,8 @@ class RolloutSection(Section):
     """Most action segments of a trajectory."""
     timeout_s: float = Field(default_of(AgentConfig, "timeout_s"), gt=0)
     """Wall-clock budget of a trajectory."""
-    temperature: float = Field(default_of(AgentConfig, "temperature"), ge=0)
-    """Sampling temperature (recorded with every trajectory)."""
+    temperature: float = Field(default_of(AgentConfig, "temperature"), gt=0)
+    """Sampling temperature, > 0 (greedy decoding: top_k 1); recorded with every trajectory."""
     top_k: int = Field(default_of(AgentConfig, "top_k"), ge=0)
     """Top-k sampling (0: off)."""
     top_p: float = Field(default_of(AgentConfig, "top_p"), gt=0, le=1)
@@ -339,14 +349,16 @@ class TrainSection(Section):
     """Where the trainer and value pretraining run: cpu, cuda (one GPU per trainer worker; an error when the Ray
     cluster has none) or auto (GPUs when the Ray cluster has them). Replay always runs on CPU."""
     gpus_per_worker: float = Field(default_of(TrainConfig, "gpus_per_worker"), gt=0)
-    """GPUs each trainer worker gets when it trains on GPUs; a fraction shares one (with a vLLM replica, say)."""
+    """GPUs each trainer worker gets when it trains on GPUs: a fraction in (0, 1] shares one (with a vLLM replica,
+    say), more must be a whole number."""
     bf16: bool = default_of(TrainConfig, "bf16")
     """bf16 autocast of the trainer's forward passes on CUDA (weights and optimiser state stay float32); refused
     with train.device cpu."""
 
     @model_validator(mode="after")
-    def _bf16_needs_cuda(self) -> TrainSection:
+    def _device_settings(self) -> TrainSection:
         check_settings(self.device, self.bf16)
+        check_gpus_per_worker(self.gpus_per_worker)
         return self
 
 
@@ -354,7 +366,9 @@ class ValuePretrainingSection(Section):
     """Value pretraining: the critic fitted on version-0 rollouts before the first step."""
 
     samples: int = Field(default_of(PretrainConfig, "num_samples"), ge=0)
-    """Version-0 rollouts the critic is fitted on (0 skips value pretraining; the paper used about 6k)."""
+    """Version-0 rollouts collected for value pretraining: most fit the critic, a share is held out to measure
+    the fit (0 skips value pretraining, 1 is too few; unused by an algorithm without a critic; the paper used
+    about 6k)."""
 
 
 class EvalSection(Section):
@@ -389,7 +403,7 @@ class RunConfig(Section):
 
     run_id: str = "demo"
     """Names the run in every table and its folder under workdir; an existing run resumes (letters,
-    digits, '.', '_', '-'; at most 128; not '.'-led)."""
+    digits, '.', '_', '-'; at most 128; starts with a letter or digit)."""
     workdir: str = Field("runs", min_length=1)
     """Run files go to workdir/run_id (warm start, checkpoints, plots)."""
     seed: int = default_of(TrainConfig, "seed")

@@ -127,7 +127,7 @@ def plot_run(lake: Lake, run_id: str, out_dir: str | Path,
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(steps, [r.get("critic/value_mean_before", 0.0) for r in frame], label="value mean (before update)")
-    left.plot(steps, [r.get("critic/frac_outside_reward_range", 0.0) for r in frame], label="fraction outside [0, 1]")
+    left.plot(steps, [r.get("critic/frac_outside_reward_range", 0.0) for r in frame], label="fraction outside reward_range")
     left.set_xlabel("step")
     left.legend()
     right.plot(steps, [r.get("critic/loss", 0.0) for r in frame], color="C4")

@@ -173,7 +173,7 @@ def train(
     algorithm: Algorithm | None = typer.Option(None, help="sao or a baseline. [algorithm.name]"),  # noqa: B008
     batch_size: int | None = typer.Option(None, help="Trajectories per update. [train.batch_size]"),
     max_staleness: int | None = typer.Option(None, help="Most versions a trajectory may lag. [train.max_staleness]"),
-    group_size: int | None = typer.Option(None, help="Rollouts per task, launched together. [rollout.group_size]"),
+    group_size: int | None = typer.Option(None, help="Rollouts per task (GRPO's groups; 1 for SAO). [rollout.group_size]"),
     synchronous: bool | None = typer.Option(None, "--synchronous/--asynchronous",
                                             help="Synchronous RL (needs --max-staleness 0). [train.synchronous]"),
     lr_policy: float | None = typer.Option(None, help="Policy learning rate. [algorithm.lr_policy]"),

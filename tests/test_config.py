@@ -75,6 +75,13 @@ def test_generated_sections_follow_their_dataclasses():
     schema = RunConfig.model_json_schema()["$defs"]["AlgorithmSection"]["properties"]
     assert schema["eps_high"]["description"].startswith("DIS interval (1 - eps_low, 1 + eps_high)")
     assert "K critic optimiser steps" in schema["critic_updates"]["description"]
+    # A docstring's Sphinx roles read as names, a module constant with its value (one fact, one place).
+    from sao.train.config import TOKEN_BUDGET, TOKEN_BUDGET_ONE_THREAD
+
+    budget = schema["token_budget"]["description"]
+    assert f"TOKEN_BUDGET_ONE_THREAD ({TOKEN_BUDGET_ONE_THREAD})" in budget and f"TOKEN_BUDGET ({TOKEN_BUDGET})" in budget
+    assert ":data:" not in budget and ":meth:" not in budget and "(micro_batch_tokens)" in budget
+    assert "grpo_dis (group-normalised, DIS)" in schema["name"]["description"]
 
 
 def test_the_demo_config_is_the_laptop_demo():
@@ -123,6 +130,11 @@ def test_set_values_are_read_as_yaml():
     (["train.synchronous=true"], "train.synchronous needs train.max_staleness 0, got 4"),
     (["sft.data=demos.jsonl"], "sft.data is for a model of one's own (model.path)"),
     (["sft.learning_rate=0"], "sft.learning_rate: Input should be greater than 0"),
+    # Refused here, not at the run's start, where the component checking them is built:
+    (["rollout.temperature=0"], "rollout.temperature: Input should be greater than 0 (got 0)"),
+    (["train.gpus_per_worker=1.5"], "train.gpus_per_worker: gpus_per_worker must be a fraction in (0, 1] or a whole "
+                                    "number, got 1.5 [from --set train.gpus_per_worker=1.5]"),
+    (["algorithm.value_clip=0"], "algorithm.value_clip: value_clip must be > 0 or None (off), got 0.0"),
 ])
 def test_a_bad_value_is_refused_with_its_dotted_key(sets, expected):
     with pytest.raises(ConfigError) as error:

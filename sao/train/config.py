@@ -40,7 +40,8 @@ from sao.train.device import DeviceSetting, check_settings
 from sao.train.retention import RetentionConfig
 from schemas.trajectories import RUN_ID_PATTERN
 
-__all__ = ["AdvantageEstimator", "Algorithm", "PolicyLossKind", "ReplayContext", "TrainConfig", "UpdateConfig"]
+__all__ = ["AdvantageEstimator", "Algorithm", "PolicyLossKind", "ReplayContext", "TrainConfig", "UpdateConfig",
+           "check_gpus_per_worker"]
 
 
 class AdvantageEstimator(enum.StrEnum):
@@ -73,12 +74,21 @@ _PRESETS: dict[Algorithm, tuple[AdvantageEstimator, PolicyLossKind]] = {
 }
 
 
+def check_gpus_per_worker(gpus: float) -> None:
+    """A trainer worker's GPUs: a fraction in (0, 1] shares one, more must be whole GPUs."""
+    if gpus <= 0 or (gpus > 1 and gpus != int(gpus)):
+        raise ValueError(f"gpus_per_worker must be a fraction in (0, 1] or a whole number, got {gpus}")
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
     """One actor update (and its critic updates) on one batch of trajectories.
 
     Attributes:
-        algorithm: preset choosing the advantage estimator and the policy loss (table above).
+        algorithm: preset choosing the advantage estimator and the policy loss: ``sao`` (critic and
+            skip-observation GAE, DIS), ``grpo`` (group-normalised, PPO clip), ``grpo_dis``
+            (group-normalised, DIS), ``ppo_async`` (critic and GAE, PPO clip), ``running_mean`` (reward
+            minus a running mean, DIS), ``self_imitation`` (1 for a success, else 0, DIS).
         eps_low, eps_high: DIS interval (1 - eps_low, 1 + eps_high); paper math setting (0.3, 5.0).
         clip_low, clip_high: PPO clip range for the ``ppo_clip`` loss.
         detach_weight: DIS in the REINFORCE form (True, the paper's) or the ratio form.
@@ -103,7 +113,9 @@ class UpdateConfig:
             distribution at its action tokens (aggregated as the policy loss is; reported as
             ``actor/entropy``). 0, the default and the paper's, adds nothing and computes nothing.
         max_grad_norm: gradient clipping (None = off).
-        value_clip: PPO-style value clipping range (None = off).
+        value_clip: PPO-style value clipping (None = off): each value a critic step trains is clipped to
+            within this of its value before the update's first critic step, and the larger of the
+            clipped and unclipped squared errors is taken (reported as ``critic/value_clip_frac``).
         whiten_advantages: normalise policy advantages over the batch's action tokens.
         advantage_floor: a diagnostic (None: off, SAO.md's update): policy advantages below it are raised
             to it (after whitening); 0 trains on the positive advantages only, so a failed episode's
@@ -227,6 +239,8 @@ class UpdateConfig:
             raise ValueError(f"adam_beta2 must lie in [0, 1), got {self.adam_beta2}")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0 (a bonus for entropy), got {self.entropy_coef}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"value_clip must be > 0 or None (off), got {self.value_clip}")
         if self.advantage_floor is not None and not math.isfinite(self.advantage_floor):
             raise ValueError(f"advantage_floor must be finite or None, got {self.advantage_floor}")
         if not math.isfinite(self.imitation_threshold):
@@ -371,6 +385,4 @@ class TrainConfig:
         if self.compact_every < 0:
             raise ValueError(f"compact_every must be >= 0, got {self.compact_every}")
         check_settings(self.device, self.bf16)
-        if self.gpus_per_worker <= 0 or (self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker)):
-            raise ValueError(f"train.gpus_per_worker must be a fraction in (0, 1] or a whole number, got "
-                             f"{self.gpus_per_worker}")
+        check_gpus_per_worker(self.gpus_per_worker)

@@ -60,7 +60,7 @@ from sao.train.config import AdvantageEstimator, PolicyLossKind, UpdateConfig
 from sao.train.device import autocast
 
 __all__ = ["FILTERED_LOGPROB", "LENGTH_BUCKETS", "PLAIN_HEAD_MODEL_TYPES", "Learner", "critic_returns", "critic_values",
-           "explained_variance", "forward_mask", "lr_factor", "policy_logprobs", "scoring_logits"]
+           "explained_variance", "forward_mask", "lr_factor", "policy_logprobs", "scoring_logits", "whiten_over_the_batch"]
 
 FILTERED_LOGPROB = -1.0e4
 # Upper bounds (action tokens) of the length buckets the kept fraction is reported by.
@@ -176,6 +176,22 @@ def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def whiten_over_the_batch(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`masked_whiten` over the whole batch: with data-parallel workers, each holding a shard of
+    it, the mean and the variance are summed across them, so every worker scales by the batch's
+    statistics, as one worker with the whole batch would."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return masked_whiten(values, mask)
+    mask = mask.bool()
+    total, count = _all_reduce_sum(torch.stack([values[mask].double().sum(),
+                                                mask.sum().double()]).to(values.device)).tolist()
+    centred = values - total / max(count, 1.0)
+    if count >= 2:  # as masked_whiten: the variance of one entry is undefined
+        square = float(_all_reduce_sum(centred[mask].double().square().sum().reshape(1)))
+        centred = centred * (1.0 / math.sqrt(square / count + 1e-8))
+    return torch.where(mask, centred, torch.zeros_like(centred))
 
 
 def _sum_gradients_across_workers(module: torch.nn.Module) -> None:
@@ -369,7 +385,7 @@ class Learner:
             per_sequence = sequence_advantages.to(batch.device)
             advantages = broadcast_to_actions(per_sequence, batch.action_mask)
         if cfg.whiten_advantages:
-            advantages = masked_whiten(advantages, batch.action_mask)
+            advantages = whiten_over_the_batch(advantages, batch.action_mask)
         if cfg.advantage_floor is not None:
             raised = batch.action_mask & (advantages < cfg.advantage_floor)
             metrics["actor/advantage_floored_frac"] = float(raised.sum()) / max(int(batch.action_mask.sum()), 1)
@@ -403,6 +419,7 @@ class Learner:
         started = time.perf_counter()
         batch = batch.to(self.device)
         critic_metrics: dict[str, float] = {}
+        values: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.config.advantage_estimator is AdvantageEstimator.CRITIC_GAE and self.config.critic_updates > 0:
             critic_metrics, values = self._critic_step(batch, None)
             advantages, returns, metrics = self._advantages_from(batch, values, sequence_advantages, policy_values)
@@ -414,8 +431,7 @@ class Learner:
 
         def critic_steps() -> tuple[dict[str, float], float]:
             step_started, step_metrics = time.perf_counter(), critic_metrics
-            for _ in range(remaining):
-                step_metrics, _ = self._critic_step(batch, returns)
+            self._later_critic_steps(batch, returns, remaining, values, step_metrics)
             return step_metrics, time.perf_counter() - step_started
 
         beside = _Beside(critic_steps) if remaining and self.critic_beside_actor else None
@@ -457,9 +473,19 @@ class Learner:
         if returns is None:
             raise ValueError(f"algorithm {self.config.algorithm.value!r} has no critic to update")
         returns = returns.to(self.device)
-        for _ in range(self.config.critic_updates if steps is None else steps):
-            metrics |= self._critic_step(batch, returns)[0]
+        self._later_critic_steps(batch, returns, self.config.critic_updates if steps is None else steps, None,
+                                 metrics)
         return metrics
+
+    def _later_critic_steps(self, batch: TrainBatch, returns: torch.Tensor, steps: int,
+                            before: tuple[torch.Tensor, torch.Tensor] | None, metrics: dict[str, float]) -> None:
+        """``steps`` critic steps towards ``returns``, their last step's metrics merged into ``metrics``.
+        ``before``: the values the critic gave before this update's first step (the one that computed the
+        advantages), which ``value_clip`` clips against; None: the first of these steps' own."""
+        for _ in range(steps):
+            step_metrics, seen = self._critic_step(batch, returns, before)
+            before = before if before is not None else seen
+            metrics |= step_metrics
 
     @property
     def replays_routing(self) -> bool:
@@ -525,44 +551,53 @@ class Learner:
         return metrics | (routing.metrics() if routing is not None else {})
 
     def _critic_step(self, batch: TrainBatch, returns: torch.Tensor | None,
-                     ) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor] | None]:
+                     before: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor]]:
         """One critic optimiser step towards ``returns`` (B, T). ``returns`` None: the update's first
         step, whose targets are the critic's own ``lam_critic`` returns from this very forward (each
         row's returns depend on its own values only, so each micro-batch's are known after its
-        forward); it also returns the values ``(values (B, T), v_end (B,))`` it saw, for the advantages."""
+        forward). Returns its metrics and the values ``(values (B, T), v_end (B,))`` its forwards saw
+        (before its optimiser step), which the advantages use. With ``value_clip``, each value is
+        clipped to within it of ``before`` (the values before the update's first critic step; None:
+        this step's own, so nothing is clipped), PPO style."""
         cfg = self.config
         self.critic.train()
         self.critic_optimizer.zero_grad(set_to_none=True)
         denominator = self._denominator(batch)
-        seen = None
-        if returns is None:
-            seen = (torch.zeros(batch.action_mask.shape, device=batch.device),
-                    torch.zeros(batch.action_mask.shape[0], device=batch.device))
+        seen = (torch.zeros(batch.action_mask.shape, device=batch.device),
+                torch.zeros(batch.action_mask.shape[0], device=batch.device))
         loss_total = 0.0
         value_sum = 0.0
+        clipped = 0.0
         for rows, mb in self._micro_batches(batch):
             with self._forward():
                 values, v_end = critic_values(self.critic, mb)
-            if seen is None:
-                target = returns[rows, : values.shape[1]]
-            else:
-                before, end_before = values.detach().float(), v_end.detach().float()
-                seen[0][rows, : values.shape[1]] = before
-                seen[1][rows] = end_before
-                target = critic_returns(mb, before, end_before, cfg)
+            width = values.shape[1]
+            now, end_now = values.detach().float(), v_end.detach().float()
+            seen[0][rows, :width] = now
+            seen[1][rows] = end_now
+            target = critic_returns(mb, now, end_now, cfg) if returns is None else returns[rows, :width]
+            clip = {}
+            if cfg.value_clip is not None:
+                clip = {"clip": cfg.value_clip, "old_values": now if before is None else before[0][rows, :width]}
             loss, m = value_loss(values, target, mb.action_mask, aggregation=cfg.aggregation,
-                                 denominator=denominator, reward_range=cfg.reward_range)
+                                 denominator=denominator, reward_range=cfg.reward_range, **clip)
             loss.backward()
             loss_total += float(loss.detach())
-            value_sum += m["critic/value_mean"] * float(mb.action_mask.sum())
+            actions = float(mb.action_mask.sum())
+            value_sum += m["critic/value_mean"] * actions
+            clipped += m["critic/value_clip_frac"] * actions
         _sum_gradients_across_workers(self.critic)
         grad_norm = self._clip(self.critic)
         self.critic_optimizer.step()
         self.critic_scheduler.step()
         self.critic_steps += 1
-        return {"critic/loss": loss_total, "critic/grad_norm": grad_norm,
-                "critic/value_mean": value_sum / max(float(batch.action_mask.sum()), 1.0),
-                "critic/lr": self.critic_scheduler.get_last_lr()[0]}, seen
+        actions = max(float(batch.action_mask.sum()), 1.0)
+        metrics = {"critic/loss": loss_total, "critic/grad_norm": grad_norm, "critic/value_mean": value_sum / actions,
+                   "critic/lr": self.critic_scheduler.get_last_lr()[0]}
+        if cfg.value_clip is not None:
+            metrics["critic/value_clip_frac"] = clipped / actions
+        return metrics, seen
 
     def _clip(self, module: torch.nn.Module) -> float:
         params = [p for p in module.parameters() if p.grad is not None]

@@ -213,6 +213,56 @@ def test_the_first_critic_steps_forward_gives_the_values_a_separate_forward_woul
     assert fused.critic_steps == separate.critic_steps == critic_updates
 
 
+def test_value_clip_keeps_the_later_critic_steps_near_the_values_before_the_update():
+    # algorithm.value_clip (off by default) clips each critic value to within it of the value before the
+    # update's first critic step, PPO style. A clip no value reaches changes nothing, a tight one clips
+    # and changes the critic's later steps, and the actor's step (from the first step's values) is the
+    # same either way.
+    policy = tiny()
+    rows = hand_built_rows(policy)
+    results = {}
+    for clip in (None, 1e6, 1e-4):
+        cfg = dataclasses.replace(CFG, critic_updates=3, token_budget=10, value_clip=clip)
+        actor, critic = copy.deepcopy(policy), ValueModel(tiny(1))
+        metrics = Learner(cfg, actor, critic).update(collate(rows, trainer_version=5))
+        results[clip] = (metrics, list(actor.parameters()), list(critic.parameters()))
+    off, wide, tight = results[None], results[1e6], results[1e-4]
+    assert "critic/value_clip_frac" not in off[0]
+    assert wide[0]["critic/value_clip_frac"] < 0.5 < tight[0]["critic/value_clip_frac"]
+    assert all(torch.equal(a, b) for a, b in zip(off[1], tight[1], strict=True))
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(off[2], wide[2], strict=True))
+    assert not all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(off[2], tight[2], strict=True))
+
+
+def _whiten_a_shard(rank: int, init: str, values: torch.Tensor, mask: torch.Tensor, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        rows = slice(0, 3) if rank == 0 else slice(3, None)
+        torch.save(step_module.whiten_over_the_batch(values[rows], mask[rows]), f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_workers_whiten_their_shards_by_the_whole_batchs_statistics(tmp_path):
+    # algorithm.whiten_advantages on data-parallel workers: each worker's shard is scaled by the mean and
+    # variance of the whole batch's action tokens, as one worker with the whole batch scales it.
+    torch.manual_seed(0)
+    values = torch.randn(5, 7) * 3 + 1
+    mask = torch.rand(5, 7) > 0.4
+    mask[3:] &= torch.arange(7) < 2  # the second shard holds fewer action tokens
+    torch.multiprocessing.spawn(_whiten_a_shard, args=(f"file://{tmp_path}/init", values, mask, str(tmp_path)),
+                                nprocs=2)
+    sharded = torch.cat([torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")])
+    whole = step_module.whiten_over_the_batch(values, mask)  # no process group: masked_whiten
+    assert torch.allclose(sharded, whole, rtol=0, atol=1e-5)
+    assert float(whole[mask].mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(whole[mask].var(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
+    alone = torch.cat([step_module.masked_whiten(values[:3], mask[:3]), step_module.masked_whiten(values[3:], mask[3:])])
+    assert not torch.allclose(sharded, alone, rtol=0, atol=1e-3)  # what each worker alone would have done
+
+
 def test_logits_at_the_scoring_positions_are_the_whole_forwards_logits(monkeypatch):
     # The output layer runs at the scoring positions only for plain-head models; a model of any other
     # type takes its whole forward. Both give the same log-probabilities.
@@ -312,11 +362,11 @@ def test_an_error_in_the_critic_steps_beside_the_actor_reaches_the_caller(monkey
     learner = Learner(dataclasses.replace(CFG, critic_beside_actor=True), policy, ValueModel(tiny(1)))
     original, calls = Learner._critic_step, []
 
-    def critic_step(self, batch, returns):
+    def critic_step(self, batch, returns, *args):
         calls.append(threading.current_thread().name)
         if returns is not None:
             raise RuntimeError("critic step failed")
-        return original(self, batch, returns)
+        return original(self, batch, returns, *args)
 
     monkeypatch.setattr(Learner, "_critic_step", critic_step)
     with pytest.raises(RuntimeError, match="critic step failed"):
