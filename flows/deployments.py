@@ -2,9 +2,10 @@
 same flows to the ``sao-local`` process work pool (a test checks that the two lists agree).
 
 Served deployments are named ``<flow>/ui``; the work-pool deployments of ``prefect.yaml`` are named
-``<flow>/sao-local``. Both load the flows by module path (``flows.train.train``), so they run from any
-working directory of an environment where ``sao`` is installed; relative ``workdir`` and ``lake_root``
-parameters resolve against the directory ``sao ui`` (or the worker) was started in.
+``<flow>/sao-local``. The served ones load the flows by module path (``flows.train.train``) and run in
+the directory ``sao ui`` was started in; the work-pool ones name the flows by file path
+(``flows/train.py:train``) and run in the directory ``prefect deploy`` ran in (``prefect.yaml`` has no
+``pull`` step). Relative ``workdir`` and ``lake.root`` settings resolve against that directory.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ critic; see that module) after the warm start, and shows the held-out value loss
 variance before and after as a table artifact. It must run before the run's first step (it writes the
 version-0 critic; a run that has trained is refused), on trajectories sampled by version 0: those of the
 run itself, or of another run from the same warm start (``data_run_id``). It writes a checkpoint, so
-its task is not retried. It prepares the run, which records the settings a replay depends on: give it
-the ``algorithm``, ``lr_policy`` and ``seed`` the ``train`` run that follows will use (the trainer
-refuses a run whose recorded settings differ).
+its task is not retried. Its parameter ``config`` is the run config of the ``train`` run that follows
+(the same form): it warm-starts that run's model on its data, and it prepares the run, which records
+the settings a replay depends on, so that ``train`` run is accepted only with the same settings.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from flows.train import show_pretrain_report, warm_start
 from sao import runs
 from sao.config import RunConfig
 from sao.runtime import init_ray
-from sao.train.config import Algorithm
 from sao.train.pretrain import PretrainConfig, PretrainReport, ValueTarget, pretrain_value
 
-_DEFAULTS = RunConfig()
 _PRETRAIN = PretrainConfig()
 
 
@@ -34,25 +32,23 @@ def pretrain_task(settings: RunConfig, policy_path: str, pretrain: PretrainConfi
 
 @flow(name="pretrain_value", log_prints=True)
 def pretrain_value_flow(
-    run_id: str = _DEFAULTS.run_id,
+    config: RunConfig = RunConfig(),  # noqa: B008
     data_run_id: str | None = None,
-    num_samples: int = _PRETRAIN.num_samples,
+    num_samples: int | None = None,
     heldout_fraction: float = _PRETRAIN.heldout_fraction,
     epochs: int = _PRETRAIN.epochs,
     batch_size: int = _PRETRAIN.batch_size,
     target: ValueTarget = _PRETRAIN.target,
-    algorithm: Algorithm = _DEFAULTS.algorithm.name,
-    lr_policy: float = _DEFAULTS.algorithm.lr_policy,
-    seed: int = _DEFAULTS.seed,
-    workdir: str = _DEFAULTS.workdir,
-    lake_root: str = _DEFAULTS.lake.root,
-    ray_address: str | None = _DEFAULTS.ray.address,
 ) -> dict:
-    """Pretrain the critic of run ``run_id`` on version-0 trajectories (of ``data_run_id`` when given)."""
-    settings = RunConfig(run_id=run_id, algorithm={"name": algorithm, "lr_policy": lr_policy}, seed=seed,
-                         workdir=workdir, lake={"root": lake_root}, ray={"address": ray_address})
-    pretrain = PretrainConfig(num_samples=num_samples, heldout_fraction=heldout_fraction, epochs=epochs,
-                              batch_size=batch_size, target=target, data_run_id=data_run_id)
+    """Pretrain the critic of run ``config.run_id`` on version-0 trajectories (of ``data_run_id`` when
+    given): at most ``num_samples`` (None: ``config.value_pretraining.samples``)."""
+    settings = config
+    run_id = config.run_id
+    pretrain = PretrainConfig(num_samples=config.value_pretraining.samples if num_samples is None else num_samples,
+                              heldout_fraction=heldout_fraction, epochs=epochs, batch_size=batch_size, target=target,
+                              data_run_id=data_run_id)
+    runs.prepare_inputs(config)  # the model, tasks and reward functions of the run, as the train flow checks them
+    runs.check_resume(config)  # a run recorded with other settings is refused, as by the train flow
     policy_path = warm_start(settings)
     report = pretrain_task(settings, policy_path, pretrain)
     show_pretrain_report(run_id, report)

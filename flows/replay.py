@@ -79,6 +79,11 @@ def replay(
     same frozen data re-run with those settings, recorded and re-run metrics side by side, recorded in
     the lake's ``runs`` table as run ``as_run_id``."""
     last = step if last_step is None else last_step
+    if as_run_id and not overrides:
+        raise ValueError("as_run_id names the run a what-if replay is recorded under: it goes with overrides")
+    if overrides and metric_tolerance:
+        raise ValueError("metric_tolerance is for a replay without overrides: a what-if replay shows the recorded "
+                         "and the re-run metrics side by side and compares nothing")
     if overrides:
         report, new_run = what_if_task(lake_root, run_id, step, last, overrides, as_run_id, checkpoint_root)
         rows = [{"step": s.step, "metric": name, "recorded": s.recorded.get(name), "re-run": s.rerun.get(name)}

@@ -10,7 +10,7 @@ so does retrying a crashed, failed or cancelled flow run from the UI (it runs ag
 parameters). A run that has reached its steps returns its recorded result at once.
 
 While training runs, the flow run shows a progress artifact (steps done) and a table artifact with the
-latest metrics; at the end, a markdown artifact with accuracy before / after and the learning curve.
+metrics of every tenth step (and the last); at the end, a markdown artifact with accuracy before / after and the learning curve.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def pretrain_value(settings: RunConfig, policy_path: str) -> dict | None:
         get_run_logger().warning("%s", stopped)
         return Stopped(reason=str(stopped))
     if report is None:
-        get_run_logger().info("value pretraining: skipped (value_samples=0, no critic, or done already)")
+        get_run_logger().info("value pretraining: skipped (value_pretraining.samples 0, an algorithm without a "
+                              "critic, done already, or the run has trained already)")
         return None
     show_pretrain_report(settings.run_id, report)
     return {"loss_before": report.loss_before, "loss_after": report.loss_after, "seconds": round(report.seconds, 1)}
@@ -156,12 +157,13 @@ def train(config: RunConfig = RunConfig(), sources: dict[str, str] | None = None
     came from (recorded with the config in the lake's ``runs`` table)."""
     settings = config
     run_id = config.run_id
+    runs.prepare_inputs(config)  # the user's model, tasks and reward functions, checked before anything starts
+    runs.check_resume(config)  # settings that may not change are refused, a finished run's too (as `sao train`)
     done = runs.finished(settings)
     if done is not None:
         get_run_logger().info("run %s finished already (%d steps, version %d); nothing to do",
                               run_id, done["steps"], done["version"])
         return done
-    runs.prepare_inputs(config)  # the user's model, tasks and reward functions, checked before anything starts
     event = runs.record_start(config, sources, notes=runs.model_notes(config))
     get_run_logger().info("run %s: %s (config recorded in the lake's runs table)", run_id, event)
     policy_path = warm_start(settings)

@@ -3,8 +3,9 @@
 One command, two processes:
 
 1. a Prefect server (``prefect server start --host 127.0.0.1``, a child process; UI and API);
-2. this process serves the deployments of :mod:`flows.deployments` (``train/ui``, ``evaluate/ui``,
-   ``replay/ui``) with a Prefect ``Runner``, the engine of ``prefect.serve``: no work pool, no worker.
+2. this process serves the deployments of :mod:`flows.deployments` (``<flow>/ui`` for each flow of
+   its ``FLOWS``: ``train``, ``evaluate``, ``replay``, ``pretrain_value``, ``online_shift``) with a
+   Prefect ``Runner``, the engine of ``prefect.serve``: no work pool, no worker.
    A run started from the UI's form executes as a child process of this one, in this directory.
 
 Ctrl-C (or SIGTERM) stops the runner, which cancels the flow runs in flight (each in its own process

@@ -1,7 +1,7 @@
 """``sao sql`` and ``sao lake ...``: the lake from the command line (registered by ``sao.cli``).
 
-Every command takes ``--lake`` (default: ``LakeConfig().root``, or the ``SAO_LAKE`` environment
-variable) and ``--storage-option KEY=VALUE`` for object stores (delta-rs also reads ``AWS_*`` from the
+Every command but ``sao lake examples`` takes ``--lake`` (default: ``LakeConfig().root``, or the
+``SAO_LAKE`` environment variable) and ``--storage-option KEY=VALUE`` for object stores (delta-rs also reads ``AWS_*`` from the
 environment). Commands only open an existing lake: a wrong path is an error, never a new empty lake.
 """
 
@@ -38,7 +38,8 @@ StorageOption = Annotated[
 ]
 
 
-def _print_table(table, title: str | None = None, max_rows: int = 50) -> None:  # table: pa.Table
+def _print_table(table, title: str | None = None, max_rows: int = 50,  # table: pa.Table
+                 more: str = "`sao sql` with --max-rows, --csv or --parquet shows them all") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -53,7 +54,7 @@ def _print_table(table, title: str | None = None, max_rows: int = 50) -> None:  
     console.print(view)
     if table.num_rows > max_rows:
         console.print(
-            f"({table.num_rows} rows, showing {max_rows}; use --max-rows, --csv or --parquet)"
+            f"({table.num_rows} rows, showing {max_rows}; {more})"
         )
 
 
@@ -88,7 +89,7 @@ def sql(
             write_result(result, path, fmt)
             typer.echo(f"wrote {result.num_rows} rows to {path}", err=True)
     if csv is None and parquet is None:
-        _print_table(result, max_rows=max_rows)
+        _print_table(result, max_rows=max_rows, more="use --max-rows, --csv or --parquet")
 
 
 @lake_app.command("tables")
@@ -125,7 +126,8 @@ def versions(
     storage_option: StorageOption = None,
     limit: Annotated[int, typer.Option("--limit", help="Newest versions to show.")] = 20,
 ) -> None:
-    """The commit history of one table, newest first (time travel with `version=`)."""
+    """The commit history of one table, newest first (in Python, `sao.lake.sql.run_sql(lake, query,
+    versions={table: N})` reads a table as it was at version N)."""
     import datetime as dt
 
     import pyarrow as pa
@@ -152,7 +154,7 @@ def versions(
                 "writer": entry.get("sao.writer_id") or "-",
             }
         )
-    _print_table(pa.Table.from_pylist(rows), title=f"{table} history")
+    _print_table(pa.Table.from_pylist(rows), title=f"{table} history", max_rows=max(limit, 1))
 
 
 @lake_app.command("counts")

@@ -81,9 +81,14 @@ def compact(
     run_id: str | None = None,
 ) -> list[CompactReport]:
     """Compact ``tables`` (all when None) towards ``config.target_file_mb`` files; with ``run_id``, only
-    that run's partition (every table here is partitioned by ``run_id``)."""
+    that run's partition, of tables partitioned by ``run_id`` (``trajectories`` and ``rollout_tasks``;
+    another table is refused with it)."""
     config = config or MaintenanceConfig()
     partitions = None if run_id is None else [("run_id", "=", run_id)]
+    if run_id is not None:
+        unpartitioned = [name for name in _tables(tables) if "run_id" not in table_spec(name).partition_by]
+        if unpartitioned:
+            raise ValueError(f"{unpartitioned} are not partitioned by run_id: compact them whole (run_id None)")
     reports = []
     for name in _tables(tables):
         table = lake.table(name)

@@ -117,6 +117,20 @@ def _print_trajectory(report) -> None:  # report: TrajectoryReplay
     typer.echo(f"  reward: recorded {report.reward_recorded}, re-scored {report.reward_rescored}")
 
 
+def _unused_options(trajectory: bool, what_if: bool, **given: bool) -> str | None:
+    """The options given that the chosen replay would not use, as a usage error (None: none)."""
+    used_by = {"tasks": "--trajectory", "atol": "--trajectory", "metric_tolerance": "a replay of steps without --set",
+               "ray": "a replay of steps without --set"}
+    mode = "--trajectory" if trajectory else "a what-if replay (--set)" if what_if else "a replay of steps"
+    unused = [name for name, on in given.items() if on and (
+        used_by[name] != "--trajectory" if trajectory else used_by[name] == "--trajectory" or what_if)]
+    if not unused:
+        return None
+    flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+    return f"{flags} {'does' if len(unused) == 1 else 'do'} nothing in {mode}: " + "; ".join(
+        f"--{name.replace('_', '-')} is for {used_by[name]}" for name in unused)
+
+
 def replay(
     run: Annotated[str | None, typer.Option("--run", help="Run id (needed with --step / --steps).")] = None,
     step: Annotated[int | None, typer.Option("--step", help="Replay this recorded step.")] = None,
@@ -128,11 +142,13 @@ def replay(
         "--checkpoints", help="The run's checkpoint root (default: where policy_versions says).")] = None,
     tasks: Annotated[str | None, typer.Option(
         "--tasks", help="Task file for --trajectory (default: the one the run configuration records).")] = None,
-    atol: Annotated[float, typer.Option("--atol", help="Log-probability agreement threshold.")] = 1e-5,
+    atol: Annotated[float | None, typer.Option(
+        "--atol", help="Log-probability agreement threshold of --trajectory (default: its own, "
+        "sao.train.trajectory_replay.DEFAULT_ATOL).")] = None,
     metric_tolerance: Annotated[float, typer.Option(
-        "--metric-tolerance", help="Relative/absolute metric tolerance (0: exactly equal).")] = 0.0,
+        "--metric-tolerance", help="Relative/absolute metric tolerance of a replay of steps (0: exactly equal).")] = 0.0,
     use_ray: Annotated[bool, typer.Option(
-        "--ray", help="Read a range's snapshot with Ray Data on a local Ray instance.")] = False,
+        "--ray", help="Read the snapshot of a replay of steps with Ray Data on a local Ray instance.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="What-if: algorithm.KEY=VALUE, an update setting to change (repeatable).")] = None,
@@ -153,6 +169,12 @@ def replay(
         raise fail(f"{modes[0]} needs --run")
     if (set_ or as_run) and trajectory is not None:
         raise fail("--set and --as go with --step / --steps (a what-if replay of steps)")
+    if as_run and not set_:
+        raise fail("--as names the run a what-if replay is recorded under: it goes with --set")
+    unused = _unused_options(trajectory is not None, bool(set_), tasks=tasks is not None, atol=atol is not None,
+                             metric_tolerance=metric_tolerance != 0.0, ray=use_ray)
+    if unused:
+        raise fail(unused)
     opened = open_lake(lake, storage_option)
     if set_:
         _what_if(opened, run, (step, step) if step is not None else _parse_range(steps), set_, as_run, checkpoints,
@@ -161,7 +183,7 @@ def replay(
     try:
         if trajectory is not None:
             report = replay_trajectory(opened, trajectory, run_id=run, checkpoint_root=checkpoints, tasks_path=tasks,
-                                       atol=atol)
+                                       **({} if atol is None else {"atol": atol}))
             printer = _print_trajectory
         else:
             first, last = (step, step) if step is not None else _parse_range(steps)

@@ -77,6 +77,30 @@ def test_replay_needs_exactly_one_mode():
     usage_error(["replay", "--run", "r"], "give exactly one of --step N, --steps N:M or --trajectory ID")
 
 
+@pytest.mark.parametrize(("args", "reason"), [
+    (["--run", "r", "--step", "0", "--as", "x"], "--as names the run a what-if replay is recorded under: it goes with --set"),
+    (["--run", "r", "--step", "0", "--tasks", "t.jsonl"], "--tasks does nothing in a replay of steps"),
+    (["--run", "r", "--step", "0", "--atol", "0.1"], "--atol does nothing in a replay of steps"),
+    (["--run", "r", "--step", "0", "--set", "algorithm.eps_high=4", "--ray"],
+     "--ray does nothing in a what-if replay (--set)"),
+    (["--run", "r", "--step", "0", "--set", "algorithm.eps_high=4", "--metric-tolerance", "0.1"],
+     "--metric-tolerance does nothing in a what-if replay (--set)"),
+    (["--trajectory", "t", "--ray", "--metric-tolerance", "0.1"], "--metric-tolerance, --ray do nothing in --trajectory"),
+])
+def test_replay_refuses_an_option_the_chosen_replay_would_ignore(tmp_path, args, reason):
+    usage_error(["replay", "--lake", str(tmp_path / "nowhere"), *args], reason)
+    assert not (tmp_path / "nowhere").exists()  # refused before the lake is opened
+
+
+def test_the_replay_flow_refuses_what_it_would_ignore():
+    from flows.replay import replay
+
+    with pytest.raises(ValueError, match="as_run_id names the run a what-if replay is recorded under"):
+        replay.fn(run_id="r", as_run_id="x")
+    with pytest.raises(ValueError, match="metric_tolerance is for a replay without overrides"):
+        replay.fn(run_id="r", overrides={"algorithm.eps_high": 4.0}, metric_tolerance=0.1)
+
+
 def test_ui_on_a_busy_port_is_a_usage_error_and_starts_no_server():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind((LOOPBACK, 0))

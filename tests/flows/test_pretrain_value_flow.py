@@ -37,8 +37,7 @@ def test_pretrain_value_flow_writes_the_version_zero_critic_and_reports(tmp_path
     from flows.train import artifact_key
 
     settings = tiny_run(tmp_path, policy_dir, tokenizer, "tiny-pv", 12)
-    result = pretrain_value_flow(run_id="tiny-pv", num_samples=12, heldout_fraction=0.25, epochs=1, batch_size=4,
-                                 workdir=settings.workdir, lake_root=settings.lake.root)
+    result = pretrain_value_flow(config=settings, num_samples=12, heldout_fraction=0.25, epochs=1, batch_size=4)
     assert (result["num_train"], result["num_heldout"]) == (9, 3)
     written = json.loads((checkpoint_dir(settings.checkpoint_root, 0) / "critic" / REPORT_FILE).read_text())
     assert written["run_id"] == "tiny-pv" and written["loss_after"] == result["loss_after"]
@@ -58,4 +57,4 @@ def test_pretrain_value_flow_without_version_zero_data_fails_with_the_reason(tmp
 
     settings = tiny_run(tmp_path, policy_dir, tokenizer, "empty", 0)
     with pytest.raises(ValueError, match="needs at least 2 trajectories sampled by version 0 in run 'empty'"):
-        pretrain_value_flow(run_id="empty", workdir=settings.workdir, lake_root=settings.lake.root)
+        pretrain_value_flow(config=settings)

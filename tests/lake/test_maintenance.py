@@ -161,3 +161,12 @@ def test_compacting_a_live_run_leaves_files_above_its_target_as_they_are(local_l
     assert first in sizes() and len(sizes()) == 2  # the large file was left as it was
     stored = local_lake.read("trajectories", predicate=f"run_id = '{RUN}'")
     assert sorted(stored["trajectory_id"].to_pylist()) == sorted(r.trajectory_id for r in records)
+
+
+def test_compacting_one_runs_partition_is_refused_for_a_table_not_partitioned_by_run(local_lake):
+    # Only trajectories and rollout_tasks have run_id partitions; a filter on another table's run_id
+    # would not be a partition filter.
+    assert [r.table for r in compact(local_lake, ["trajectories", "rollout_tasks"], run_id=RUN)] == [
+        "trajectories", "rollout_tasks"]
+    with pytest.raises(ValueError, match=r"\['train_steps'\] are not partitioned by run_id"):
+        compact(local_lake, ["train_steps"], run_id=RUN)
