@@ -315,9 +315,10 @@ class RolloutSection(Section):
     max_tokens: int = Field(default_of(AgentConfig, "max_tokens"), ge=1)
     """Completion budget of a trajectory (action and observation tokens together)."""
     max_turns: int = Field(default_of(AgentConfig, "max_turns"), ge=1)
-    """Most action segments of a trajectory."""
+    """Most action segments of a trajectory (with an agent of one's own: most calls of an episode, all its
+    parts)."""
     timeout_s: float = Field(default_of(AgentConfig, "timeout_s"), gt=0)
-    """Wall-clock budget of a trajectory."""
+    """Wall-clock budget of a trajectory (with an agent of one's own: of an episode, all its parts)."""
     temperature: float = Field(default_of(AgentConfig, "temperature"), gt=0)
     """Sampling temperature, > 0 (greedy decoding: top_k 1); recorded with every trajectory."""
     top_k: int = Field(default_of(AgentConfig, "top_k"), ge=0)

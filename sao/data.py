@@ -6,10 +6,10 @@ Delta table, with the ecosystem's columns (TRL, verifiers, prime-rl):
     info      optional: an object of task facts, handed to the reward functions
     task_id   optional: a unique string; else a stable hash of the row
 
-Other columns are ignored. Every row of a file is checked before any rollout starts; a
-:class:`DataError` lists every bad row with its file, row number (1-based; the line of a JSONL file)
-and field, not just the first. Tasks become :class:`sao.envs.base.Task` rows of the ``dataset``
-environment; :func:`split_heldout` holds out a seeded fraction when no evaluation file is given.
+Other columns are not read. Every row of a file is checked before any rollout starts; a
+:class:`DataError` lists the bad rows with their file, row number (1-based; the line of a JSONL file)
+and field, all of them, not just the first (past :data:`_MAX_REPORTED`, how many more). Tasks become
+:class:`sao.envs.base.Task` rows of the ``dataset`` environment; :func:`split_heldout` holds out a seeded fraction when no evaluation file is given.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -123,6 +124,8 @@ def _task(row: Any, split: Split) -> tuple[Task | None, list[str]]:
         answer = ""
     elif isinstance(answer, bool) or not isinstance(answer, str | int | float):
         problems.append(f"field 'answer': must be a string or a number, got {type(answer).__name__}")
+    elif isinstance(answer, float) and not math.isfinite(answer):
+        problems.append(f"field 'answer': must be a finite number, got {answer!r}")
     info = row.get("info")
     if info is None:
         info = {}

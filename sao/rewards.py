@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RewardError", "RewardImportError", "RewardSet", "exact_match", "final_answer", "import_path", "math_verify",
+__all__ = ["ANSWER_REWARDS", "RewardError", "RewardImportError", "RewardSet", "exact_match", "final_answer", "import_path", "math_verify",
            "resolve_function", "resolve_reward"]
 
 _SPEC = re.compile(r"^([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*):([A-Za-z_]\w*)$")
@@ -162,27 +162,47 @@ def final_answer(completion: str) -> str:
     tagged = re.findall(r"<answer>(.*?)</answer>", completion, flags=re.S)
     if tagged:
         return tagged[-1].strip()
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", completion)
-    if boxed:
-        return boxed[-1].strip()
+    for start in reversed([m.end() for m in re.finditer(r"\\boxed\{", completion)]):
+        depth = 0  # braces balanced: \boxed{\frac{1}{2}} is \frac{1}{2}; an unclosed one is passed over
+        for end in range(start, len(completion)):
+            depth += {"{": 1, "}": -1}.get(completion[end], 0)
+            if depth < 0:
+                return completion[start:end].strip()
     return completion.strip()
+
+
+ANSWER_REWARDS = frozenset({"sao.rewards:exact_match", "sao.rewards:math_verify"})
+"""The built-in reward functions that compare with the task's reference ``answer``: a run using them
+refuses tasks without one at start (:func:`sao.runs.prepare_inputs`)."""
+
+
+def _reference(answer: Any, reward: str) -> str:
+    text = str(answer).strip()
+    if not text:
+        raise RewardError(f"{reward}: the task has no reference answer (the task data's 'answer' column) to "
+                          "compare with")
+    return text
 
 
 def exact_match(completion: str, answer: str, **kwargs: Any) -> float:
     """1.0 when the completion's final answer (:func:`final_answer`) equals ``answer`` after stripping
-    whitespace, else 0.0."""
-    return 1.0 if final_answer(completion) == str(answer).strip() else 0.0
+    whitespace, else 0.0. A task without an answer is a :class:`RewardError`, not a 0."""
+    return 1.0 if final_answer(completion) == _reference(answer, "exact_match") else 0.0
 
 
 def math_verify(completion: str, answer: str, **kwargs: Any) -> float:
     """1.0 when the completion's final answer is mathematically equal to ``answer`` by
     `math-verify <https://github.com/huggingface/Math-Verify>`_ (numbers, fractions, LaTeX
-    expressions, sets, ...), else 0.0."""
+    expressions, sets, ...), else 0.0. A reference answer that is missing or that math-verify cannot
+    parse is a :class:`RewardError`, not a 0 for every reply."""
     from math_verify import parse, verify
 
-    gold = parse(str(answer), parsing_timeout=None)
+    reference = _reference(answer, "math_verify")
+    gold = parse(reference, parsing_timeout=None)
+    if not gold:
+        raise RewardError(f"math_verify: cannot parse the task's reference answer {reference!r}")
     given = parse(final_answer(completion), parsing_timeout=None)
-    if not gold or not given:
+    if not given:
         return 0.0
     return 1.0 if verify(gold, given, timeout_seconds=None) else 0.0
 

@@ -125,8 +125,7 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
     if config.model.path is not None:
         from sao.models.policy import check_model_directory
 
-        check_model_directory(config.model.path,
-                              need_tools=config.data.train is None or config.env.max_tool_calls > 0)
+        check_model_directory(config.model.path, need_tools=needs_tool_tokens(config))
     if config.sft.data is not None:
         from sao.data import load_demonstrations
 
@@ -135,12 +134,38 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
         return ()
     paths = import_paths(config)
     tasks = user_tasks(config)
+    _check_answers(config, tasks)
     try:
         ensure_tasks(tasks_path(config), tasks)
     except ValueError as error:
         raise DataError(f"{error} (the run's tasks were copied there when it started: resume with the same "
                         "data, or start a new run)") from None
     return paths
+
+
+def _check_answers(config: RunConfig, tasks: list[Task]) -> None:
+    """A built-in reward that compares with the task's answer needs every task to have one: a task file
+    whose answers sit under another column name would otherwise score every reply the same."""
+    from sao.data import DataError
+    from sao.rewards import ANSWER_REWARDS
+
+    comparing = sorted(set(config.reward.functions) & ANSWER_REWARDS)
+    missing = [task.task_id for task in tasks if not task.answer.strip()]
+    if comparing and missing and config.env.verifiers is None and not config.env.agent:  # an agent may score
+        raise DataError(f"{len(missing)} of {len(tasks)} tasks have no reference answer (e.g. task "
+                        f"{missing[0]!r}), which reward.functions {comparing} compare with: give each row an "
+                        "'answer' (the column is named 'answer'; other columns are not read), or score with a "
+                        "reward function of your own")
+
+
+def needs_tool_tokens(config: RunConfig) -> bool:
+    """Whether the policy's tokenizer needs this project's tool-call tokens: the built-in tool loop runs
+    (the built-in math_tool task, or tasks of one's own with ``env.max_tool_calls`` > 0). An agent of
+    one's own or a verifiers environment calls tools through the chat endpoint and the model's own
+    chat template instead."""
+    if config.env.agent or config.env.verifiers is not None:
+        return False
+    return config.data.train is None or config.env.max_tool_calls > 0
 
 
 def replica_python(config: RunConfig) -> str | None:

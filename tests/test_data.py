@@ -74,18 +74,20 @@ def test_every_bad_row_is_reported_with_file_row_and_field(tmp_path):
         {"prompt": "ok", "answer": {"a": 1}},                          # 6: answer not text
         ROWS[0],                                                       # 7: same row again: same hashed id
         {"prompt": "", "task_id": 3},                                  # 8: two problems
+        '{"prompt": "ok", "answer": NaN}',                             # 9: Python's json reads NaN
     ])
     with pytest.raises(DataError) as error:
         load_tasks(path)
     text = str(error.value)
-    assert text.startswith("8 problem(s) in the task data:")
+    assert text.startswith("9 problem(s) in the task data:")
     for expected in (f"{path}: row 2: field 'prompt': missing", f"{path}: row 3: not JSON",
                      f"{path}: row 4: field 'info': must be an object, got list",
                      f"{path}: row 5: field 'prompt[0].role': must be one of",
                      f"{path}: row 6: field 'answer': must be a string or a number, got dict",
                      f"{path}: row 7: field 'task_id':", "repeats row 1",
                      f"{path}: row 8: field 'prompt': must be a non-empty string",
-                     f"{path}: row 8: field 'task_id': must be a non-empty string, got 3"):
+                     f"{path}: row 8: field 'task_id': must be a non-empty string, got 3",
+                     f"{path}: row 9: field 'answer': must be a finite number, got nan"):
         assert expected in text, expected
 
 

@@ -95,6 +95,8 @@ def test_weights_must_match_the_functions():
 @pytest.mark.parametrize(("completion", "expected"), [
     ("<answer> 42 </answer>", "42"), ("x <answer>1</answer> y <answer>2</answer>", "2"),
     ("so \\boxed{7}", "7"), ("  plain  ", "plain"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"), ("\\boxed{1} then \\boxed{\\sqrt{4}}", "\\sqrt{4}"),
+    ("\\boxed{3} and \\boxed{unclosed", "3"),
 ])
 def test_final_answer(completion, expected):
     assert final_answer(completion) == expected
@@ -107,3 +109,17 @@ def test_the_built_in_rewards():
     assert math_verify(completion="\\boxed{\\frac{1}{2}}", answer="0.5") == 1.0
     assert math_verify(completion="<answer>41</answer>", answer="42") == 0.0
     assert math_verify(completion="no number here", answer="42") == 0.0
+
+
+@pytest.mark.parametrize("reward", [exact_match, math_verify])
+def test_a_built_in_reward_without_a_reference_answer_is_an_error_not_a_zero(reward):
+    # A task file whose answers sit under another column loads with empty answers: before, every reply
+    # scored 0 (and exact_match scored an empty answer 1).
+    for empty in ("", "  "):
+        with pytest.raises(RewardError, match="the task has no reference answer"):
+            reward(completion="<answer></answer>", answer=empty)
+
+
+def test_math_verify_refuses_a_reference_answer_it_cannot_parse():
+    with pytest.raises(RewardError, match="cannot parse the task's reference answer 'forty-two'"):
+        math_verify(completion="<answer>42</answer>", answer="forty-two")

@@ -118,3 +118,42 @@ def test_the_evaluation_keeps_each_tasks_reward_in_task_order(tmp_path, monkeypa
     first = runs.evaluate(settings, 0)
     assert first.rewards == (1.0, 0.0, 0.0)
     assert runs.evaluate(settings, 0) == first  # from the kept file
+
+
+def test_tasks_without_a_reference_answer_are_refused_when_a_built_in_reward_compares_with_one(tmp_path):
+    import json
+
+    import pytest
+
+    from sao.config import resolve
+    from sao.data import DataError
+
+    # The answers under another column name: the file loads (other columns are not read), so every
+    # task's answer is empty and the built-in reward would score every reply the same.
+    rows = [{"prompt": f"{i} + 1?", "solution": str(i + 1)} for i in range(5)]
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config, _ = resolve(None, [f"workdir={tmp_path / 'runs'}", f"data.train={data}", "env.max_tool_calls=0"])
+    with pytest.raises(DataError, match=r"tasks have no reference answer .*\['sao.rewards:exact_match'\]"):
+        runs.prepare_inputs(config)
+    mine = tmp_path / "scores.py"
+    mine.write_text("def length(completion, **kwargs):\n    return float(len(completion))\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:  # a reward function of one's own may need no answer
+        runs.prepare_inputs(config.with_values({"reward.functions": ["scores:length"]}))
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("scores", None)
+
+
+def test_only_the_built_in_tool_loop_needs_the_projects_tool_tokens(tmp_path):
+    # An agent of one's own or a verifiers environment calls tools through the chat endpoint with the
+    # model's own template: a model without this project's tool tokens was refused for them before.
+    base = RunConfig(run_id="r", workdir=str(tmp_path))
+    own = base.with_values({"data.train": "tasks.jsonl"})
+    assert runs.needs_tool_tokens(base)  # the built-in math_tool task calls the Python tool
+    assert runs.needs_tool_tokens(own) and not runs.needs_tool_tokens(own.with_values({"env.max_tool_calls": 0}))
+    assert not runs.needs_tool_tokens(own.with_values({"env.agent": "my_agent:run"}))
+    assert not runs.needs_tool_tokens(base.with_values({"env.verifiers": {"id": "some-env"}}))

@@ -318,7 +318,7 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False) -> PreT
         raise ModelDirectoryError(
             f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
             "(<tool_call>, <answer>, ...), so actions cannot call the Python tool: set env.max_tool_calls: 0 "
-            "(single-turn) and give the tasks in data.train")
+            "(single-turn) and give the tasks in data.train, or call tools from an agent of your own (env.agent)")
     return tokenizer
 
 

@@ -229,7 +229,11 @@ class AgentLoop:
         """Generate until a stop id, the budget, cancellation or the deadline (then cancel and keep
         what was sampled). Returns (generation, timed_out)."""
         task = asyncio.ensure_future(self.engine.generate(ids, sampling, request_id))
-        done, _ = await asyncio.wait({task}, timeout=max(deadline - time.monotonic(), 0.0))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=max(deadline - time.monotonic(), 0.0))
+        except asyncio.CancelledError:  # the rollout was cancelled: the engine stops decoding it too
+            self.engine.cancel(request_id)
+            raise
         if done:
             return task.result(), False
         self.engine.cancel(request_id)

@@ -9,7 +9,8 @@ segments, masks and versions exactly as the built-in loop writes them.
 
 The server listens on 127.0.0.1 only, on a port the OS picks, inside the rollout replica's process
 and event loop. Each episode has its own random token; a call with an unknown token, or the token of an
-episode that has ended, is refused (401), and so is a call after the episode's budget is spent.
+episode that has ended, is refused (401); a call once the episode's budget is spent is answered 400
+(``budget_exhausted``), and the episode ends.
 
 **Token faithfulness.** The policy's sampled ids are never re-tokenised. An episode's record is the
 prompt ids of its first call, then, call after call, the ids the engine sampled (actions: mask 1, the
@@ -26,13 +27,18 @@ of the new request. The parts share ``episode_id`` (:mod:`schemas.trajectories`,
 split is counted; a mask is never silently misaligned. Concurrent calls of one episode are served one
 after the other (a second call that does not extend the first one's reply is a split).
 
-**Requests.** ``messages`` (roles system, user, assistant, tool), ``tools`` and ``tool_choice``
-(passed to the chat template), ``max_tokens`` / ``max_completion_tokens`` (capped by what is left of
+**Requests.** ``messages`` (roles system, user, assistant, tool), ``tools`` (passed to the chat
+template), ``tool_choice`` ``auto`` (the policy decides; another choice is refused), ``max_tokens`` / ``max_completion_tokens`` (capped by what is left of
 the trajectory's budget), ``temperature`` and ``top_p`` (the run samples at its own settings, which
 every trajectory records: another value is refused), ``stop`` (strings that are single tokens of the
-policy's tokenizer), ``logprobs`` (the sampled token's; ``top_logprobs`` is refused), ``seed``, ``n``
-= 1, no streaming. A malformed request is answered 400 with the reason and changes nothing: the
-episode goes on.
+policy's tokenizer), ``logprobs`` (the sampled token's; ``top_logprobs`` is refused), ``seed`` (that
+call's sampling seed; without one, a call's seed derives from the rollout's, which the trajectory
+records), ``n``
+= 1, no streaming. Sampling controls the engine does not apply (``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``response_format`` other than text, ``min_p``,
+``repetition_penalty``) are refused unless at their neutral value, and ``top_k`` unless it is the run's; other fields (``model``, ``user``,
+``metadata``, ...) are not used. A malformed request is answered 400 with the reason and changes
+nothing: the episode goes on.
 
 **Replies.** A standard ``chat.completion``: the assistant's text, and with the built-in chat format
 (:mod:`sao.models.chat`), a tool call ``<tool_call>code</tool_call>`` as a ``python`` function call
@@ -133,10 +139,20 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
             "function": {"name": function["name"], "arguments": dict(arguments)}}
 
 
+# Sampling controls of the OpenAI API (and of vLLM's) that the engine does not apply, with the values that
+# ask for nothing: a request with another value is refused rather than sampled differently than it asked.
+_NOT_APPLIED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}), "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+}
+
+
 def normalise_messages(messages: Any) -> list[Message]:
-    """The request's messages as the chat template takes them (text content, tool-call arguments as
-    objects), fields the template does not use kept. Raises :class:`EndpointError` (400) naming the
-    message and field that is wrong."""
+    """The request's messages as the chat template takes them: ``role``, ``content`` as text, an
+    assistant's ``tool_calls`` (arguments as objects), a tool message's ``tool_call_id`` and ``name``;
+    a message's other fields are not passed on. Raises :class:`EndpointError` (400) naming the message
+    and field that is wrong."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages: expected a non-empty list of chat messages")
     out: list[Message] = []
@@ -182,7 +198,8 @@ class Episode:
         token: the bearer token its calls must carry.
         deadline: ``time.monotonic()`` time at which the episode times out.
         config: the trajectory budgets (``max_tokens`` per part, ``max_turns`` per episode) and sampling.
-        seed: the rollout's sampling seed (each call gets its own, derived from it), or None.
+        seed: the rollout's sampling seed (each call without a seed of its own gets one derived from
+            it), or None.
     """
 
     def __init__(self, endpoint: ChatEndpoint, episode_id: str, token: str, deadline: float,
@@ -274,7 +291,11 @@ class Episode:
         request_id = f"{self.episode_id}-{self.turns}"
         began = time.monotonic()
         future = asyncio.ensure_future(endpoint.engine.generate(ids, sampling, request_id))
-        done, _ = await asyncio.wait({future}, timeout=max(self.deadline - time.monotonic(), 0.0))
+        try:
+            done, _ = await asyncio.wait({future}, timeout=max(self.deadline - time.monotonic(), 0.0))
+        except asyncio.CancelledError:  # the episode was cancelled: the engine stops decoding it too
+            endpoint.engine.cancel(request_id)
+            raise
         if not done:
             endpoint.engine.cancel(request_id)
         generation = await future
@@ -353,8 +374,9 @@ class ChatEndpoint:
         return episode
 
     def finish(self, episode: Episode) -> None:
-        """Close ``episode``: its token is refused from now on."""
-        self.episodes.pop(episode.token, None)
+        """Close ``episode``: its token is refused from now on (a second call changes nothing)."""
+        if self.episodes.pop(episode.token, None) is None:
+            return
         self.splits += episode.splits
         self._finished[episode.token] = episode.episode_id
         while len(self._finished) > _FINISHED_KEPT:
@@ -426,6 +448,12 @@ class ChatEndpoint:
             raise _bad(f"n: one choice per call, got {body.get('n')!r}")
         if body.get("top_logprobs"):
             raise _bad("top_logprobs: only the sampled token's log-probability is recorded; leave it unset")
+        if body.get("tool_choice") not in (None, "auto"):
+            raise _bad(f"tool_choice: the policy decides whether to call a tool ('auto'); got {body['tool_choice']!r}")
+        for name, neutral in _NOT_APPLIED.items():
+            if body.get(name) not in neutral:
+                raise _bad(f"{name}: the engine samples at the run's settings only (recorded with every trajectory); "
+                           f"got {body[name]!r}: leave it unset")
         for name in ("temperature", "top_p"):
             value = body.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
@@ -433,6 +461,11 @@ class ChatEndpoint:
             if value is not None and abs(float(value) - float(getattr(config, name))) > 1e-9:
                 raise _bad(f"{name}: the run samples at rollout.{name} {getattr(config, name):g} (recorded with "
                            f"every trajectory); got {value!r}: leave it unset")
+        top_k = body.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                                  or max(top_k, 0) != config.top_k):  # -1 and 0: off, as rollout.top_k 0
+            raise _bad(f"top_k: the run samples at rollout.top_k {config.top_k} (recorded with every trajectory); "
+                       f"got {top_k!r}: leave it unset")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise _bad(f"max_tokens: expected a positive integer, got {max_tokens!r}")

@@ -84,7 +84,9 @@ class IssueSink(Protocol):
 @dataclasses.dataclass(frozen=True)
 class DriverConfig:
     """Attributes:
-        max_in_flight: trajectories generated at once (across replicas).
+        max_in_flight: trajectories the driver runs at once (across replicas). A rollout it cancelled
+            may go on on its replica while other rollouts of the same request run
+            (:class:`sao.rollout.serve.RolloutBatcher`).
         batch_size: trajectories the trainer consumes per version (for the staleness gate).
         max_staleness: versions a trajectory may lag when consumed; None turns the gate off.
         seed: base of the per-trajectory sampling seeds.

@@ -87,7 +87,8 @@ class RolloutConfig:
             then run only on nodes started with that resource (``ray start --resources``), which is how
             rollouts and the trainer are kept on different nodes. Empty: any node with the CPUs.
         torch_threads: intra-op threads of each replica's engine (unless ``engine.threads`` sets them).
-        max_ongoing_requests: rollouts one replica accepts at once (decoded together).
+        max_ongoing_requests: requests one replica accepts at once (Serve counts requests; a driver's
+            :class:`RolloutBatcher` sends several rollouts in one, at most ``max_in_flight`` in all).
         engine: the engine and its settings: :class:`~sao.rollout.torch_engine.TorchEngineConfig` (the
             torch engine) or :class:`~sao.rollout.vllm_engine.VLLMEngineConfig` (vLLM; its
             ``logprob_kind`` must be the agent's).
@@ -337,9 +338,9 @@ class RolloutBatcher:
 
     A rollout whose replica fails (the request's stream raises) gets that exception, as from a handle;
     so does every other rollout of the same request still running. Cancelling a rollout's awaitable
-    cancels the request once every rollout of it is cancelled (a driver cancels all it runs at once);
-    until then the others go on and the cancelled one's records are dropped, as a cancelled
-    ``DeploymentResponse``'s are.
+    cancels the request once every other rollout of it has finished or is cancelled too (a driver
+    cancels all it runs at once); until then the request, the cancelled rollout included, goes on on its
+    replica, and the cancelled one's records are dropped, as a cancelled ``DeploymentResponse``'s are.
     """
 
     def __init__(self, handle, replicas: int) -> None:
@@ -372,8 +373,8 @@ class RolloutBatcher:
         futures = [future for _, future in chunk]
         stream = self._stream.rollout_stream.remote([request for request, _ in chunk], min_version=min_version)
 
-        def on_done(_: asyncio.Future) -> None:
-            if all(future.cancelled() for future in futures):
+        def on_done(_: asyncio.Future) -> None:  # nothing left to wait for, and something cancelled: stop it
+            if all(future.done() for future in futures) and any(future.cancelled() for future in futures):
                 stream.cancel()
 
         for future in futures:

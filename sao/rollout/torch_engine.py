@@ -162,7 +162,7 @@ class EngineStats:
         prefilled_requests: requests those passes admitted.
         reorders: times the running requests were regrouped by length (``TorchEngineConfig.reorder_slack``).
         busy_s: seconds the engine thread spent working (weights, prefills, sampling, decode steps).
-        idle_s: seconds it waited for work (no requests, paused, or holding joins back for a group).
+        idle_s: seconds it waited for work (no requests, or paused).
     """
 
     decode_steps: int = 0

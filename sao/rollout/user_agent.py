@@ -215,8 +215,7 @@ class UserAgentRunner:
             episode.end(ended.reason)
         except asyncio.CancelledError:
             episode.end(TerminationReason.CANCELLED)
-            self.endpoint.finish(episode)
-            raise
+            raise  # the finally below closes the episode
         except Exception as failure:  # the agent's own code: stored, never raised
             log.info("the agent of episode %s on task %s failed: %s", episode_id, task.task_id, failure)
             episode.end(TerminationReason.ERROR, f"{type(failure).__name__}: {failure}")
@@ -228,7 +227,7 @@ class UserAgentRunner:
                 reward = await self._score(env, task, row, episode, info)
         if episode.ended is not TerminationReason.STOP:
             reward = 0.0
-        return self._records(episode, task, run_id, created, float(reward or 0.0), info)
+        return self._records(episode, task, row["messages"], run_id, created, float(reward or 0.0), info)
 
     async def _score(self, env: Environment, task: Task, row: dict[str, Any], episode: Episode,
                      info: str | None) -> float:
@@ -246,11 +245,13 @@ class UserAgentRunner:
             episode.ended, episode.error = TerminationReason.ERROR, str(error)
             return 0.0
 
-    def _records(self, episode: Episode, task: Task, run_id: str, created, reward: float,
-                 info: str | None) -> list[TrajectoryRecord]:
+    def _records(self, episode: Episode, task: Task, messages: list[dict[str, Any]], run_id: str, created,
+                 reward: float, info: str | None) -> list[TrajectoryRecord]:
+        """The episode's trajectories; ``messages``: the prompt the agent was given (the system prompt
+        included), the record's prompt when the agent never called."""
         cfg = self.config
         parts = episode.parts or [EpisodePart(prompt=self.endpoint.encode(
-            self.endpoint.render(task_messages(task), None)))]  # the agent never called: no tokens sampled
+            self.endpoint.render(messages, None)))]  # the agent never called: no tokens sampled
         finished, ended = utc_now(), time.monotonic()
         sampling = RecordedSampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None,
                                     max_tokens=cfg.max_tokens, seed=episode.seed)

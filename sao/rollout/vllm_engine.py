@@ -661,6 +661,7 @@ class VLLMEngine(FutureEngine):
                     self.config.update_timeout_s,
                 )
                 await self._llm.update_weight_version(str(version))
+                self._version = version  # before the scheduler resumes: a token arriving after it is the new one's
             except BaseException as exc:
                 self._fail(f"the reload of version {version} failed ({type(exc).__name__}: {exc}); the weights "
                            "may be partly updated: restart the engine")
@@ -673,7 +674,6 @@ class VLLMEngine(FutureEngine):
                 if not self._user_paused:
                     await self._llm.resume_generation()
                 self._reload_s += time.perf_counter() - paused
-            self._version = version
             self.weight_updates_applied += 1
             previous, self._staged = self._staged, path
             if previous is not None:

@@ -132,6 +132,26 @@ def test_engine_cancellation_ends_with_cancelled(engine, tokenizer):
     check_record(record, tokenizer)
 
 
+def test_a_cancelled_rollout_stops_its_request_in_the_engine(engine, tokenizer):
+    # A rollout cancelled from outside (the driver: stale, or a Ctrl-C) must not leave the engine
+    # decoding its request to the token budget for nobody.
+    loop = AgentLoop(engine, tokenizer, lambda task: ScriptedEnv(), AgentConfig())
+
+    async def cancel_the_rollout():
+        engine.pause()  # its request waits in the engine, as one being decoded would
+        job = asyncio.ensure_future(loop.run(TASKS[5], run_id="r1", trajectory_id="tr"))
+        while engine.in_flight == 0:
+            await asyncio.sleep(0.001)
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        left = engine.in_flight
+        engine.resume()
+        return left
+
+    assert asyncio.run(cancel_the_rollout()) == 0
+
+
 class BrokenEnv(ScriptedEnv):
     def step(self, action_text):
         raise RuntimeError("the environment broke")

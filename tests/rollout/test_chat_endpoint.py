@@ -125,6 +125,31 @@ def test_an_agent_that_rewrites_its_history_splits_the_episode(engine, tokenizer
         assert validate_record(record, newest_version=0) == []
 
 
+def test_a_split_episode_is_counted_once_even_when_cancelled(engine, tokenizer):
+    # A cancelled episode was finished twice (in its CancelledError handler and in its finally), so its
+    # splits were counted twice in the replica's health()['episode_splits'].
+    async def go():
+        endpoint = ChatEndpoint(engine, tokenizer)
+        runner = UserAgentRunner(endpoint, AgentConfig(max_tokens=200, max_turns=4), "w0")
+        started = asyncio.Event()
+
+        async def splits_then_waits(client, task):
+            await rewriting_agent(client, task)
+            started.set()
+            await asyncio.sleep(60)
+
+        job = asyncio.ensure_future(runner.run(splits_then_waits, DatasetEnv(DatasetEnvConfig()), TASK, "r1", "ep1", 3))
+        await started.wait()
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        await runner.close()
+        await endpoint.close()
+        return endpoint.splits
+
+    assert asyncio.run(go()) == 1
+
+
 def test_budgets_end_the_episode_with_their_reason(engine, tokenizer):
     records, _ = episode(engine, tokenizer, three_call_agent, AgentConfig(max_tokens=200, max_turns=2))
     assert records[0].termination_reason == "turns" and records[0].reward == 0.0 and records[0].num_turns == 2
@@ -182,10 +207,21 @@ def test_refused_calls_leave_the_episode_going(engine, tokenizer):
             await client.chat.completions.create(model="policy", messages=[{"role": "robot", "content": "x"}])
         with pytest.raises(openai.BadRequestError, match="one token"):
             await client.chat.completions.create(model="policy", messages=messages, stop=["never ever"])
+        # What the engine would not apply is refused, not ignored: the reply would not be what was asked.
+        with pytest.raises(openai.BadRequestError, match="presence_penalty: the engine samples at the run's"):
+            await client.chat.completions.create(model="policy", messages=messages, presence_penalty=0.5)
+        with pytest.raises(openai.BadRequestError, match="response_format"):
+            await client.chat.completions.create(model="policy", messages=messages,
+                                                 response_format={"type": "json_object"})
+        with pytest.raises(openai.BadRequestError, match="tool_choice: the policy decides"):
+            await client.chat.completions.create(model="policy", messages=messages, tool_choice="required")
+        with pytest.raises(openai.BadRequestError, match="rollout.top_k 0"):
+            await client.chat.completions.create(model="policy", messages=messages, extra_body={"top_k": 5})
         over_socket = openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
         assert [m.id for m in (await over_socket.models.list()).data] == ["policy"]
         reply = await over_socket.chat.completions.create(model="policy", messages=messages, max_tokens=5,
-                                                          logprobs=True)
+                                                          logprobs=True, presence_penalty=0, tool_choice="auto",
+                                                          extra_body={"top_k": -1})  # neutral: accepted
         seen["logprobs"] = [c.logprob for c in reply.choices[0].logprobs.content]
         seen["client"] = client
         return 1.0

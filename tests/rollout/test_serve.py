@@ -286,6 +286,23 @@ def test_a_request_is_cancelled_once_every_rollout_of_it_is_and_a_request_that_e
     asyncio.run(scenario())
 
 
+def test_a_request_whose_other_rollouts_finished_is_cancelled_when_its_last_one_is():
+    # A Ctrl-C (or a stale cancel) after part of a request has finished: the rest must stop on the
+    # replica too. Before, only a request whose every rollout was cancelled was.
+    async def scenario():
+        handle, futures = _batch([None] * 4)
+        await asyncio.sleep(0.01)
+        first, _ = handle.streams  # t0, t2
+        first.items.put_nowait([(0, ["t0"], None)])
+        await asyncio.sleep(0.01)
+        assert futures[0].result() == ["t0"] and not first.cancelled
+        futures[2].cancel()
+        await asyncio.sleep(0.01)
+        assert first.cancelled
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_streams_each_rollout_as_it_finishes_and_sends_failures_as_values():
     import types
 
