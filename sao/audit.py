@@ -82,8 +82,10 @@ __all__ = [
     "stale_backlog",
 ]
 
-_APPEND_OPERATIONS = frozenset({"CREATE TABLE", "WRITE", "OPTIMIZE", "ADD COLUMN", "SET TBLPROPERTIES"})
-"""Delta operations that never remove a trajectory: anything else in the log is reported."""
+_APPEND_OPERATIONS = frozenset({"CREATE TABLE", "WRITE", "OPTIMIZE", "ADD COLUMN", "SET TBLPROPERTIES",
+                                "VACUUM START", "VACUUM END"})
+"""Delta operations that never remove a trajectory (a vacuum deletes files no snapshot still needs,
+never a row of one): anything else in the log is reported."""
 
 _EXAMPLES = 5
 
@@ -274,9 +276,11 @@ def check_run(
     parts_of = dict(zip(stored.filter(later_parts)["trajectory_id"].to_pylist(),
                         stored.filter(later_parts)["episode_id"].to_pylist(), strict=True))
     findings += _account_issued(issued["trajectory_id"].to_pylist(), episodes, bad, set(abandoned), notes)
-    orphans = sorted(tid for tid, episode in parts_of.items() if episode not in episodes)
-    findings.append(_finding(FindingKind.NOT_ISSUED, orphans,
-                             "a later part of a split episode whose first part is not stored"))
+    issued_ids = set(issued["trajectory_id"].to_pylist())
+    if issued_ids:  # a later part is issued under its episode's id, as its first part is
+        orphans = sorted(tid for tid, episode in parts_of.items() if episode not in issued_ids | episodes)
+        findings.append(_finding(FindingKind.NOT_ISSUED, orphans,
+                                 "a later part of a split episode whose episode was never issued"))
     stored_limit, passed_over = _stored_settings(versions, notes)
     limit = max_staleness if max_staleness is not None else stored_limit
     by_reason = Counter(stored["termination_reason"].to_pylist())
@@ -419,10 +423,10 @@ def _check_consumption(stored: pa.Table, steps: pa.Table, limit: int | None, *,
     befores = [before for before, _ in steps_by_version]
     latest_taken = list(itertools.accumulate((seq for _, seq in steps_by_version), max))
     skipped = []
-    for trajectory_id, (oldest, seq) in rows.items() if skips else ():
+    for trajectory_id, (oldest, seq) in rows.items() if skips and limit is not None else ():  # unknown bound: unchecked
         if trajectory_id in taken or oldest is None or trajectory_id in never_eligible:
             continue
-        index = len(befores) if limit is None else bisect.bisect_right(befores, oldest + limit)
+        index = bisect.bisect_right(befores, oldest + limit)
         if index and latest_taken[index - 1] > seq:
             skipped.append(trajectory_id)
     bound = "unknown" if limit is None else str(limit)
@@ -448,7 +452,7 @@ def _stored_settings(versions: pa.Table, notes: list[str]) -> tuple[int | None, 
         if found is not None:
             return found.max_staleness, found.update.skip_reasons
     notes.append("no run configuration beside the run's checkpoints and no --max-staleness: "
-                 "staleness of consumed rows and the stale backlog are not checked")  # fmt: skip
+                 "staleness of consumed rows, skipped rows and the stale backlog are not checked")  # fmt: skip
     return None, ()
 
 

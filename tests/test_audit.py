@@ -212,6 +212,32 @@ def test_a_skipped_eligible_trajectory_is_found(clean):
     assert finding.kind is FindingKind.SKIPPED and finding.examples == (clean.ids[4],)
 
 
+def test_without_a_staleness_bound_skips_are_not_judged(clean, tmp_path):
+    # No run configuration and no --max-staleness: every row would count as eligible at every step,
+    # so rows a trainer rightly passed over (stale, cut short) would be reported as skipped.
+    run_config_path(tmp_path / "ckpt").unlink()
+    step(clean.lake, 2, 2, clean.ids[5:7])  # with the bound 1 (above), ids[4] is a skip
+    report = check_run(clean.lake, RUN, verify_checkpoints=False)
+    assert report.ok, report.lines()
+    assert any("skipped rows and the stale backlog are not checked" in note for note in report.notes)
+    assert check_run(clean.lake, RUN, max_staleness=1, verify_checkpoints=False).kinds() == {FindingKind.SKIPPED}
+
+
+def test_a_vacuum_is_not_a_deletion(clean):
+    from sao.lake.maintenance import compact, vacuum
+
+    for seed in (11, 12):  # two small files no recorded step read, which compaction then replaces
+        more = make_trajectories(2, seed=seed, run_id=RUN, num_tokens=20, policy_versions=(2,))
+        issue(clean.lake, [r.trajectory_id for r in more])
+        with TrajectoryWriter(clean.lake, MANUAL) as writer:
+            writer.add_many(more)
+    compact(clean.lake, ["trajectories"])
+    assert vacuum(clean.lake, ["trajectories"], retention_hours=0, force=True)[0].removed  # logs VACUUM START / END
+    assert {e["operation"] for e in clean.lake.table("trajectories").history()} >= {"VACUUM START", "VACUUM END"}
+    report = check_run(clean.lake, RUN, verify_checkpoints=False)
+    assert report.ok, report.lines()
+
+
 @pytest.mark.parametrize("passed_over", [True, False])
 def test_an_end_the_run_passes_over_is_never_eligible_so_never_skipped(clean, tmp_path, policy_dir, passed_over):
     """A stored ``error`` end between consumed rows: with the run's default ``skip_reasons`` the trainer
@@ -335,4 +361,4 @@ def test_the_parts_of_a_split_episode_are_accounted_for_under_its_issued_id(tmp_
         writer.add_many([lost])
     report = check_run(lake, RUN, max_staleness=1, verify_checkpoints=False)
     assert [f.kind for f in report.findings] == [FindingKind.NOT_ISSUED]
-    assert "gone.1" in str(report.findings[0]) and "first part is not stored" in str(report.findings[0])
+    assert "gone.1" in str(report.findings[0]) and "episode was never issued" in str(report.findings[0])

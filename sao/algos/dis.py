@@ -105,5 +105,7 @@ def dis_weights(
         action, logp_current.detach().double() - logp_rollout.detach().double(), zero.double()
     )
     keep_mask = action & (log_rho64 > log_low) & (log_rho64 < log_high)
-    weights = torch.where(keep_mask, torch.exp(log_rho), zero)
+    # exp of the kept tokens' log-ratios only: a dropped token's may overflow, and where() passes a
+    # gradient of 0 * inf = NaN through the branch it did not take (the ratio form differentiates it).
+    weights = torch.where(keep_mask, torch.exp(torch.where(keep_mask, log_rho, zero)), zero)
     return weights, keep_mask

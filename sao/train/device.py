@@ -4,8 +4,9 @@ and ``train.bf16``.
 Settings (:data:`DeviceSetting`):
 
 - ``cpu``: every trainer worker on CPU: Ray Train workers without a GPU, a gloo process group.
-- ``cuda``: one GPU per Ray Train worker (``ScalingConfig(use_gpu=True)``), an NCCL process group; each
-  worker trains on the GPU Ray Train gives it (``ray.train.torch.get_device()``).
+- ``cuda``: ``train.gpus_per_worker`` GPUs per Ray Train worker (``ScalingConfig(use_gpu=True)``; a
+  fraction shares one), an NCCL process group; each worker trains on the GPU Ray Train gives it
+  (``ray.train.torch.get_device()``).
 - ``auto`` (the default): ``cuda`` when the Ray cluster has a GPU (``ray.cluster_resources()["GPU"] > 0``)
   at the moment the trainer starts, else ``cpu``. Without a Ray instance (the in-process trainer called
   outside a pipeline, as the tests do) Ray sees no GPU, and ``auto`` is ``cpu``; ``cuda`` there means
@@ -13,8 +14,8 @@ Settings (:data:`DeviceSetting`):
 
 The driver resolves the setting once, before any worker is launched (:func:`use_gpu`). GPUs that are
 not there are a :class:`DeviceUnavailableError` then, naming ``train.device`` and what was found:
-``cuda`` where the Ray cluster has no GPU, and on GPUs fewer than one per worker (``train.workers``),
-which Ray Train would otherwise wait for forever. The count is the cluster's total: GPUs that rollout
+``cuda`` where the Ray cluster has no GPU, and on GPUs fewer than ``train.workers`` x
+``train.gpus_per_worker``, which Ray Train would otherwise wait for forever. The count is the cluster's total: GPUs that rollout
 replicas hold are counted too, and a trainer worker then waits until one is free. A worker that was
 given a GPU but whose torch sees no CUDA device (a CPU build of torch on a GPU node) fails the same way
 as it starts (:func:`worker_device`).

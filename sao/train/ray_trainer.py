@@ -3,8 +3,8 @@
 Every worker reads its shard of each step's trajectories from the pinned Delta snapshot; gradients are
 summed across workers over the gloo (CPU) or NCCL (GPU) process group that TorchTrainer sets up. Where
 the workers train is decided once, on the driver, before they are launched (``train.device``,
-:func:`sao.train.device.use_gpu`): on GPUs each worker asks Ray for one (``ScalingConfig(use_gpu=True)``,
-``GPU: 1`` per worker) and trains on the one Ray Train assigns it. Rank 0
+:func:`sao.train.device.use_gpu`): on GPUs each worker asks Ray for ``train.gpus_per_worker``
+(``ScalingConfig(use_gpu=True)``; a fraction shares one) and trains on the one Ray Train assigns it. Rank 0
 commits the step to the lake and publishes the weights. Committed steps are also reported to Ray Train
 (``ray.train.report``, at most every ``TrainConfig.report_interval_s``: a report can block the step
 until Ray Train's controller polls) so the Ray dashboard shows progress; the lake has every step.

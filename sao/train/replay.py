@@ -17,8 +17,9 @@
    loop runs, continuing in memory from step to step as the trainer did;
 5. compares the SHA-256 of the resulting policy weights with the ``policy_versions.weights_hash`` the
    step recorded, and every recorded metric with the recomputed one (exactly, by default), except
-   wall-clock timings (``time/...``) and ``batch/stale_skipped`` (a fact about the reader at the
-   time, not about the update). The weights of the loaded start version are checked against its
+   wall-clock timings (``time/...``) and what the reader passed over (``batch/stale_skipped``,
+   ``batch/no_action_skipped``, ``batch/cut_short_skipped``: facts about the reader at the time, not
+   about the update). The weights of the loaded start version are checked against its
    recorded hash too, so a tampered checkpoint is named as such.
 
 On CPU with ``deterministic`` settings (the default) a single-worker step reproduces bit for bit.
@@ -647,20 +648,27 @@ class _WhatIfRun:
         write_run_config(self.cfg)
         self._register(version, parent=None, step=None)
 
-    def _register(self, version: int, parent: int | None, step: int | None) -> None:
-        path, digest = save_checkpoint(self.root, version, self.learner.policy, self.tokenizer, self.learner.critic,
-                                       self.learner.state_dict())
+    def _register(self, version: int, parent: int | None, step: int | None,
+                  saved: tuple[Path, str] | None = None) -> None:
+        path, digest = saved or self._save(version)
         register_policy_version(self.lake, PolicyVersionRecord(
             run_id=self.run_id, version=version, parent_version=parent, checkpoint_uri=str(path.resolve()),
             weights_hash=digest, step=step), first_version=self.first_version)
 
+    def _save(self, version: int) -> tuple[Path, str]:
+        return save_checkpoint(self.root, version, self.learner.policy, self.tokenizer, self.learner.critic,
+                               self.learner.state_dict())
+
     def record(self, step: RecordedStep, metrics: Mapping[str, float], started_at) -> None:
+        """The trainer's order (:func:`sao.train.loop._commit`): the checkpoint, the step's row, the
+        version's row."""
+        saved = self._save(step.policy_version_after)
         record_train_step(self.lake, TrainStepRecord(
             run_id=self.run_id, step=step.step, policy_version_before=step.policy_version_before,
             policy_version_after=step.policy_version_after, trajectories_version=step.trajectories_version,
             trajectory_ids=step.trajectory_ids, started_at=started_at, finished_at=utc_now(), metrics=metrics,
             seeds=step.seeds, timings={}, data_run_id=step.data_run_id))
-        self._register(step.policy_version_after, parent=step.policy_version_before, step=step.step)
+        self._register(step.policy_version_after, parent=step.policy_version_before, step=step.step, saved=saved)
 
 
 def _recorded_policy(root: Path, version: int) -> torch.nn.Module:

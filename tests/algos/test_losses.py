@@ -107,6 +107,19 @@ def test_all_masked_micro_batch_gives_zero_loss_zero_grad_no_nan(case):
     assert all(math.isfinite(v) for v in m.values())
 
 
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_masked_ratio_too_large_for_float32_gives_a_zero_gradient_in_either_form(detach):
+    # log rho = 99.99 overflows exp() in float32; the token is masked, and the ratio form differentiated
+    # that exp on the branch where() did not take: 0 * inf = NaN in the gradient.
+    current = torch.tensor([[-0.01, -0.5]], dtype=torch.float32, requires_grad=True)
+    rollout = torch.tensor([[-100.0, -0.5]], dtype=torch.float32)
+    action = torch.tensor([[True, False]])
+    loss, m = dis_policy_loss(current, rollout, torch.ones(1, 2), action, *MATH, detach_weight=detach)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and current.grad.tolist() == [[0.0, 0.0]]
+    assert m["actor/all_masked"] == 1.0
+
+
 def test_nan_in_padding_never_reaches_loss_or_gradient():
     current = torch.tensor([[-0.5, float("nan")]], dtype=torch.float64, requires_grad=True)
     rollout = torch.tensor([[-0.5, float("nan")]], dtype=torch.float64)
