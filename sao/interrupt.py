@@ -99,10 +99,11 @@ def handle_ctrl_c(resume_hint: str, *, echo: Callable[[str], None] | None = None
         count += 1
         if count == 1:
             _requested.set()
+            if _graceful_depth == 0:  # a stage that stops at once (the warm start, an evaluation, a fit)
+                say("\nCtrl-C: stopping. Ctrl-C again to exit at once.")
+                raise KeyboardInterrupt
             say(f"\nCtrl-C: stopping (the current step is committed, rollouts in flight get {GRACE_S:.0f} s, "
                 "the rest are cancelled). Ctrl-C again to exit at once.")
-            if _graceful_depth == 0:
-                raise KeyboardInterrupt
             return
         say(f"\nCtrl-C again: exiting now. Resume with: {resume_hint}")
         kill_children()

@@ -315,9 +315,13 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
             thread.join(timeout=max(cfg.agent.timeout_s * 2, 60.0))
             stop_demand.set()
             demand.join(timeout=10.0)
-            issue_log.flush()
-            writer.close()
-            serve.delete(cfg.app_name)
+            try:  # each of the three runs even if one before it raises: buffered rows are never dropped
+                issue_log.flush()
+            finally:
+                try:
+                    writer.close()
+                finally:
+                    serve.delete(cfg.app_name)
     if "error" in driver_result:
         raise RuntimeError(f"the rollout driver failed: {driver_result['error']}") from driver_result["error"]
     last = last_committed_step(lake, train.run_id)
@@ -471,7 +475,10 @@ class _StepWatcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self._poll()
+        try:
+            self._poll()
+        except Exception:  # as in _run: progress output must never break the run, nor its shutdown
+            log.exception("reading progress from train_steps failed")
 
 
 def default_checkpoint_root(workdir: str | Path, run_id: str) -> str:

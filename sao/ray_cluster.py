@@ -125,8 +125,10 @@ class LocalRayCluster:
         """Start the head, wait until its GCS listens, then start the worker nodes (returns at once;
         see :meth:`wait_ready`)."""
         self.temp_dir.mkdir(parents=True, exist_ok=True)
-        self.token_path.write_text(secrets.token_hex(32))
-        self.token_path.chmod(0o600)
+        descriptor = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable by others
+        with os.fdopen(descriptor, "w") as token:
+            token.write(secrets.token_hex(32))
+        self.token_path.chmod(0o600)  # a file that existed keeps its mode through os.open
         (self.temp_dir / "logs").mkdir(exist_ok=True)
         for index, spec in enumerate(self.nodes):
             log_path = self.temp_dir / "logs" / f"node-{index}.log"

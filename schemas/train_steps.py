@@ -59,7 +59,8 @@ SCHEMA = pa.schema(
         ),
         doc_field("started_at", TIMESTAMP, False, "When the step started."),
         doc_field("finished_at", TIMESTAMP, False, "When the step finished."),
-        doc_field("recorded_at", TIMESTAMP, False, "When the row was committed."),
+        doc_field("recorded_at", TIMESTAMP, False, "When the row's commit was planned (a commit that lost a "
+                  "race is re-planned, with a new time)."),
         doc_field(
             "schema_version", pa.int32(), False, "Version of this schema the row was written with."
         ),

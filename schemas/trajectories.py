@@ -90,18 +90,20 @@ SEGMENT_TYPE = pa.struct(
 
 SAMPLING_TYPE = pa.struct(
     [
-        doc_field("temperature", pa.float64(), False, "Sampling temperature (0 = greedy)."),
+        doc_field("temperature", pa.float64(), False, "Sampling temperature, > 0 (greedy decoding is top_k 1)."),
         doc_field("top_p", pa.float64(), False, "Nucleus mass in (0, 1]; 1 disables it."),
         doc_field("top_k", pa.int32(), True, "Top-k cut-off; null when disabled."),
-        doc_field("max_tokens", pa.int32(), False, "Token budget the engine was given per turn."),
-        doc_field("seed", pa.int64(), True, "Sampler seed; null when the engine drew its own."),
+        doc_field("max_tokens", pa.int32(), False, "The trajectory's token budget (rollout.max_tokens, action and observation "
+                  "tokens together); each turn is given what is left of it."),
+        doc_field("seed", pa.int64(), True, "The rollout's sampling seed: each engine call's seed derives from it (unless "
+                  "an agent's call gave its own); null when the engine drew its own."),
     ]
 )
 
 TIMINGS_TYPE = pa.struct(
     [
-        doc_field("created_at", TIMESTAMP, False, "When the rollout was dispatched."),
-        doc_field("started_at", TIMESTAMP, False, "When the engine started generating."),
+        doc_field("created_at", TIMESTAMP, False, "When the replica started the rollout."),
+        doc_field("started_at", TIMESTAMP, False, "When the replica started the rollout (as created_at today)."),
         doc_field("finished_at", TIMESTAMP, False, "When the trajectory ended (any reason)."),
         doc_field("generation_s", pa.float64(), False, "Seconds spent generating in the engine."),
         doc_field("tool_s", pa.float64(), False, "Seconds spent in tools and the environment."),
@@ -193,9 +195,11 @@ _PRODUCER_FIELDS = [
         "tokenizer_version", pa.string(), False, "Tokenizer identity (name and revision or hash)."
     ),
     doc_field("chat_template_version", pa.string(), False, "Chat template identity (hash)."),
-    doc_field("engine_name", pa.string(), False, "Rollout engine: 'torch' or 'vllm'."),
+    doc_field("engine_name", pa.string(), False, "Rollout engine: 'torch' or 'vllm'; 'unknown' in a row the driver wrote for a "
+                  "rollout that failed or was cancelled before its replica reported."),
     doc_field("engine_version", pa.string(), False, "Version of the engine package."),
-    doc_field("worker_id", pa.string(), False, "Rollout replica that generated the trajectory."),
+    doc_field("worker_id", pa.string(), False, "Rollout replica that generated the trajectory; 'driver' in a row the driver "
+                  "wrote for a rollout that failed or was cancelled before its replica reported."),
     doc_field("timings", TIMINGS_TYPE, False, "Rollout timings."),
 ]
 
@@ -246,8 +250,9 @@ _PRODUCER_FIELDS_V4 = [
         pa.string(),
         True,
         "The agent episode the trajectory is part of (the trajectory_id its rollout was issued under). An "
-        "episode whose agent rewrote its history is split there into parts that share it. Null for the "
-        "built-in environments' loop and rows written before version 4. Added in version 4.",
+        "episode whose agent rewrote its history is split there into parts that share it. Every episode "
+        "has one, the built-in environments' too (they run on the same endpoint); null in rows written "
+        "before version 4 and in rows the driver wrote for a failed or cancelled rollout. Added in version 4.",
     ),
     doc_field(
         "episode_part",

@@ -88,6 +88,20 @@ def test_each_wait_of_the_trainer_for_rows_becomes_one_demand_at_the_writer():
     assert writer.demands == [5, 3, 9]
 
 
+def test_a_failing_progress_reader_does_not_break_the_runs_shutdown(caplog):
+    # The watcher's last read runs in the pipeline's cleanup, before the issue log's and the writer's last
+    # flushes: an error there (a lake that hiccups, an artifact API that fails) skipped them.
+    from sao.pipeline import _StepWatcher
+
+    class Unreadable:
+        def read(self, *args, **kwargs):
+            raise OSError("the object store hiccupped")
+
+    watcher = _StepWatcher(Unreadable(), "r", None, on_step=lambda report: None, interval_s=60)
+    watcher.close()  # logs, does not raise
+    assert "reading progress from train_steps failed" in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_a_synchronous_grpo_run_trains_whole_groups_of_its_own_version(tmp_path, policy_dir, ray_session):

@@ -59,7 +59,8 @@ class SizeLimits:
         max_tokens: most entries in ``prompt_ids`` and in ``completion_ids`` (the other token lists
             must match ``completion_ids``).
         max_segments: most segments.
-        max_string_bytes: most UTF-8 bytes in each string field (ids, names, versions).
+        max_string_bytes: most UTF-8 bytes in each string field (ids, names, versions, ``episode_id``).
+        max_text_bytes: most UTF-8 bytes in each free-text field (``error``, ``agent_info``).
         max_quarantine_payload_bytes: the quarantine keeps at most this much of a rejected payload's
             JSON; a longer one is cut there and marked (``...[truncated: N bytes]``).
     """
@@ -67,10 +68,12 @@ class SizeLimits:
     max_tokens: int = 1 << 20
     max_segments: int = 1 << 16
     max_string_bytes: int = 4096
+    max_text_bytes: int = 1 << 16
     max_quarantine_payload_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "max_segments", "max_string_bytes", "max_quarantine_payload_bytes"):
+        for name in ("max_tokens", "max_segments", "max_string_bytes", "max_text_bytes",
+                     "max_quarantine_payload_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SizeLimits.{name} must be >= 1, got {getattr(self, name)}")
 

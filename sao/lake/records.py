@@ -150,6 +150,8 @@ STRING_FIELDS = (
     "engine_version",
     "worker_id",
 )
+# Nullable string columns and the SizeLimits attribute that bounds each.
+OPTIONAL_STRING_FIELDS = {"episode_id": "max_string_bytes", "error": "max_text_bytes", "agent_info": "max_text_bytes"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -490,7 +492,16 @@ def decode_routing(entries: Sequence[bytes] | None, top_k: int | None) -> npt.ND
     size that is not a multiple of ``top_k``. Entries may be hex strings (a row written as JSON)."""
     if entries is None:
         return None
-    entries = [bytes.fromhex(e) if isinstance(e, str) else bytes(e) for e in entries]  # JSON (json_safe): hex
+    if isinstance(entries, str | bytes) or not isinstance(entries, Sequence):
+        raise RecordTypeError("routed_experts", f"needs a list of byte strings, got {type(entries).__name__}")
+    if not all(isinstance(e, str | bytes | bytearray | memoryview) for e in entries):
+        # bytes(3) would be three zero bytes, bytes([1.5]) a TypeError: only bytes, or hex from JSON
+        raise RecordTypeError("routed_experts", "needs a list of byte strings (or hex strings from JSON), got "
+                              f"{sorted({type(e).__name__ for e in entries})}")
+    try:
+        entries = [bytes.fromhex(e) if isinstance(e, str) else bytes(e) for e in entries]  # JSON (json_safe): hex
+    except ValueError as error:
+        raise RecordTypeError("routed_experts", f"an entry is not hex: {error}") from None
     if top_k is None or top_k < 1:
         raise RecordTypeError("router_top_k", f"needs an int >= 1 beside routed_experts, got {top_k!r}")
     sizes = {len(e) for e in entries}

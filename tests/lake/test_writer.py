@@ -116,6 +116,21 @@ def test_a_value_outside_int32_is_quarantined_not_raised(local_lake):
     assert (row["reason"], row["record_id"]) == ("type", "huge")
 
 
+@pytest.mark.parametrize("routing", [5, ["zz"], [-1], [1.5], [3]])
+def test_a_delivery_with_unreadable_routing_is_quarantined_and_the_writer_goes_on(local_lake, routing):
+    # A mapping delivery whose routed_experts is not a list of byte strings: before, decode_routing's
+    # TypeError / ValueError escaped the flush and every later flush raised on the same record ([3] was
+    # stored as three zero bytes).
+    bad = base().to_row() | {"trajectory_id": "bad-routing", "routed_experts": routing, "router_top_k": 1}
+    with TrajectoryWriter(local_lake, MANUAL) as writer:
+        writer.add_many([bad, base()])
+        report = writer.flush()
+        assert (report.written, report.quarantined) == (1, 1)
+        assert writer.flush().written == 0  # nothing left behind to fail again
+    row = local_lake.read("quarantine").to_pylist()[0]
+    assert (row["reason"], row["record_id"], row["field"]) == ("type", "bad-routing", "routed_experts")
+
+
 def test_duplicate_delivery_is_stored_once_same_writer(lake):
     records = make_trajectories(30, seed=6, num_tokens=16)
     with TrajectoryWriter(lake, MANUAL) as writer:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from sao.lake.config import SizeLimits
-from sao.lake.records import STRING_FIELDS, TrajectoryRecord
+from sao.lake.records import OPTIONAL_STRING_FIELDS, STRING_FIELDS, TrajectoryRecord
 from sao.lake.validate.rules import (
     NO_VERSION,
     OBSERVATION_LOGPROB,
@@ -58,6 +58,10 @@ def _reference_size(r: dict[str, Any], limits: SizeLimits) -> tuple[str, str] | 
         size = len(r[name].encode("utf-8", errors="surrogatepass"))
         if size > limits.max_string_bytes:
             return name, size_message(name, size, "bytes", limits.max_string_bytes, "max_string_bytes")
+    for name, attribute in OPTIONAL_STRING_FIELDS.items():
+        size = 0 if r.get(name) is None else len(r[name].encode("utf-8", errors="surrogatepass"))
+        if size > getattr(limits, attribute):
+            return name, size_message(name, size, "bytes", getattr(limits, attribute), attribute)
     for name in ("prompt_ids", "completion_ids"):
         if len(r[name]) > limits.max_tokens:
             return name, size_message(name, len(r[name]), "tokens", limits.max_tokens, "max_tokens")

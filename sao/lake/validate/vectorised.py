@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sao.lake.config import SizeLimits
-from sao.lake.records import STRING_FIELDS
+from sao.lake.records import OPTIONAL_STRING_FIELDS, STRING_FIELDS
 from sao.lake.validate.rules import (
     OBSERVATION_LOGPROB,
     Rule,
@@ -456,6 +456,10 @@ def _check_size(b: _Batch) -> Iterator[Violation]:
         size = _numpy(pc.binary_length(b.table[name].cast(pa.binary())))
         checks.append((size > limits.max_string_bytes, _size_problem(name, size, "bytes",
                         limits.max_string_bytes, "max_string_bytes")))  # fmt: skip
+    for name, attribute in OPTIONAL_STRING_FIELDS.items():
+        size = _numpy(pc.binary_length(b.table[name].cast(pa.binary())).fill_null(0))
+        checks.append((size > getattr(limits, attribute), _size_problem(name, size, "bytes",
+                        getattr(limits, attribute), attribute)))  # fmt: skip
     prompt = _numpy(pc.list_value_length(b.table["prompt_ids"]).fill_null(0))
     for name, lengths in (("prompt_ids", prompt), ("completion_ids", b.n)):
         checks.append((lengths > limits.max_tokens, _size_problem(name, lengths, "tokens",

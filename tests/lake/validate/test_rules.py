@@ -302,6 +302,22 @@ def test_size_limits_are_configurable(limits, field, message):
     assert validate_table(records_to_arrow([base()]), [1], limits) == expected
 
 
+@pytest.mark.parametrize(("field", "value", "limits", "message"), [
+    ("error", "e" * 70_000, SizeLimits(), "error has 70000 bytes, over the limit of 65536 (SizeLimits.max_text_bytes)"),
+    ("agent_info", '{"log": "%s"}' % ("x" * 9), SizeLimits(max_text_bytes=10),
+     "agent_info has 20 bytes, over the limit of 10 (SizeLimits.max_text_bytes)"),
+    ("episode_id", "p" * 5000, SizeLimits(), "episode_id has 5000 bytes, over the limit of 4096 (SizeLimits.max_string_bytes)"),
+])  # fmt: skip
+def test_the_nullable_text_fields_are_bounded_too(field, value, limits, message):
+    # A runaway agent's info or a huge exception message bloated the table unchecked before.
+    part = {"episode_part": 0} if field == "episode_id" else {}
+    record = with_(**{field: value}, **part)
+    expected = [Violation(0, Rule.PAYLOAD_TOO_LARGE, field, None, message)]
+    assert validate_record(record, 1, limits=limits) == expected
+    assert validate_table(records_to_arrow([record]), [1], limits) == expected
+    assert validate_record(with_(**{field: value[:8]}, **part), 1, limits=limits) == []
+
+
 def test_routing_of_every_token_but_the_last_is_valid():
     assert validate_record(with_(routed_experts=np.ones((7, 2, 2), np.uint8)), 1) == []
     assert validate_table(records_to_arrow([with_(routed_experts=np.ones((7, 2, 2), np.uint8))]), [1]) == []
