@@ -175,7 +175,8 @@ RetentionSection = derived_section(
     RetentionConfig, "RetentionSection", "Which old checkpoint parts are pruned as the run goes.")
 CriticSection = derived_section(
     CriticConfig, "CriticSection", "The critic built from the policy at the start of a run: which of its parts "
-    "train (SAO.md freezes attention only), how its value head starts.")
+    "train (SAO.md section 3: attention frozen, the MLP / expert projections and the value head train: the "
+    "defaults), how its value head starts.")
 
 
 class ModelSection(Section):

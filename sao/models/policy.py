@@ -12,7 +12,7 @@ reads it with ``AutoModelForCausalLM.from_pretrained``, so a real checkpoint dir
 same function.
 
 The saved generation config samples from the model's own distribution (``top_k=0``, ``top_p=1``,
-temperature 1; ``generate()`` would otherwise apply top_k=50) and stops at both action-ending ids.
+temperature 1; ``generate()`` would otherwise apply top_k=50) and stops at the chat format's stop ids.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def save_policy(
 ) -> Path:
     """Write a policy directory (weights as safetensors, tokenizer, ``sao_policy.json``); returns it.
 
-    With a tokenizer, the generation config stops at both action-ending ids of the chat format.
+    With a tokenizer, the generation config stops at the chat format's stop ids.
     """
     if policy_version < 0:
         raise ValueError(f"policy_version must be >= 0, got {policy_version}")

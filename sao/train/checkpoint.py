@@ -4,7 +4,8 @@ Layout under a run's checkpoint root::
 
     v000000/policy/          Hugging Face directory (safetensors weights, tokenizer, sao_policy.json)
     v000000/critic/          critic backbone + value head (absent for algorithms without a critic)
-    v000000/trainer_state.pt optimiser and scheduler states, the running-mean window, RNG states
+    v000000/trainer_state.pt optimiser and scheduler states, the running-mean window, and the CPU RNG
+                             state (kept for inspection: each step seeds its RNG from its recorded seeds)
     v000000/COMPLETE         written last: a directory without it is an interrupted save
     v000000/PRUNED           written by retention (:mod:`sao.train.retention`) before it deletes parts
                              of a complete checkpoint: the JSON list of what is gone

@@ -377,7 +377,9 @@ def own_example(tokenizer: PreTrainedTokenizerBase, chat: ChatTokens, task: Task
     from sao.envs.dataset import task_messages
 
     ids = prompt_ids(tokenizer, task_messages(task, system_prompt))
-    action = tokenizer.encode(completion, add_special_tokens=False) + [chat.stop_token_ids[0]]
+    # The end of the turn: in this project's tool format the stop ids begin with </tool_call>, not it.
+    end = chat.im_end_id if chat.supports_tools else chat.stop_token_ids[0]
+    action = tokenizer.encode(completion, add_special_tokens=False) + [end]
     return Example(ids + action, [0] * len(ids) + [1] * len(action))
 
 

@@ -59,6 +59,18 @@ class FixedLogits(torch.nn.Module):
         return type("Out", (), {"logits": self.logits})()
 
 
+def test_a_demonstration_for_a_model_of_ones_own_ends_at_the_end_of_its_turn(tokenizer):
+    # A model directory of this project's tool format (a policy from an earlier run): its stop ids begin
+    # with </tool_call>, and the demonstration ended on that instead of the turn's end.
+    from sao.train.sft import own_example
+
+    chat = ChatTokens.from_tokenizer(tokenizer)
+    assert chat.supports_tools and chat.stop_token_ids[0] != chat.im_end_id
+    task = Task(task_id="t", env="dataset", prompt="1 + 1?", answer="2", split=Split.TRAIN)
+    example = own_example(tokenizer, chat, task, "2")
+    assert example.input_ids[-1] == chat.im_end_id and example.action_mask[-1] == 1
+
+
 def test_sft_loss_is_the_token_mean_nll_of_action_tokens_only():
     vocab = 5
     input_ids = torch.tensor([[0, 1, 2, 3, 4]])
