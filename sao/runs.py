@@ -29,6 +29,7 @@ from sao.config import RESUME_SAFE, ConfigError, RunConfig, changed_keys, leaves
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
+from sao.lake.ledger import newest_policy_version, registered_checkpoint
 from sao.lake.store import Lake, is_valid_run_id
 from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
 from sao.runtime import init_ray
@@ -224,9 +225,11 @@ def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple
 
     Raises:
         ConfigError: a changed key is not among :data:`sao.config.RESUME_SAFE`; the message names
-            each with its recorded and its new value.
+            each with its recorded and its new value. Or the run's checkpoints are registered outside
+            its checkpoint root (a moved run folder: :func:`~sao.train.checkpoint.registered_location`).
     """
     lake = lake or Lake.open(config.lake_config())
+    _check_checkpoint_location(config, lake)
     stored = latest_config(lake, config.run_id)
     if stored is None:
         return None
@@ -242,6 +245,18 @@ def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple
             f"{', '.join(RESUME_SAFE)}. Changed:\n{lines}\nResume with the recorded settings "
             f"(sao sql \"SELECT config FROM runs WHERE run_id = '{config.run_id}'\"), or start a new run id.")
     return changed
+
+
+def _check_checkpoint_location(config: RunConfig, lake: Lake) -> None:
+    """Refuse a start of a run whose newest registered version is not under its checkpoint root."""
+    newest = newest_policy_version(lake, config.run_id)
+    if newest is None:
+        return
+    try:
+        checkpoints.registered_location(registered_checkpoint(lake, config.run_id, newest), config.checkpoint_root,
+                                        newest)
+    except checkpoints.CheckpointMovedError as error:
+        raise ConfigError(f"workdir: {error}") from None
 
 
 def _append_runs_row(lake: Lake, config: RunConfig | None, **fields: object) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "protected_versions",
     "record_train_step",
     "register_policy_version",
+    "registered_checkpoint",
 ]
 
 
@@ -71,6 +72,13 @@ def newest_policy_version(
         delta, policy_versions.NAME, columns=["version"], predicate=_run_predicate(run_id)
     )
     return None if versions.num_rows == 0 else int(pc.max(versions["version"]).as_py())
+
+
+def registered_checkpoint(lake: Lake, run_id: str, version: int) -> str | None:
+    """The ``checkpoint_uri`` registered for version ``version`` of ``run_id``; None without a row."""
+    rows = lake.read(policy_versions.NAME, columns=["checkpoint_uri"],
+                     predicate=f"{_run_predicate(run_id)} AND version = {int(version)}")
+    return None if rows.num_rows == 0 else rows["checkpoint_uri"][0].as_py()
 
 
 def newest_policy_versions(lake: Lake, *, table: DeltaTable | None = None) -> dict[str, int]:

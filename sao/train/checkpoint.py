@@ -43,6 +43,7 @@ from sao.train.device import to_cpu
 __all__ = [
     "PRUNABLE_PARTS",
     "Checkpoint",
+    "CheckpointMovedError",
     "CheckpointPrunedError",
     "RegisteredState",
     "checkpoint_dir",
@@ -56,6 +57,7 @@ __all__ = [
     "policy_dir",
     "prune_checkpoint",
     "pruned_parts",
+    "registered_location",
     "replace_critic",
     "save_checkpoint",
     "verify_registered",
@@ -75,6 +77,10 @@ PRUNABLE_PARTS: dict[str, str] = {"policy": _POLICY, "critic": _CRITIC, "trainer
 
 class CheckpointPrunedError(RuntimeError):
     """A part of a checkpoint that retention deleted was asked for."""
+
+
+class CheckpointMovedError(RuntimeError):
+    """A resumed run's checkpoint root is not where the lake registered the run's checkpoints."""
 
 
 def weights_hash(model: torch.nn.Module) -> str:
@@ -111,6 +117,31 @@ def checkpoint_root_of(checkpoint_uri: str) -> Path | None:
     bare policy directory)."""
     path = _local_path(checkpoint_uri)
     return path.parent if path is not None and _is_version_dir(path.name) else None
+
+
+def registered_location(recorded_uri: str | None, root: str | Path, version: int) -> str:
+    """The location to register version ``version`` of a run whose checkpoints are under ``root``:
+    ``recorded_uri`` (its ``policy_versions`` row) when that names the same directory, directly or
+    through a link; the resolved path of :func:`checkpoint_dir` when the version has no row yet.
+
+    Raises:
+        CheckpointMovedError: the version is registered somewhere else (the run's folder was moved or
+            copied, or the run resumes on another machine): the lake records where each version's
+            checkpoint is, and resume, replay and ``sao lake check`` read it there.
+    """
+    here = checkpoint_dir(root, version).resolve()
+    if recorded_uri is None:
+        return str(here)
+    recorded = _local_path(recorded_uri)
+    if recorded is not None and (recorded == here or recorded.resolve() == here):
+        return recorded_uri
+    link = (f"; or, if {recorded.parent} is gone, link it to this run's: ln -s {here.parent} {recorded.parent}"
+            if recorded is not None else "")
+    raise CheckpointMovedError(
+        f"version {version} of this run is registered at {recorded_uri}, not under this run's checkpoint root "
+        f"{here.parent}: the lake records where each version's checkpoint is, and resume, replay and "
+        f"`sao lake check` read it there. Run from where the run started (workdir is relative to the "
+        f"current directory){link}")
 
 
 def policy_dir(root: str | Path, version: int) -> Path:

@@ -48,7 +48,13 @@ from deltalake import DeltaTable
 
 from sao.algos.advantages import flat_groups
 from sao.faults import crash_point
-from sao.lake.ledger import StepsSeen, VersionsSeen, record_train_step, register_policy_version
+from sao.lake.ledger import (
+    StepsSeen,
+    VersionsSeen,
+    record_train_step,
+    register_policy_version,
+    registered_checkpoint,
+)
 from sao.lake.maintenance import compact_run
 from sao.lake.reader import TrajectoryReader, read_trajectories
 from sao.lake.records import PolicyVersionRecord, TrainStepRecord, utc_now
@@ -61,6 +67,7 @@ from sao.train.checkpoint import (
     checkpoint_dir,
     is_complete,
     load_checkpoint,
+    registered_location,
     save_checkpoint,
     weights_hash,
 )
@@ -337,6 +344,7 @@ def _start_worker(cfg: TrainConfig, device: torch.device) -> _Worker:
     lake = Lake.open(cfg.lake)
     resumed = last_committed_step(lake, cfg.run_id)
     step, version = (0, 0) if resumed is None else (resumed[0] + 1, resumed[1])
+    uri = _registered_uri(lake, cfg, version) if rank == 0 else ""
     torch.manual_seed(cfg.seed + version)
     policy, critic, trainer_state = _load_models(cfg, version, device)
     learner = Learner(cfg.update, policy, critic, bf16=cfg.bf16)
@@ -352,7 +360,7 @@ def _start_worker(cfg: TrainConfig, device: torch.device) -> _Worker:
                      versions_seen=VersionsSeen(cfg.run_id) if rank == 0 else None)
     if rank == 0:
         write_run_config(cfg)
-        _ensure_version_registered(lake, cfg, version, policy, critic, worker.tokenizer, learner, step - 1)
+        _ensure_version_registered(lake, cfg, version, uri, policy, critic, worker.tokenizer, learner, step - 1)
         if worker.broker.publish is not None and version > 0:
             worker.broker.publish(version, policy)
     return worker
@@ -459,16 +467,23 @@ def _merge_worker_metrics(metrics: dict[str, float], world: int) -> dict[str, fl
     return merged
 
 
-def _ensure_version_registered(lake: Lake, cfg: TrainConfig, version: int, policy, critic, tokenizer,
+def _registered_uri(lake: Lake, cfg: TrainConfig, version: int) -> str:
+    """Where version ``version`` is (or will be) registered, checked before any load: a run moved away
+    from where it registered its checkpoints is refused, naming both places
+    (:class:`~sao.train.checkpoint.CheckpointMovedError`)."""
+    return registered_location(registered_checkpoint(lake, cfg.run_id, version), cfg.checkpoint_root, version)
+
+
+def _ensure_version_registered(lake: Lake, cfg: TrainConfig, version: int, uri: str, policy, critic, tokenizer,
                                learner: Learner, step: int) -> None:
     """Version 0 gets its checkpoint and ``policy_versions`` row at the start of a run; after a crash
-    between a step's commit and its version row, the row is written now (idempotent)."""
-    path = checkpoint_dir(cfg.checkpoint_root, version)
+    between a step's commit and its version row, the row is written now (idempotent). A version
+    registered already keeps its recorded location ``uri`` (:func:`~sao.train.checkpoint.registered_location`)."""
     if not is_complete(cfg.checkpoint_root, version):
         save_checkpoint(cfg.checkpoint_root, version, policy, tokenizer, critic, learner.state_dict())
     register_policy_version(lake, PolicyVersionRecord(
         run_id=cfg.run_id, version=version, parent_version=None if version == 0 else version - 1,
-        checkpoint_uri=str(path.resolve()), weights_hash=weights_hash(policy),
+        checkpoint_uri=uri, weights_hash=weights_hash(policy),
         step=None if version == 0 else step))
 
 
@@ -480,11 +495,13 @@ def prepare_run(cfg: TrainConfig) -> int:
     write_run_config(cfg)
     resumed = last_committed_step(lake, cfg.run_id)
     step, version = (0, 0) if resumed is None else (resumed[0] + 1, resumed[1])
+    uri = _registered_uri(lake, cfg, version)
     policy, critic, state = _load_models(cfg, version)
     learner = Learner(cfg.update, policy, critic)
     if state is not None:
         learner.load_state_dict(state)
-    _ensure_version_registered(lake, cfg, version, policy, critic, load_tokenizer(cfg.policy_path), learner, step - 1)
+    _ensure_version_registered(lake, cfg, version, uri, policy, critic, load_tokenizer(cfg.policy_path), learner,
+                               step - 1)
     return version
 
 

@@ -1,19 +1,22 @@
-"""Checkpoints: their layout (what the audit asks about a registered version), and a kill in the middle of
-replacing the version-0 critic (value pretraining)."""
+"""Checkpoints: their layout (what the audit asks about a registered version), where a resumed run
+registers its version, and a kill in the middle of replacing the version-0 critic (value pretraining)."""
 
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from sao.models.critic import Critic
 from sao.models.policy import load_policy
 from sao.train.checkpoint import (
+    CheckpointMovedError,
     RegisteredState,
     checkpoint_dir,
     checkpoint_root_of,
     load_checkpoint,
     prune_checkpoint,
+    registered_location,
     replace_critic,
     save_checkpoint,
     verify_registered,
@@ -67,3 +70,21 @@ def test_each_state_of_a_registered_checkpoint(tmp_path, policy_dir, tokenizer):
     prune_checkpoint(tmp_path, 2, ("policy",))
     assert not version_policy_dir(tmp_path, 2).exists()
     assert verify_registered(str(checkpoint_dir(tmp_path, 2)), 2, digest)[0] is RegisteredState.PRUNED
+
+
+def test_a_registered_version_keeps_its_location_only_when_the_root_reaches_it(tmp_path):
+    here = tmp_path / "b" / "checkpoints"
+    (here / "v000002").mkdir(parents=True)
+    assert registered_location(None, here, 2) == str((here / "v000002").resolve())  # not registered yet
+    assert registered_location(str(here / "v000002"), here, 2) == str(here / "v000002")
+    (tmp_path / "a").symlink_to(tmp_path / "b")  # the old place, linked to the new one
+    recorded = str(tmp_path / "a" / "checkpoints" / "v000002")
+    assert registered_location(recorded, here, 2) == recorded  # kept as recorded: its row stays the same
+    (tmp_path / "a").unlink()  # moved, with nothing left where the lake says the version is
+    with pytest.raises(CheckpointMovedError) as error:
+        registered_location(recorded, here, 2)
+    message = str(error.value)
+    assert f"registered at {recorded}" in message and f"checkpoint root {here.resolve()}" in message
+    assert f"ln -s {here.resolve()} {tmp_path / 'a' / 'checkpoints'}" in message
+    with pytest.raises(CheckpointMovedError, match="s3://bucket/checkpoints/v000002"):
+        registered_location("s3://bucket/checkpoints/v000002", here, 2)
