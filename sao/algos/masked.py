@@ -23,6 +23,7 @@ batch, so the update does not depend on how the batch was split.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 
@@ -65,18 +66,26 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count.clamp(min=1).to(values.dtype)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Normalise ``values`` to unit variance over ``mask`` (population variance), 0 outside it.
 
     With ``shift_mean`` the masked mean is also removed. Fewer than two selected entries leave the
-    values unscaled (a variance of one entry is undefined).
+    values unscaled (a variance of one entry is undefined). ``reduce`` sums a tensor across
+    data-parallel workers, each holding a shard of the batch, so that the mean and the variance are
+    the whole batch's (None: these values alone).
     """
     mask = mask.bool()
-    count = int(mask.sum())
-    mean = masked_mean(values, mask)
+    total = (lambda tensor: tensor) if reduce is None else reduce
+    count = total(mask.sum())
+
+    def mean_of(tensor: torch.Tensor) -> torch.Tensor:  # masked_mean, over every shard
+        return total(masked_sum(tensor, mask)) / count.clamp(min=1).to(values.dtype)
+
+    mean = mean_of(values)
     centred = values - mean
-    if count >= 2:
-        var = masked_mean(centred.square(), mask)
+    if int(count) >= 2:
+        var = mean_of(centred.square())
         scaled = centred * torch.rsqrt(var + 1e-8)
     else:
         scaled = centred

@@ -182,16 +182,8 @@ def whiten_over_the_batch(values: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     """:func:`masked_whiten` over the whole batch: with data-parallel workers, each holding a shard of
     it, the mean and the variance are summed across them, so every worker scales by the batch's
     statistics, as one worker with the whole batch would."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return masked_whiten(values, mask)
-    mask = mask.bool()
-    total, count = _all_reduce_sum(torch.stack([values[mask].double().sum(),
-                                                mask.sum().double()]).to(values.device)).tolist()
-    centred = values - total / max(count, 1.0)
-    if count >= 2:  # as masked_whiten: the variance of one entry is undefined
-        square = float(_all_reduce_sum(centred[mask].double().square().sum().reshape(1)))
-        centred = centred * (1.0 / math.sqrt(square / count + 1e-8))
-    return torch.where(mask, centred, torch.zeros_like(centred))
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return masked_whiten(values, mask, reduce=_all_reduce_sum if distributed else None)
 
 
 def _sum_gradients_across_workers(module: torch.nn.Module) -> None:
@@ -483,8 +475,10 @@ class Learner:
         ``before``: the values the critic gave before this update's first step (the one that computed the
         advantages), which ``value_clip`` clips against; None: the first of these steps' own."""
         for _ in range(steps):
-            step_metrics, seen = self._critic_step(batch, returns, before)
-            before = before if before is not None else seen
+            # The values a step saw are kept only where a later step clips against them.
+            keep = before is None and self.config.value_clip is not None
+            step_metrics, seen = self._critic_step(batch, returns, before, keep_values=keep)
+            before = seen if keep else before
             metrics |= step_metrics
 
     @property
@@ -551,21 +545,22 @@ class Learner:
         return metrics | (routing.metrics() if routing is not None else {})
 
     def _critic_step(self, batch: TrainBatch, returns: torch.Tensor | None,
-                     before: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     ) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor]]:
+                     before: tuple[torch.Tensor, torch.Tensor] | None = None, keep_values: bool = True,
+                     ) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor] | None]:
         """One critic optimiser step towards ``returns`` (B, T). ``returns`` None: the update's first
         step, whose targets are the critic's own ``lam_critic`` returns from this very forward (each
         row's returns depend on its own values only, so each micro-batch's are known after its
         forward). Returns its metrics and the values ``(values (B, T), v_end (B,))`` its forwards saw
         (before its optimiser step), which the advantages use. With ``value_clip``, each value is
         clipped to within it of ``before`` (the values before the update's first critic step; None:
-        this step's own, so nothing is clipped), PPO style."""
+        this step's own, so nothing is clipped), PPO style. ``keep_values`` False: the values are not
+        kept (None in their place)."""
         cfg = self.config
         self.critic.train()
         self.critic_optimizer.zero_grad(set_to_none=True)
         denominator = self._denominator(batch)
         seen = (torch.zeros(batch.action_mask.shape, device=batch.device),
-                torch.zeros(batch.action_mask.shape[0], device=batch.device))
+                torch.zeros(batch.action_mask.shape[0], device=batch.device)) if keep_values else None
         loss_total = 0.0
         value_sum = 0.0
         clipped = 0.0
@@ -574,8 +569,9 @@ class Learner:
                 values, v_end = critic_values(self.critic, mb)
             width = values.shape[1]
             now, end_now = values.detach().float(), v_end.detach().float()
-            seen[0][rows, :width] = now
-            seen[1][rows] = end_now
+            if seen is not None:
+                seen[0][rows, :width] = now
+                seen[1][rows] = end_now
             target = critic_returns(mb, now, end_now, cfg) if returns is None else returns[rows, :width]
             clip = {}
             if cfg.value_clip is not None:

@@ -362,11 +362,11 @@ def test_an_error_in_the_critic_steps_beside_the_actor_reaches_the_caller(monkey
     learner = Learner(dataclasses.replace(CFG, critic_beside_actor=True), policy, ValueModel(tiny(1)))
     original, calls = Learner._critic_step, []
 
-    def critic_step(self, batch, returns, *args):
+    def critic_step(self, batch, returns, *args, **kwargs):
         calls.append(threading.current_thread().name)
         if returns is not None:
             raise RuntimeError("critic step failed")
-        return original(self, batch, returns, *args)
+        return original(self, batch, returns, *args, **kwargs)
 
     monkeypatch.setattr(Learner, "_critic_step", critic_step)
     with pytest.raises(RuntimeError, match="critic step failed"):
