@@ -44,7 +44,7 @@ from sao.envs.base import Environment, Task
 from sao.lake.records import RecordedSampling, Segment, Timings, TrajectoryRecord, utc_now
 from sao.models.chat import ChatTokens, observation_ids, prompt_ids
 from sao.models.tokenizer import chat_template_version, tokenizer_version
-from sao.rollout.engine import Engine, FinishReason, SamplingParams
+from sao.rollout.engine import Engine, FinishReason, SamplingParams, generate_until
 from schemas.trajectories import SegmentKind, TerminationReason
 
 __all__ = ["AgentConfig", "AgentLoop"]
@@ -197,7 +197,8 @@ class AgentLoop:
             )
             request_id = f"{trajectory_id}-{trace.turns}"
             began = time.monotonic()
-            generation, timed_out = await self._generate(prompt + trace.completion, sampling, request_id, deadline)
+            generation, timed_out = await generate_until(self.engine, prompt + trace.completion, sampling,
+                                                         request_id, deadline)
             trace.generation_s += time.monotonic() - began
             trace.add_action(generation.token_ids, generation.logprobs, generation.spans)
             trace.add_routing(generation.routed_experts)
@@ -225,16 +226,3 @@ class AgentLoop:
                 return TerminationReason.LENGTH, 0.0
             trace.add_observation(observation)
 
-    async def _generate(self, ids: list[int], sampling: SamplingParams, request_id: str, deadline: float):
-        """Generate until a stop id, the budget, cancellation or the deadline (then cancel and keep
-        what was sampled). Returns (generation, timed_out)."""
-        task = asyncio.ensure_future(self.engine.generate(ids, sampling, request_id))
-        try:
-            done, _ = await asyncio.wait({task}, timeout=max(deadline - time.monotonic(), 0.0))
-        except asyncio.CancelledError:  # the rollout was cancelled: the engine stops decoding it too
-            self.engine.cancel(request_id)
-            raise
-        if done:
-            return task.result(), False
-        self.engine.cancel(request_id)
-        return await task, True

@@ -64,7 +64,7 @@ from transformers import PreTrainedTokenizerBase
 
 from sao.models.chat import TOOL_CALL_END, TOOL_CALL_START, ChatTokens, Message
 from sao.rollout.agent import AgentConfig, _Trace
-from sao.rollout.engine import Engine, FinishReason, SamplingParams
+from sao.rollout.engine import Engine, FinishReason, SamplingParams, generate_until
 from schemas.vocabulary import TerminationReason
 
 __all__ = ["ChatEndpoint", "EndpointError", "Episode", "EpisodePart", "MODEL_NAME"]
@@ -290,21 +290,13 @@ class Episode:
         ids = part.prompt + part.trace.completion
         request_id = f"{self.episode_id}-{self.turns}"
         began = time.monotonic()
-        future = asyncio.ensure_future(endpoint.engine.generate(ids, sampling, request_id))
-        try:
-            done, _ = await asyncio.wait({future}, timeout=max(self.deadline - time.monotonic(), 0.0))
-        except asyncio.CancelledError:  # the episode was cancelled: the engine stops decoding it too
-            endpoint.engine.cancel(request_id)
-            raise
-        if not done:
-            endpoint.engine.cancel(request_id)
-        generation = await future
+        generation, timed_out = await generate_until(endpoint.engine, ids, sampling, request_id, self.deadline)
         part.trace.generation_s += time.monotonic() - began
         part.trace.add_action(generation.token_ids, generation.logprobs, generation.spans)
         part.trace.add_routing(generation.routed_experts)
         part.trace.turns += 1
         self.turns += 1
-        if not done:
+        if timed_out:
             self.end(TerminationReason.TIMEOUT)
             raise EndpointError(408, "timeout", f"the episode's wall-clock budget of {cfg.timeout_s:g} s "
                                 "(rollout.timeout_s) ran out during this call; the episode has ended")

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import enum
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
@@ -26,6 +27,7 @@ __all__ = [
     "Generation",
     "SamplingParams",
     "VersionSpan",
+    "generate_until",
 ]
 
 
@@ -145,6 +147,23 @@ class Engine(Protocol):
     def resume(self) -> None:
         """Continue decoding after :meth:`pause`."""
         ...
+
+
+async def generate_until(engine: Engine, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str,
+                         deadline: float) -> tuple[Generation, bool]:
+    """``engine.generate`` until a stop id, the budget, cancellation, or ``deadline`` (``time.monotonic``),
+    at which the request is cancelled and what was sampled is kept. A caller cancelled while it waits
+    cancels the request in the engine too. Returns (generation, whether the deadline ended it)."""
+    task = asyncio.ensure_future(engine.generate(prompt_ids, sampling, request_id))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(deadline - time.monotonic(), 0.0))
+    except asyncio.CancelledError:
+        engine.cancel(request_id)
+        raise
+    if done:
+        return task.result(), False
+    engine.cancel(request_id)
+    return await task, True
 
 
 class FutureEngine:
