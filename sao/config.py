@@ -344,7 +344,8 @@ class TrainSection(Section):
     threads: int | None = Field(None, ge=1)
     """Intra-op torch threads of each trainer worker. None: one in an asynchronous run (the replicas generate on
     the other CPUs while it updates); in a synchronous run, where nothing generates during an update, this
-    machine's CPUs shared among the workers. Replay uses the number the run trained with."""
+    machine's CPUs shared among the workers, counted when the run started (a resumed run keeps that count).
+    Replay uses the number the run trained with."""
     resources: dict[str, float] = Field(default_factory=lambda: default_of(TrainConfig, "resources_per_worker"))
     """Custom Ray resources each trainer worker needs, e.g. {trainer: 1}; empty: any node."""
     device: DeviceSetting = default_of(TrainConfig, "device")

@@ -37,7 +37,7 @@ from sao.train import checkpoint as checkpoints
 from sao.train.config import TrainConfig
 from sao.train.loop import StepReport, prepare_run
 from sao.train.pretrain import PretrainReport
-from sao.train.run_config import ReplayContext
+from sao.train.run_config import ReplayContext, read_run_config, run_config_path
 
 __all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "failure_counts", "finished", "math_tasks", "pipeline_config",
            "import_paths", "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
@@ -378,11 +378,15 @@ def _absolute_lake(lake: LakeConfig) -> LakeConfig:
 def trainer_threads(config: RunConfig) -> int:
     """``train.threads``, or its default: 1 for an asynchronous run, whose replicas generate while it
     updates; for a synchronous run, where nothing generates during an update, the CPUs this process may
-    run on shared among the trainer's workers."""
+    run on shared among the trainer's workers, counted when the run started: a resumed run keeps the
+    count its steps ran with (it is replay-relevant, :data:`sao.train.run_config.REPLAY_FIELDS`), on
+    another machine or with other ``train.workers`` too."""
     if config.train.threads is not None:
         return config.train.threads
     if not config.train.synchronous:
         return 1
+    if run_config_path(config.checkpoint_root).is_file():
+        return read_run_config(config.checkpoint_root).torch_threads
     return max(1, len(os.sched_getaffinity(0)) // config.train.workers)
 
 

@@ -37,6 +37,25 @@ def test_the_trainer_takes_every_cpu_only_when_nothing_generates_during_its_upda
     assert threads(threads=3) == 3 and threads(**sync, threads=1) == 1  # as set
 
 
+def test_a_resumed_synchronous_run_keeps_the_thread_count_its_steps_ran_with(tmp_path, monkeypatch):
+    # The count is replay-relevant (a stored run refuses another): a run started on 4 CPUs and resumed
+    # on 2, or with two workers, trains on with 4, instead of being refused inside the flow.
+    from sao.train.run_config import write_run_config
+
+    settings = RunConfig(run_id="r", workdir=str(tmp_path), lake={"root": str(tmp_path / "lake")},
+                         train={"synchronous": True, "max_staleness": 0})
+    monkeypatch.setattr(runs.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    first = runs.pipeline_config(settings, tmp_path / "sft").train
+    assert first.torch_threads == 4
+    write_run_config(first)  # what the run's start stored
+    monkeypatch.setattr(runs.os, "sched_getaffinity", lambda pid: {0, 1})
+    for resumed in (settings, settings.with_values({"train.workers": 2})):
+        train = runs.pipeline_config(resumed, tmp_path / "sft").train
+        assert train.torch_threads == 4
+        write_run_config(train)  # accepted: no RunConfigError
+    assert runs.pipeline_config(settings.with_values({"run_id": "other"}), tmp_path / "sft").train.torch_threads == 2
+
+
 def test_a_finished_run_is_recognised_until_more_steps_are_asked_for(tmp_path):
     settings = RunConfig(run_id="done", workdir=str(tmp_path), train={"steps": 4})
     assert runs.finished(settings) is None

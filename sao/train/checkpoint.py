@@ -122,7 +122,8 @@ def checkpoint_root_of(checkpoint_uri: str) -> Path | None:
 def registered_location(recorded_uri: str | None, root: str | Path, version: int) -> str:
     """The location to register version ``version`` of a run whose checkpoints are under ``root``:
     ``recorded_uri`` (its ``policy_versions`` row) when that names the same directory, directly or
-    through a link; the resolved path of :func:`checkpoint_dir` when the version has no row yet.
+    through a link; else the resolved path of :func:`checkpoint_dir` (the version has no row yet, or
+    its row names no absolute version directory: then the ledger compares the two rows).
 
     Raises:
         CheckpointMovedError: the version is registered somewhere else (the run's folder was moved or
@@ -135,8 +136,9 @@ def registered_location(recorded_uri: str | None, root: str | Path, version: int
     recorded = _local_path(recorded_uri)
     if recorded is not None and (recorded == here or recorded.resolve() == here):
         return recorded_uri
-    link = (f"; or, if {recorded.parent} is gone, link it to this run's: ln -s {here.parent} {recorded.parent}"
-            if recorded is not None else "")
+    if recorded is None or not recorded.is_absolute() or checkpoint_root_of(recorded_uri) is None:
+        return str(here)  # not a version directory a trainer registered: the ledger compares the rows as they are
+    link = f"; or, if {recorded.parent} is gone, link it to this run's: ln -s {here.parent} {recorded.parent}"
     raise CheckpointMovedError(
         f"version {version} of this run is registered at {recorded_uri}, not under this run's checkpoint root "
         f"{here.parent}: the lake records where each version's checkpoint is, and resume, replay and "

@@ -492,10 +492,10 @@ def prepare_run(cfg: TrainConfig) -> int:
     ``policy_versions`` row (version 0 from ``policy_path`` for a new run); returns that version.
     Rollouts of a run may start only after this (the lake refuses versions not yet registered)."""
     lake = Lake.open(cfg.lake)
-    write_run_config(cfg)
     resumed = last_committed_step(lake, cfg.run_id)
     step, version = (0, 0) if resumed is None else (resumed[0] + 1, resumed[1])
     uri = _registered_uri(lake, cfg, version)
+    write_run_config(cfg)
     policy, critic, state = _load_models(cfg, version)
     learner = Learner(cfg.update, policy, critic)
     if state is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,21 @@ def _jsonable(cfg: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(data))  # enums -> str, tuples -> lists: the form a reread gives
 
 
+def _places(value: Any) -> Any:
+    """``value`` with every absolute path that exists replaced by its real path: a run whose folder was
+    moved, and reached from where it was through a link, names the same task file and modules."""
+    if isinstance(value, dict):
+        return {key: _places(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_places(item) for item in value]
+    if isinstance(value, str) and value.startswith("/") and os.path.exists(value):
+        return os.path.realpath(value)
+    return value
+
+
 def write_run_config(cfg: TrainConfig) -> Path:
-    """Write ``cfg`` to ``<checkpoint_root>/run_config.json``, or check it against the stored one.
+    """Write ``cfg`` to ``<checkpoint_root>/run_config.json``, or check it against the stored one
+    (paths compared by where they lead: the stored file keeps the paths it was written with).
 
     Raises:
         RunConfigError: the stored file belongs to another run or differs in a field of
@@ -106,7 +120,7 @@ def write_run_config(cfg: TrainConfig) -> Path:
     if path.exists():
         stored = _upgraded(_read_json(path)["train"])
         differ = [f"{name}: stored {stored.get(name)!r}, given {current[name]!r}"
-                  for name in REPLAY_FIELDS if stored.get(name) != current[name]]
+                  for name in REPLAY_FIELDS if _places(stored.get(name)) != _places(current[name])]
         if differ:
             raise RunConfigError(
                 f"{path} records run {stored.get('run_id')!r} with other settings than this trainer's; "

@@ -1,8 +1,11 @@
 """A run whose folder was moved after it registered checkpoints: the start is refused before anything
 loads, naming where the lake says the versions are and where the run now looks; with the old place
-linked to the new one, the run resumes and its audit verifies every checkpoint, old and new."""
+linked to the new one, the run resumes (its stored configuration's task file and module folders lead
+to the same places) and its audit verifies every checkpoint, old and new."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ from sao.lake.store import Lake
 from sao.lake.synthetic import make_trajectory
 from sao.lake.writer import TrajectoryWriter
 from sao.train.checkpoint import CheckpointMovedError
-from sao.train.config import TrainConfig, UpdateConfig
+from sao.train.config import ReplayContext, TrainConfig, UpdateConfig
 from sao.train.loop import prepare_run, run_training
 
 RUN = "moved"
@@ -27,14 +30,23 @@ def settings(root) -> RunConfig:
 
 
 def trainer(root, policy_dir, steps: int) -> TrainConfig:
+    """The trainer's config as `sao train` builds it: absolute paths, the run's task file and the folder
+    of its reward module among them (what trajectory replay reads)."""
     run = settings(root)
-    return TrainConfig(run_id=RUN, lake=LakeConfig(root=run.lake.root), checkpoint_root=str(run.checkpoint_root),
-                       policy_path=str(policy_dir), update=UpdateConfig(token_budget=4096), batch_size=4,
-                       max_staleness=8, total_steps=steps, app_name=None, wait_timeout_s=60, poll_s=0.02)  # fmt: skip
+    context = ReplayContext(tasks_path=str((run.run_dir / "tasks.jsonl").resolve()),
+                            env_options={"dataset": {"rewards": ["my_rewards:correct"],
+                                                     "paths": [str((root / "project").resolve())]}})
+    return TrainConfig(run_id=RUN, lake=LakeConfig(root=str(Path(run.lake.root).resolve())),
+                       checkpoint_root=str(run.checkpoint_root.resolve()), policy_path=str(policy_dir),
+                       update=UpdateConfig(token_budget=4096), batch_size=4, max_staleness=8, total_steps=steps,
+                       app_name=None, wait_timeout_s=60, poll_s=0.02, rollout=context)  # fmt: skip
 
 
 def test_a_moved_run_is_refused_naming_both_places_and_resumes_once_linked(tmp_path, policy_dir, one_thread):
     old, new = tmp_path / "old", tmp_path / "new"
+    (old / "project").mkdir(parents=True)
+    (old / "runs" / RUN).mkdir(parents=True)
+    (old / "runs" / RUN / "tasks.jsonl").write_text("")
     cfg = trainer(old, policy_dir, steps=2)
     prepare_run(cfg)
     rng = np.random.default_rng(3)
