@@ -157,8 +157,8 @@ def train(config: RunConfig = RunConfig(), sources: dict[str, str] | None = None
     came from (recorded with the config in the lake's ``runs`` table)."""
     settings = config
     run_id = config.run_id
+    runs.check_resume(config)  # settings that may not change are refused before anything is written (as `sao train`)
     runs.prepare_inputs(config)  # the user's model, tasks and reward functions, checked before anything starts
-    runs.check_resume(config)  # settings that may not change are refused, a finished run's too (as `sao train`)
     done = runs.finished(settings)
     if done is not None:
         get_run_logger().info("run %s finished already (%d steps, version %d); nothing to do",

@@ -30,7 +30,7 @@ from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
 from sao.lake.ledger import newest_policy_version, registered_checkpoint
-from sao.lake.store import Lake, is_valid_run_id
+from sao.lake.store import Lake, LakeNotFoundError, is_valid_run_id
 from sao.pipeline import PipelineConfig, PipelineResult, run_pipeline
 from sao.runtime import init_ray
 from sao.train import checkpoint as checkpoints
@@ -228,7 +228,11 @@ def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple
             each with its recorded and its new value. Or the run's checkpoints are registered outside
             its checkpoint root (a moved run folder: :func:`~sao.train.checkpoint.registered_location`).
     """
-    lake = lake or Lake.open(config.lake_config())
+    if lake is None:
+        try:
+            lake = Lake.open(config.lake_config(), create=False)  # a check writes nothing, not even a new lake
+        except LakeNotFoundError:
+            return None  # no lake yet: nothing recorded, this is the run's start
     _check_checkpoint_location(config, lake)
     stored = latest_config(lake, config.run_id)
     if stored is None:

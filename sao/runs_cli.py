@@ -85,15 +85,18 @@ def run_or_resume(config: RunConfig, sources: dict[str, str] | None = None) -> N
     from sao import interrupt, runs
     from sao.config import ConfigError
     from sao.data import DataError
+    from sao.envs.verifiers_env import VerifiersError
     from sao.models.policy import ModelDirectoryError
     from sao.prefect_server import PrefectServerError
     from sao.rewards import RewardImportError
+    from sao.rollout.user_agent import AgentImportError
     from sao.rollout.vllm_engine import VLLMEnvironmentError
 
     try:
+        runs.check_resume(config)  # first: a refused start writes nothing, the run's task file included
         runs.prepare_inputs(config)
-        runs.check_resume(config)
-    except (ConfigError, DataError, RewardImportError, ModelDirectoryError, VLLMEnvironmentError) as error:
+    except (ConfigError, DataError, RewardImportError, AgentImportError, VerifiersError, ModelDirectoryError,
+            VLLMEnvironmentError) as error:
         raise fail(str(error)) from None
     done = runs.finished(config)
     if done is not None:

@@ -130,3 +130,32 @@ def test_training_without_the_flows_extra_says_which_extra(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prefect" else find_spec(name, *a))
     usage_error(["train"], "`sao train` runs through the Prefect flows, which need the extra `flows`: pip install 'sao[flows]'")
+
+
+def _tasks(tmp_path) -> str:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(f'{{"prompt": "What is {n} + 1?", "answer": "{n + 1}"}}\n' for n in range(20)))
+    return str(path)
+
+
+def test_an_agent_that_cannot_be_imported_is_a_usage_error(tmp_path):
+    # Before, an AgentImportError (like a VerifiersError) went out as a traceback with exit 1.
+    where = ["--workdir", str(tmp_path / "runs"), "--set", f"lake.root={tmp_path / 'lake'}",
+             "--set", f"data.train={_tasks(tmp_path)}"]
+    usage_error(["train", *where, "--set", "env.agent=no_such_module_here:agent"], "no_such_module_here")
+    usage_error(["train", *where, "--set", "env.agent=sao.rewards:exact_match"],
+                "must be an async function agent(client, task)")
+
+
+def test_a_refused_start_writes_nothing(tmp_path):
+    from sao import runs
+    from sao.config import RunConfig
+
+    where = ["--workdir", str(tmp_path / "runs"), "--set", f"lake.root={tmp_path / 'lake'}"]
+    usage_error(["train", *where, "--set", f"data.train={tmp_path / 'missing.jsonl'}"], "missing.jsonl")
+    assert not (tmp_path / "lake").exists()  # a new run refused for its input: no empty lake either
+    runs.record_start(RunConfig(run_id="demo", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")}))
+    # The run started on the built-in tasks; resumed with tasks of one's own, it is refused before the
+    # task file is written (before, the run's folder got tasks.jsonl from the refused start).
+    usage_error(["train", *where, "--set", f"data.train={_tasks(tmp_path)}"], "data.train: recorded None")
+    assert not (tmp_path / "runs" / "demo" / "tasks.jsonl").exists()
