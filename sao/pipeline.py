@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import pyarrow.compute as pc
+
 from sao import interrupt
 from sao.envs.base import Task
 from sao.lake.config import WriterConfig
@@ -50,8 +52,9 @@ from sao.runtime import RayConfig, init_ray
 from sao.train.checkpoint import policy_dir
 from sao.train.config import TrainConfig
 from sao.train.loop import StepReport, last_committed_step, prepare_run
+from schemas.vocabulary import TerminationReason
 
-__all__ = ["PipelineConfig", "PipelineResult", "run_pipeline", "task_stream"]
+__all__ = ["PipelineConfig", "PipelineResult", "collect_rollouts", "collected", "run_pipeline", "task_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +385,18 @@ def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker
         raise outcome["error"]
 
 
+def collected(lake: Lake, run_id: str) -> tuple[int, int]:
+    """(rows stored, rows not ``cancelled``) of the data run ``run_id``: how far along its seeded task
+    stream it is, and how many of its rollouts count towards what :func:`collect_rollouts` was asked
+    for. A rollout cancelled by a Ctrl-C is stored with no tokens and never fitted on, so the next task
+    of the stream is rolled out in its place: an interrupted run ends with as many samples as one that
+    was not (an ``error`` end is the policy's, and counts)."""
+    ends = lake.read_run("trajectories", run_id, ["termination_reason"])["termination_reason"]
+    if len(ends) == 0:
+        return 0, 0
+    return len(ends), len(ends) - pc.sum(pc.equal(ends, TerminationReason.CANCELLED.value)).as_py()
+
+
 def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, count: int, *,
                      on_record: Callable[[object], None] | None = None,
                      on_progress: Callable[[str], None] | None = None) -> DriverStats:
@@ -396,8 +411,8 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     lake = Lake.open(cfg.train.lake)
     issuer_id = f"{run_id}-driver"
     relaunch = _relaunches(lake, run_id, issuer_id, tasks)  # closes out a dead predecessor's rollouts
-    stored = lake.read_run("trajectories", run_id, ["trajectory_id"]).num_rows
-    missing = count - stored
+    stored, usable = collected(lake, run_id)
+    missing = count - usable
     if missing <= 0:
         return DriverStats()
     relaunch = relaunch[:missing]
@@ -412,7 +427,7 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     writer = TrajectoryWriter(lake, cfg.writer_config(), writer_id=issuer_id, before_flush=issue_log.flush_for)
     driver = RolloutDriver(handle, writer, run_id, DriverConfig(max_in_flight=cfg.max_in_flight, seed=cfg.seed),
                            on_record=_shown_every(10.0, Progress("value pretraining:", count, "version-0 rollouts",
-                                                                 start=stored), stored, on_record,
+                                                                 start=usable), usable, on_record,
                                                   on_progress or log.info),
                            issue_log=issue_log)
     try:

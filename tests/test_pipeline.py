@@ -134,3 +134,31 @@ def test_a_synchronous_grpo_run_trains_whole_groups_of_its_own_version(tmp_path,
         assert sorted(collections.Counter(r["task_id"] for r in batch).values()) == [4, 4]  # two whole groups
     # the run launches one batch per version: nothing beyond the last batch and the one the stop drained
     assert result.driver.launched <= 8 * 4
+
+
+def test_value_pretraining_data_rolls_out_again_what_a_ctrl_c_cancelled(tmp_path):
+    # collect_rollouts counted every stored row, so the rows a Ctrl-C stored as `cancelled` (no tokens,
+    # never fitted on) were counted as samples: each interrupted collection fitted the critic on fewer.
+    import numpy as np
+
+    from sao.lake.config import WriterConfig
+    from sao.lake.ledger import register_policy_version
+    from sao.lake.records import PolicyVersionRecord
+    from sao.lake.store import Lake
+    from sao.lake.synthetic import make_trajectory
+    from sao.lake.writer import TrajectoryWriter
+    from sao.pipeline import collected
+    from sao.rollout.driver import failed_record
+
+    lake = Lake.open(str(tmp_path / "lake"))
+    assert collected(lake, "r-v0") == (0, 0)
+    register_policy_version(lake, PolicyVersionRecord("r-v0", 0, "ckpt/0", "sha256:0"))
+    rng = np.random.default_rng(0)
+    task = generate_tasks(MathToolConfig(num_train=1, num_heldout=1, seed=0))[0]
+    records = [make_trajectory(rng, run_id="r-v0", num_tokens=20, prompt_tokens=8) for _ in range(5)]
+    records += [failed_record(task, "r-v0", f"c{k}", "the run was stopped (Ctrl-C)", reason="cancelled")
+                for k in range(3)]
+    records += [failed_record(task, "r-v0", "e0", "the reward raised", reason="error")]
+    with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
+        writer.add_many(records)
+    assert collected(lake, "r-v0") == (9, 6)  # 9 along the task stream; the 3 cancelled are rolled out again
