@@ -138,7 +138,10 @@ def registered_location(recorded_uri: str | None, root: str | Path, version: int
         return recorded_uri
     if recorded is None or not recorded.is_absolute() or checkpoint_root_of(recorded_uri) is None:
         return str(here)  # not a version directory a trainer registered: the ledger compares the rows as they are
-    link = f"; or, if {recorded.parent} is gone, link it to this run's: ln -s {here.parent} {recorded.parent}"
+    was, now = recorded.parent, here.parent
+    while was.name == now.name and was.parent != was and now.parent != now:  # the folder that moved
+        was, now = was.parent, now.parent
+    link = f"; or, if {was} is gone, link it to where it is now: ln -s {now} {was}"
     raise CheckpointMovedError(
         f"version {version} of this run is registered at {recorded_uri}, not under this run's checkpoint root "
         f"{here.parent}: the lake records where each version's checkpoint is, and resume, replay and "

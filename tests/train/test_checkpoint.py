@@ -85,7 +85,7 @@ def test_a_registered_version_keeps_its_location_only_when_the_root_reaches_it(t
         registered_location(recorded, here, 2)
     message = str(error.value)
     assert f"registered at {recorded}" in message and f"checkpoint root {here.resolve()}" in message
-    assert f"ln -s {here.resolve()} {tmp_path / 'a' / 'checkpoints'}" in message
+    assert f"ln -s {(tmp_path / 'b').resolve()} {tmp_path / 'a'}" in message  # the folder that moved
     # Rows no trainer of this layout wrote (a remote URI, a relative path, a bare policy directory) are
     # left to the ledger, which compares them with the new row as they are.
     for other in ("s3://bucket/checkpoints/v000002", "ckpt/v000002", str(tmp_path / "sft")):
