@@ -445,12 +445,33 @@ class RunConfig(Section):
                              "own loop")
         if self.env.verifiers is not None and (self.data.train is not None or self.env.agent):
             raise ValueError("env.verifiers brings its own tasks and rollout loop: leave data.train and env.agent unset")
+        ignored = self._ignored_settings()
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} would be ignored: "
+                             + ("env.verifiers brings its own tasks, rewards and tools"
+                                if self.env.verifiers is not None else
+                                "they set up the tasks of data.train, and without it the run trains on the built-in "
+                                "math_tool task, with its own reward and tool"))
         if self.sft.data is not None and self.model.path is None:
             raise ValueError("sft.data is for a model of one's own (model.path); the built-in policy is warm-started "
                              "on its own demonstrations")
         if self.value_pretraining.samples == 1:
             raise ValueError("value_pretraining.samples must be 0 (no value pretraining) or >= 2, got 1")
         return self
+
+    def _ignored_settings(self) -> list[str]:
+        """The task, reward and tool settings set away from their defaults where nothing reads them: every
+        one without ``data.train`` (the built-in math_tool task), those of rewards and tools with
+        ``env.verifiers``."""
+        if self.data.train is not None:
+            return []
+        default = {"data": DataSection(), "reward": RewardSection(), "env": EnvSection()}
+        keys = [("reward", "functions"), ("reward", "weights"), ("env", "tools"), ("env", "max_tool_calls"),
+                ("env", "system_prompt")]
+        if self.env.verifiers is None:
+            keys += [("data", "eval"), ("data", "eval_fraction")]
+        return [f"{section}.{key}" for section, key in keys
+                if getattr(getattr(self, section), key) != getattr(default[section], key)]
 
     # Where the run's files go.
     @property

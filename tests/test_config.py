@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from sao import runs
@@ -181,7 +182,8 @@ def test_a_resume_may_change_only_the_safe_keys(tmp_path):
 
 
 def test_a_key_added_after_a_run_started_is_no_change_at_its_default(tmp_path, monkeypatch):
-    base = RunConfig(run_id="r", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")})
+    base = RunConfig(run_id="r", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")},
+                     data={"train": str(tmp_path / "tasks.jsonl")})
     lake = Lake.open(base.lake_config())
     runs.record_start(base, lake=lake)
     older = base.public()
@@ -225,3 +227,23 @@ def test_sao_train_refuses_a_bad_config_before_anything_starts(tmp_path):
     assert "train.stepz: unknown key" in result.stderr and "train.steps: Input should be greater than or equal to 0 " \
         "(got -1) [from --steps]" in result.stderr
     assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"reward": {"functions": ["my_rewards:correct"]}}, "reward.functions"),
+    ({"reward": {"weights": [2.0]}}, "reward.weights"),
+    ({"data": {"eval": "heldout.jsonl"}}, "data.eval"),
+    ({"data": {"eval_fraction": 0.2}, "env": {"tools": ["shop:price"]}}, "env.tools, data.eval_fraction"),
+    ({"env": {"max_tool_calls": 0, "system_prompt": "Be brief."}}, "env.max_tool_calls, env.system_prompt"),
+])
+def test_task_reward_and_tool_settings_without_data_train_are_refused_not_ignored(settings, named):
+    # Before, the run trained on the built-in math_tool task and its own reward with these accepted.
+    with pytest.raises(ValidationError, match=f"{named} would be ignored: they set up the tasks of data.train"):
+        RunConfig(**settings)
+    assert RunConfig(**settings | {"data": {"train": "tasks.jsonl", **settings.get("data", {})}})
+
+
+def test_reward_and_tool_settings_beside_a_verifiers_environment_are_refused():
+    with pytest.raises(ValidationError, match="reward.functions would be ignored: env.verifiers brings its own"):
+        RunConfig(env={"verifiers": {"id": "my_env"}}, reward={"functions": ["my_rewards:correct"]})
+    assert RunConfig(env={"verifiers": {"id": "my_env"}}, data={"eval_fraction": 0.2})  # its held-out share
