@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -263,9 +264,10 @@ def prune_checkpoint(root: str | Path, version: int, parts: tuple[str, ...]) -> 
     return now
 
 
-def replace_critic(root: str | Path, version: int, critic: Critic) -> Path:
+def replace_critic(root: str | Path, version: int, critic: Critic, files: Mapping[str, str] | None = None) -> Path:
     """Write ``critic`` as the critic of complete version ``version`` (value pretraining writes the
-    version-0 critic); the old one is swapped out only once the new one is fully written."""
+    version-0 critic); the old one is swapped out only once the new one is fully written, ``files``
+    (name -> text: value pretraining's report) inside it, so that they appear with it or not at all."""
     path = checkpoint_dir(root, version)
     if not (path / _COMPLETE).exists():
         raise FileNotFoundError(f"checkpoint of version {version} at {path} is missing or incomplete")
@@ -275,6 +277,8 @@ def replace_critic(root: str | Path, version: int, critic: Critic) -> Path:
         if leftover.exists():
             shutil.rmtree(leftover)
     save_critic(critic, fresh)
+    for name, text in (files or {}).items():
+        (fresh / name).write_text(text)
     if (path / "critic").exists():
         (path / "critic").rename(old)
     fresh.rename(path / "critic")

@@ -293,12 +293,15 @@ def _train_func(config: dict) -> None:
     steps, _ = fit_critic(learner, batches, pcfg.epochs, pcfg.target)
     loss_after, explained_after = value_metrics(learner.critic, heldout, update)
     if rank == 0:
-        path = replace_critic(cfg.checkpoint_root, 0, learner.critic)
+        path = critic_dir(cfg.checkpoint_root, 0)
         report = {**config["report"], "num_heldout": len(heldout), "optimizer_steps": steps,
                   "loss_before": loss_before, "loss_after": loss_after,
                   "explained_variance_before": explained_before, "explained_variance_after": explained_after,
                   "critic_path": str(path.resolve()), "seconds": time.perf_counter() - started}
-        (path / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        # The report marks the critic done: it goes in with the critic, so a crash between them cannot
+        # leave a fitted critic that a resumed run would fit again (or a report without its critic).
+        replace_critic(cfg.checkpoint_root, 0, learner.critic,
+                       files={REPORT_FILE: json.dumps(report, indent=2, sort_keys=True) + "\n"})
 
 
 def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,

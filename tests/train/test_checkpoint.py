@@ -40,8 +40,9 @@ def test_a_critic_replacement_killed_between_its_renames_keeps_the_old_critic(tm
     # The replacement, run again, completes and leaves nothing beside.
     with torch.no_grad():
         next(critic.parameters()).add_(1.0)
-    replace_critic(tmp_path, 0, critic)
+    replace_critic(tmp_path, 0, critic, files={"report.json": "{}\n"})
     assert sorted(p.name for p in path.iterdir() if p.name.startswith("critic")) == ["critic"]
+    assert (path / "critic" / "report.json").read_text() == "{}\n"  # swapped in with the critic it reports
     again = load_checkpoint(tmp_path, 0).critic
     assert torch.equal(next(again.parameters()), next(critic.parameters()))
 
