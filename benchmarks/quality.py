@@ -710,7 +710,7 @@ def _validation_accuracy(settings, version: int, tasks: list) -> float:
     path = runs.policy_dir(settings, version)
     result = evaluate_math(load_policy(path), load_tokenizer(path), tasks,
                            EvalConfig(num_tasks=len(tasks), seed=settings.eval_seed,
-                                      max_turns=settings.rollout.max_turns),
+                                      max_tokens=settings.rollout.max_tokens, max_turns=settings.rollout.max_turns),
                            env_factory=lambda task: make_env(task.env))
     return result.accuracy
 

@@ -564,7 +564,7 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
     "rollout.max_in_flight": ((PipelineConfig, "max_in_flight"), (DriverConfig, "max_in_flight")),
     "rollout.group_size": ((PipelineConfig, "group_size"),),
     "rollout.cancel_stale": ((PipelineConfig, "cancel_stale"), (DriverConfig, "cancel_stale")),
-    "rollout.max_tokens": ((AgentConfig, "max_tokens"),),
+    "rollout.max_tokens": ((AgentConfig, "max_tokens"), (EvalConfig, "max_tokens")),
     "rollout.max_turns": ((AgentConfig, "max_turns"), (EvalConfig, "max_turns")),
     "rollout.timeout_s": ((AgentConfig, "timeout_s"),),
     "rollout.temperature": ((AgentConfig, "temperature"),),

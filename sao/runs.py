@@ -511,14 +511,19 @@ def policy_dir(config: RunConfig, version: int) -> Path:
 
 
 def evaluate(config: RunConfig, version: int) -> Evaluation:
-    """Sampled accuracy (temperature 1, the policy's own distribution) of ``version`` on held-out tasks.
-    Kept under the run's folder, so a resumed run does not evaluate a version again (the evaluation is
-    seeded: the same version, tasks and seed give the same figure)."""
+    """Sampled accuracy (temperature 1, the policy's own distribution) of ``version`` on held-out tasks,
+    each episode within the budgets a rollout of the run has (``rollout.max_tokens`` over its whole
+    completion, ``rollout.max_turns`` action segments). Kept under the run's folder, so a resumed run
+    does not evaluate a version again (the evaluation is seeded: the same version, tasks and seed give
+    the same figure; the budgets cannot change on a resume)."""
     from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
     from sao.train.evaluate import EvalConfig, evaluate_math
 
-    kept = config.run_dir / "evaluations" / f"v{version:06d}-tasks{config.eval.tasks}-seed{config.eval_seed}.json"
+    # Named by what decides the figure: an evaluation kept with other budgets (or by an evaluation that
+    # gave a reply 48 tokens, before it had a rollout's budgets) is not reused.
+    kept = config.run_dir / "evaluations" / (f"v{version:06d}-tasks{config.eval.tasks}-seed{config.eval_seed}"
+                                             f"-tokens{config.rollout.max_tokens}-turns{config.rollout.max_turns}.json")
     if kept.exists():
         fields = json.loads(kept.read_text())
         return Evaluation(**fields | {"rewards": tuple(fields.get("rewards", ()))})
@@ -534,7 +539,7 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     tasks = run_tasks(config, Split.HELDOUT)
     result = evaluate_math(load_policy(path), tokenizer, tasks,
                            EvalConfig(num_tasks=config.eval.tasks, seed=config.eval_seed,
-                                      max_turns=config.rollout.max_turns),
+                                      max_tokens=config.rollout.max_tokens, max_turns=config.rollout.max_turns),
                            env_factory=environment)
     reward_of = {episode.task_id: episode.reward for episode in result.episodes}
     evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks,

@@ -111,7 +111,8 @@ def test_the_evaluation_samples_with_eval_seed_and_else_with_the_runs_seed(tmp_p
         settings = RunConfig(run_id="e", workdir=str(tmp_path / str(seed)), seed=seed, eval={"seed": eval_seed})
         assert runs.evaluate(settings, 0).accuracy == 0.5
         expected = seed if eval_seed is None else eval_seed
-        assert (settings.run_dir / "evaluations" / f"v000000-tasks{settings.eval.tasks}-seed{expected}.json").exists()
+        assert (settings.run_dir / "evaluations" / f"v000000-tasks{settings.eval.tasks}-seed{expected}"
+                f"-tokens{settings.rollout.max_tokens}-turns{settings.rollout.max_turns}.json").exists()
     assert seen == [7, 3, 3]
 
 
@@ -176,3 +177,24 @@ def test_only_the_built_in_tool_loop_needs_the_projects_tool_tokens(tmp_path):
     assert runs.needs_tool_tokens(own) and not runs.needs_tool_tokens(own.with_values({"env.max_tool_calls": 0}))
     assert not runs.needs_tool_tokens(own.with_values({"env.agent": "my_agent:run"}))
     assert not runs.needs_tool_tokens(base.with_values({"env.verifiers": {"id": "some-env"}}))
+
+
+def test_the_evaluation_gives_each_episode_the_budgets_of_a_rollout(tmp_path, monkeypatch):
+    """An evaluated episode may spend what a rollout of the run may (``rollout.max_tokens`` over its
+    whole completion, ``rollout.max_turns`` segments), so a model that reasons at length is scored on
+    the answers it is trained to give."""
+    import sao.models.policy as policy
+    import sao.models.tokenizer as tokenizer
+    import sao.train.evaluate as evaluate
+    from sao.train.evaluate import EvalResult
+
+    seen = []
+    monkeypatch.setattr(policy, "load_policy", lambda path: None)
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(runs, "run_tasks", lambda config, split: [])
+    monkeypatch.setattr(evaluate, "evaluate_math", lambda model, tok, tasks, config, env_factory: seen.append(
+        config) or EvalResult(accuracy=0.5, stderr=0.1, num_tasks=4, mean_tool_calls=1.0, terminations={},
+                              wall_s=0.0, episodes=()))
+    settings = RunConfig(run_id="b", workdir=str(tmp_path), rollout={"max_tokens": 1000, "max_turns": 3})
+    runs.evaluate(settings, 0)
+    assert (seen[0].max_tokens, seen[0].max_turns) == (1000, 3)

@@ -1,7 +1,9 @@
 """A small multi-turn evaluator: sampled accuracy of a policy on math_tool tasks, with the real tool loop.
 
 Each episode runs the same loop the rollout engine will (prompt, action segment until a stop id,
-sandboxed tool call, observation segment, ...), on batches of episodes in lock-step. Sampling is plain
+sandboxed tool call, observation segment, ...), on batches of episodes in lock-step, with the same
+budgets (``max_tokens`` over the whole completion, ``max_turns`` action segments) and the same ends (a
+reward function that fails ends its episode with ``error`` and reward 0). Sampling is plain
 ancestral sampling from ``softmax(logits / temperature)`` (no top-k / top-p), with a KV cache within
 each action segment and a seeded generator, so a run is reproducible. This is the reference used to
 report SFT quality; the batched, asynchronous rollout engine lives in :mod:`sao.rollout`.
@@ -12,6 +14,7 @@ Notation: B episodes in a batch, L context tokens (left-padded), V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections import Counter
@@ -24,9 +27,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from sao.envs.base import StepResult, Task, Termination
 from sao.envs.math_tool import MathToolConfig, MathToolEnv
 from sao.models.chat import ChatTokens, observation_ids, prompt_ids
+from sao.rewards import RewardError
 
 __all__ = ["EvalConfig", "EvalResult", "Episode", "action_segments", "evaluate_math", "run_math_episodes",
            "sample_segments"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +42,10 @@ class EvalConfig:
     Attributes:
         num_tasks: held-out tasks evaluated (the first ``num_tasks`` of the list given).
         temperature: sampling temperature (1.0: the policy's own distribution).
-        max_new_tokens: token budget of one action segment; reaching it ends the episode (``length``).
+        max_tokens: token budget of an episode's completion, sampled and observation tokens together
+            (a run's ``rollout.max_tokens``, as :class:`sao.rollout.agent.AgentConfig` spends it): each
+            action segment may sample what is left of it, and an episode that spends it, or whose next
+            observation would not fit in it, ends with ``length``.
         max_turns: action segments per episode; running out ends it (``turns``).
         batch_size: episodes decoded together.
         seed: seeds the sampler.
@@ -45,14 +54,14 @@ class EvalConfig:
 
     num_tasks: int = 500
     temperature: float = 1.0
-    max_new_tokens: int = 48
+    max_tokens: int = 192
     max_turns: int = 4
     batch_size: int = 64
     seed: int = 0
     tool_workers: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("num_tasks", "max_new_tokens", "max_turns", "batch_size", "tool_workers"):
+        for name in ("num_tasks", "max_tokens", "max_turns", "batch_size", "tool_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature > 0:
@@ -70,6 +79,7 @@ class Episode:
         tool_calls: tool calls made.
         token_ids: prompt and every segment after it.
         action_mask: 1 at sampled tokens, 0 at prompt and observation tokens (same length as token_ids).
+        error: what failed, for an episode that ended with ``error`` (a reward function); else None.
     """
 
     task_id: str
@@ -78,6 +88,7 @@ class Episode:
     tool_calls: int
     token_ids: tuple[int, ...]
     action_mask: tuple[int, ...]
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +123,7 @@ def sample_segments(
     contexts: Sequence[Sequence[int]],
     *,
     stop_token_ids: Sequence[int],
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     temperature: float,
     generator: torch.Generator,
     pad_id: int,
@@ -121,9 +132,14 @@ def sample_segments(
 
     The contexts are left-padded into one (B, L) batch; positions count real tokens only, so every row
     sees exactly the positions it would alone. Decoding stops for a row at a stop id or after
-    ``max_new_tokens`` (``stopped`` False).
+    ``max_new_tokens`` (``stopped`` False): one limit for every row, or one per row (what is left of
+    each episode's budget). A row that stops early leaves the draws of the others as they were.
     """
     batch = len(contexts)
+    limits = [max_new_tokens] * batch if isinstance(max_new_tokens, int) else [int(n) for n in max_new_tokens]
+    if len(limits) != batch or min(limits, default=1) < 1:
+        raise ValueError(f"sample_segments: need a limit >= 1 for each of {batch} contexts, got {max_new_tokens!r}")
+    limit = torch.tensor(limits, dtype=torch.long)
     width = max(len(c) for c in contexts)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((batch, width), dtype=torch.long)
@@ -137,13 +153,13 @@ def sample_segments(
     with torch.inference_mode():
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
         next_position = position_ids[:, -1:] + 1
-        for _ in range(max_new_tokens):
+        for step in range(max(limits)):
             probs = torch.softmax(out.logits[:, -1, :].float() / temperature, dim=-1)
             sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
             sampled = torch.where(finished, torch.full_like(sampled, pad_id), sampled)
             for row in (~finished).nonzero().flatten().tolist():
                 tokens[row].append(int(sampled[row]))
-            finished |= torch.isin(sampled, stops)
+            finished |= torch.isin(sampled, stops) | (limit <= step + 1)
             if bool(finished.all()):
                 break
             attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
@@ -165,8 +181,39 @@ class _State:
     task: Task
     ids: list[int]
     mask: list[int]
+    prompt_length: int
     result: StepResult | None = None
     termination: Termination | None = None
+    error: str | None = None
+
+    def remaining(self, max_tokens: int) -> int:
+        """What is left of the episode's completion budget (sampled and observation tokens)."""
+        return max_tokens - (len(self.ids) - self.prompt_length)
+
+
+def _step(state: _State, text: str) -> StepResult | None:
+    """The environment's answer to an action; None when a reward function failed (the message is kept
+    in ``state.error``): the episode ends with ``error``, as a trajectory does (sao.rewards), and the
+    evaluation goes on. Any other exception is a fault of the evaluation itself and propagates."""
+    try:
+        return state.env.step(text)
+    except RewardError as error:
+        state.error = str(error)
+        log.warning("evaluation of task %s: %s", state.task.task_id, error)
+        return None
+
+
+def _turn_text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int], chat: ChatTokens) -> str:
+    """The action text an environment steps on: the segment decoded with special tokens kept, less a
+    closing end-of-turn token of the plain format (``<|eot_id|>``, ``<end_of_turn>``, ...), which ends
+    the turn and is no part of the reply: the chat endpoint leaves it out of what the rollout's
+    environment steps on (``ChatEndpoint.reply``), and a reward given it would compare
+    ``'42<|eot_id|>'`` with ``'42'``. This format's tokenizer has no such ids (``end_ids`` is empty):
+    its text keeps its ``<|im_end|>`` as before, which every built-in environment reads past itself."""
+    text = tokenizer.decode(list(tokens), skip_special_tokens=False)
+    if tokens and tokens[-1] in chat.end_ids:
+        text = text[: len(text) - len(tokenizer.decode([tokens[-1]], skip_special_tokens=False))]
+    return text
 
 
 def run_math_episodes(
@@ -179,7 +226,9 @@ def run_math_episodes(
 ) -> list[Episode]:
     """Run one sampled episode per task (multi-turn, real sandboxed tool) and return them in order.
     ``env_factory``: the environment of a task (default: math_tool with ``env_config``); it must
-    follow math_tool's action format and count ``tool_calls`` (the ``dataset`` environment does)."""
+    follow math_tool's action format and count ``tool_calls`` (the ``dataset`` environment does).
+    Budgets and ends as a rollout's (:class:`EvalConfig`); a step whose reward function fails ends
+    its episode with ``error`` and reward 0 (:class:`sao.rewards.RewardError`)."""
     config = config or EvalConfig()
     chat = ChatTokens.from_tokenizer(tokenizer)
     generator = torch.Generator().manual_seed(config.seed)
@@ -187,11 +236,14 @@ def run_math_episodes(
     for task in tasks:
         env = MathToolEnv(env_config) if env_factory is None else env_factory(task)
         context = prompt_ids(tokenizer, env.reset(task))
-        states.append(_State(env, task, context, [0] * len(context)))
+        states.append(_State(env, task, context, [0] * len(context), len(context)))
     was_training = model.training
     model.eval()
     with ThreadPoolExecutor(config.tool_workers) as pool:
         for _ in range(config.max_turns):
+            for state in states:  # the budget is checked before the turn count, as in the agent loop
+                if state.termination is None and state.remaining(config.max_tokens) <= 0:
+                    state.termination = Termination.LENGTH
             active = [s for s in states if s.termination is None]
             for start in range(0, len(active), config.batch_size):
                 chunk = active[start : start + config.batch_size]
@@ -199,15 +251,14 @@ def run_math_episodes(
                     model,
                     [s.ids for s in chunk],
                     stop_token_ids=chat.stop_token_ids,
-                    max_new_tokens=config.max_new_tokens,
+                    max_new_tokens=[s.remaining(config.max_tokens) for s in chunk],
                     temperature=config.temperature,
                     generator=generator,
                     pad_id=chat.pad_id,
                 )
-                texts = [tokenizer.decode(tokens, skip_special_tokens=False) for tokens, _ in segments]
                 stepped = [s for s, (_, stopped) in zip(chunk, segments, strict=True) if stopped]
-                step_texts = [t for t, (_, stopped) in zip(texts, segments, strict=True) if stopped]
-                results = dict(zip(map(id, stepped), pool.map(lambda s, t: s.env.step(t), stepped, step_texts), strict=True))
+                step_texts = [_turn_text(tokenizer, tokens, chat) for tokens, stopped in segments if stopped]
+                results = dict(zip(map(id, stepped), pool.map(_step, stepped, step_texts), strict=True))
                 for state, (tokens, stopped) in zip(chunk, segments, strict=True):
                     state.ids += tokens
                     state.mask += [1] * len(tokens)
@@ -215,10 +266,15 @@ def run_math_episodes(
                         state.termination = Termination.LENGTH
                         continue
                     result = results[id(state)]
-                    if result.done:
+                    if result is None:
+                        state.termination = Termination.ERROR
+                    elif result.done:
                         state.result, state.termination = result, result.termination
                     else:
                         observation = observation_ids(tokenizer, result.observation)
+                        if state.remaining(config.max_tokens) < len(observation):  # not appended
+                            state.termination = Termination.LENGTH
+                            continue
                         state.ids += observation
                         state.mask += [0] * len(observation)
     model.train(was_training)
@@ -226,10 +282,12 @@ def run_math_episodes(
         Episode(
             task_id=s.task.task_id,
             reward=s.result.reward if s.result is not None else 0.0,
-            termination=s.termination or Termination.TURNS,
+            termination=s.termination or (Termination.LENGTH if s.remaining(config.max_tokens) <= 0
+                                          else Termination.TURNS),
             tool_calls=s.env.tool_calls,
             token_ids=tuple(s.ids),
             action_mask=tuple(s.mask),
+            error=s.error,
         )
         for s in states
     ]
