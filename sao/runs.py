@@ -138,9 +138,11 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
     _check_answers(config, tasks)
     try:
         ensure_tasks(tasks_path(config), tasks)
-    except ValueError as error:
-        raise DataError(f"{error} (the run's tasks were copied there when it started: resume with the same "
-                        "data, or start a new run)") from None
+    except ValueError:
+        source = "env.verifiers" if config.env.verifiers is not None else "data.train and data.eval"
+        raise DataError(f"{tasks_path(config)} holds the tasks run {config.run_id!r} started with, and {source} now "
+                        "give other tasks: a run trains on, and its trajectories are replayed against, the tasks it "
+                        "started with. Resume with the data it started with, or start a new run id") from None
     return paths
 
 

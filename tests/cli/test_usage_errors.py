@@ -159,3 +159,18 @@ def test_a_refused_start_writes_nothing(tmp_path):
     # task file is written (before, the run's folder got tasks.jsonl from the refused start).
     usage_error(["train", *where, "--set", f"data.train={_tasks(tmp_path)}"], "data.train: recorded None")
     assert not (tmp_path / "runs" / "demo" / "tasks.jsonl").exists()
+
+
+def test_a_resume_whose_task_file_changed_is_refused_without_suggesting_to_delete_the_runs_copy(tmp_path):
+    from sao import runs
+    from sao.config import RunConfig
+
+    tasks = _tasks(tmp_path)
+    runs.prepare_inputs(RunConfig(run_id="r", workdir=str(tmp_path / "runs"), data={"train": tasks}))  # its start
+    with open(tasks, "a") as more:
+        more.write('{"prompt": "What is 40 + 2?", "answer": "42"}\n')
+    line = usage_error(["train", "--run-id", "r", "--workdir", str(tmp_path / "runs"), "--set",
+                        f"lake.root={tmp_path / 'lake'}", "--set", f"data.train={tasks}"],
+                       "holds the tasks run 'r' started with")
+    # Deleting the run's copy (what the message said before) would let the run go on with other tasks.
+    assert "start a new run id" in line and "delete" not in line
