@@ -240,6 +240,13 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     done_before = last_committed_step(lake, train.run_id)
     issuer_id = f"{train.run_id}-driver"
     relaunch = _relaunches(lake, train.run_id, issuer_id, tasks)
+    if done_before is not None and done_before[0] + 1 >= train.total_steps:
+        # Trained already (stopped in its final evaluation, or asked for fewer steps than it has): no
+        # rollout app, and no window of rollouts that no step would take.
+        log.info("run %s: %d steps committed, %d asked for: nothing to train", train.run_id, done_before[0] + 1,
+                 train.total_steps)
+        return PipelineResult(steps=done_before[0] + 1, version=done_before[1], driver=DriverStats(),
+                              wall_s=time.monotonic() - started, train_s=0.0)
     backlog = unconsumed_count(lake, train.run_id)  # a resumed run's rows beyond its last step
     if backlog:
         log.info("run %s: %d stored trajectories wait for the trainer (consumed next, or passed over); they hold "

@@ -2,6 +2,7 @@
 every batch is whole groups sampled by the trainer's own version."""
 
 import collections
+import dataclasses
 import itertools
 
 import pytest
@@ -162,3 +163,41 @@ def test_value_pretraining_data_rolls_out_again_what_a_ctrl_c_cancelled(tmp_path
     with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
         writer.add_many(records)
     assert collected(lake, "r-v0") == (9, 6)  # 9 along the task stream; the 3 cancelled are rolled out again
+
+
+def test_a_run_that_has_its_steps_starts_no_rollouts(tmp_path, policy_dir, monkeypatch):
+    # Resumed after a stop in its final evaluation (or asked for fewer steps than it has), a run started
+    # Serve and generated a window of rollouts that no step would take, then found nothing to train.
+    import numpy as np
+    import torch
+
+    import sao.pipeline as pipeline
+    import sao.rollout.serve as serve
+    from sao.lake.config import WriterConfig
+    from sao.lake.store import Lake
+    from sao.lake.synthetic import make_trajectory
+    from sao.lake.writer import TrajectoryWriter
+    from sao.train.config import UpdateConfig
+    from sao.train.loop import prepare_run, run_training
+
+    train = TrainConfig(run_id="done", lake=LakeConfig(root=str(tmp_path / "lake")),
+                        checkpoint_root=str(tmp_path / "ckpt"), policy_path=str(policy_dir),
+                        update=UpdateConfig(token_budget=4096), batch_size=4, max_staleness=8, total_steps=2,
+                        app_name=None, wait_timeout_s=60, poll_s=0.02)
+    prepare_run(train)
+    rng = np.random.default_rng(1)
+    with TrajectoryWriter(Lake.open(train.lake), WriterConfig(background_flush=False)) as writer:
+        writer.add_many([make_trajectory(rng, run_id="done", num_tokens=16, prompt_tokens=8) for _ in range(8)])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        run_training(train)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(pipeline, "init_ray", lambda config: None)
+    monkeypatch.setattr(serve, "start_rollout_app", lambda config: pytest.fail("the rollout app was started"))
+    tasks = generate_tasks(MathToolConfig(num_train=4, num_heldout=1, seed=0))
+    for asked in (2, 1):
+        result = pipeline.run_pipeline(PipelineConfig(train=dataclasses.replace(train, total_steps=asked),
+                                                      use_ray_train=False), tasks)
+        assert (result.steps, result.version, result.driver.records) == (2, 2, 0)
