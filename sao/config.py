@@ -304,7 +304,8 @@ class RolloutSection(Section):
     resources: dict[str, float] = Field(default_factory=lambda: default_of(PipelineConfig, "resources_per_replica"))
     """Custom Ray resources each replica needs, e.g. {rollout: 1} (placement: docs/SCALING.md); empty: any node."""
     gpus: float = Field(default_of(PipelineConfig, "gpus_per_replica"), ge=0)
-    """Ray GPUs per replica: 0 for the torch engine; 1 (or a share beside the trainer) for vLLM on a GPU."""
+    """Ray GPUs per replica: 0 for the torch engine; 1 (or a share beside the trainer) for vLLM on a GPU. The
+    replicas' GPUs are not the trainer's: train.device auto trains on CPU when they hold every GPU."""
     max_in_flight: int = Field(default_of(PipelineConfig, "max_in_flight"), ge=1)
     """Trajectories generated at once across replicas."""
     group_size: int = Field(default_of(PipelineConfig, "group_size"), ge=1)

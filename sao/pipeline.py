@@ -231,10 +231,12 @@ def run_pipeline(cfg: PipelineConfig, tasks: Sequence[Task], *,
     started = time.monotonic()
     init_ray(cfg.ray)
     train = dataclasses.replace(cfg.train, app_name=cfg.app_name)
+    _check_rollout_gpus(cfg)
     if cfg.use_ray_train:  # GPUs the trainer cannot have are refused now, before rollouts start
         from sao.train.device import use_gpu
 
-        use_gpu(train.device, bf16=train.bf16, workers=train.num_workers, gpus_per_worker=train.gpus_per_worker)
+        use_gpu(train.device, bf16=train.bf16, workers=train.num_workers, gpus_per_worker=train.gpus_per_worker,
+                rollout_gpus=train.rollout_gpus)
     version = prepare_run(train)
     lake = Lake.open(train.lake)
     done_before = last_committed_step(lake, train.run_id)
@@ -392,6 +394,23 @@ def _train_until_done_or_stopped(use_ray_train: bool, train: TrainConfig, broker
         raise outcome["error"]
 
 
+def _check_rollout_gpus(cfg: PipelineConfig) -> None:
+    """Refuse rollout replicas that ask for more GPUs than the Ray cluster has: Serve would wait for
+    them forever."""
+    import ray
+
+    wanted = cfg.num_replicas * cfg.gpus_per_replica
+    if wanted and ray.is_initialized():
+        have = float(ray.cluster_resources().get("GPU", 0.0))
+        if have < wanted:
+            from sao.train.device import DeviceUnavailableError
+
+            raise DeviceUnavailableError(
+                f"the rollout replicas ask for {wanted:g} GPU(s) (rollout.gpus {cfg.gpus_per_replica:g} x "
+                f"rollout.num_replicas {cfg.num_replicas}) and the Ray cluster has {have:g}: lower rollout.gpus or "
+                "rollout.num_replicas, or start Ray on nodes with GPUs (ray start --num-gpus N)")
+
+
 def collected(lake: Lake, run_id: str) -> tuple[int, int]:
     """(rows stored, rows not ``cancelled``) of the data run ``run_id``: how far along its seeded task
     stream it is, and how many of its rollouts count towards what :func:`collect_rollouts` was asked
@@ -415,6 +434,7 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     from sao.rollout.serve import start_rollout_app
 
     init_ray(cfg.ray)
+    _check_rollout_gpus(cfg)
     lake = Lake.open(cfg.train.lake)
     issuer_id = f"{run_id}-driver"
     relaunch = _relaunches(lake, run_id, issuer_id, tasks)  # closes out a dead predecessor's rollouts

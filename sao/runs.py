@@ -420,6 +420,7 @@ def pipeline_config(config: RunConfig, policy_path: str | Path, reward_paths: tu
         num_workers=config.train.workers, torch_threads=trainer_threads(config),
         resources_per_worker=dict(config.train.resources),
         device=config.train.device, gpus_per_worker=config.train.gpus_per_worker,
+        rollout_gpus=config.rollout.num_replicas * config.rollout.gpus,
         bf16=config.train.bf16,
         rollout=ReplayContext(tasks_path=str(tasks_path(config).resolve()), env_options=options,
                               max_turns=config.agent().max_turns),

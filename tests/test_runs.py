@@ -198,3 +198,10 @@ def test_the_evaluation_gives_each_episode_the_budgets_of_a_rollout(tmp_path, mo
     settings = RunConfig(run_id="b", workdir=str(tmp_path), rollout={"max_tokens": 1000, "max_turns": 3})
     runs.evaluate(settings, 0)
     assert (seen[0].max_tokens, seen[0].max_turns) == (1000, 3)
+
+
+def test_the_trainer_is_told_the_gpus_the_rollout_replicas_hold(tmp_path):
+    settings = RunConfig(run_id="r", workdir=str(tmp_path), lake={"root": str(tmp_path / "lake")},
+                         rollout={"gpus": 0.5, "num_replicas": 2})
+    assert runs.pipeline_config(settings, tmp_path / "sft").train.rollout_gpus == 1.0
+    assert runs.pipeline_config(settings.with_values({"rollout.gpus": 0}), tmp_path / "sft").train.rollout_gpus == 0

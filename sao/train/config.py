@@ -328,6 +328,8 @@ class TrainConfig:
             has them when the trainer starts). Value pretraining follows it too. Replay always runs on CPU.
         gpus_per_worker: GPUs Ray gives each worker that trains on GPUs; below 1 a worker shares its GPU
             (with a vLLM replica on a one-GPU machine, say: then give each its share of memory).
+        rollout_gpus: GPUs the run's rollout replicas hold on the same Ray cluster (``rollout.gpus`` x
+            ``rollout.num_replicas``): they are not counted as the trainer's (:func:`sao.train.device.use_gpu`).
         bf16: bf16 autocast around the forward passes on CUDA; weights, gradients and optimiser state
             stay float32. Refused on CPU.
         resources_per_worker: custom Ray resources per worker, e.g. ``{"trainer": 1}`` (placement on the
@@ -366,6 +368,7 @@ class TrainConfig:
     cpus_per_worker: float = 0.5
     device: DeviceSetting = "auto"
     gpus_per_worker: float = 1.0
+    rollout_gpus: float = 0.0
     bf16: bool = False
     resources_per_worker: dict[str, float] = dataclasses.field(default_factory=dict)
     report_interval_s: float = 5.0

@@ -15,8 +15,9 @@ Settings (:data:`DeviceSetting`):
 The driver resolves the setting once, before any worker is launched (:func:`use_gpu`). GPUs that are
 not there are a :class:`DeviceUnavailableError` then, naming ``train.device`` and what was found:
 ``cuda`` where the Ray cluster has no GPU, and on GPUs fewer than ``train.workers`` x
-``train.gpus_per_worker``, which Ray Train would otherwise wait for forever. The count is the cluster's total: GPUs that rollout
-replicas hold are counted too, and a trainer worker then waits until one is free. A worker that was
+``train.gpus_per_worker``, which Ray Train would otherwise wait for forever. GPUs that the run's
+rollout replicas hold (``rollout.gpus`` x ``rollout.num_replicas``) are not the trainer's: ``auto`` is
+``cpu`` when the replicas hold every GPU, and ``cuda`` is refused then. A worker that was
 given a GPU but whose torch sees no CUDA device (a CPU build of torch on a GPU node) fails the same way
 as it starts (:func:`worker_device`).
 
@@ -107,32 +108,40 @@ def _gpus_seen(setting: str) -> tuple[float, str]:
     return 0.0, "no Ray instance is running"
 
 
-def use_gpu(setting: str, *, bf16: bool = False, workers: int = 1, gpus_per_worker: float = 1.0) -> bool:
+def use_gpu(setting: str, *, bf16: bool = False, workers: int = 1, gpus_per_worker: float = 1.0,
+            rollout_gpus: float = 0.0) -> bool:
     """Whether ``workers`` trainer workers train on GPUs under ``train.device`` ``setting`` (see the
     module docstring): what ``ScalingConfig(use_gpu=...)`` gets. Call it on the driver, before workers
-    are launched.
+    are launched. ``rollout_gpus``: GPUs the run's rollout replicas hold, which the trainer cannot have
+    (``auto`` is ``cpu`` when they hold every GPU).
 
     Raises:
         ValueError: an unknown setting, or ``bf16`` where the setting resolves to CPU.
-        DeviceUnavailableError: ``cuda`` where no GPU is found; fewer GPUs than ``workers``.
+        DeviceUnavailableError: ``cuda`` where no GPU is left to the trainer; fewer GPUs than ``workers``.
     """
     check_settings(setting, bf16)
     if setting == "cpu":
         return False
-    gpus, counted_by = _gpus_seen(setting)
+    total, counted_by = _gpus_seen(setting)
+    gpus = max(total - rollout_gpus, 0.0)
+    left, fix = "", ""
+    if rollout_gpus and total > 0:
+        left = (f" left to the trainer (the rollout replicas hold {rollout_gpus:g} of its {total:g}: rollout.gpus x "
+                "rollout.num_replicas)")
+        fix = ", lower rollout.gpus or rollout.num_replicas"
     if gpus <= 0:
         if setting == "cuda":
             raise DeviceUnavailableError(
-                f"train.device is 'cuda' but {counted_by} has no GPU (GPU resources: {gpus:g}); set train.device "
-                "to cpu or auto, or start Ray on nodes with GPUs (ray start --num-gpus N)")
+                f"train.device is 'cuda' but {counted_by} has no GPU{left} (GPU resources: {total:g}); set "
+                f"train.device to cpu or auto{fix}, or start Ray on nodes with GPUs (ray start --num-gpus N)")
         if bf16:
             raise _bf16_on_cpu(f"train.device 'auto' resolved to cpu ({counted_by}: no GPU)")
         return False
     if gpus < workers * gpus_per_worker:
         raise DeviceUnavailableError(
             f"train.device {setting!r} trains on GPUs, {gpus_per_worker:g} per worker (train.gpus_per_worker), but "
-            f"{counted_by} has {gpus:g} GPU(s) for {workers} workers (train.workers): lower train.workers to "
-            f"{int(gpus / gpus_per_worker)} or fewer, or set train.device to cpu")
+            f"{counted_by} has {gpus:g} GPU(s){left} for {workers} workers (train.workers): lower train.workers to "
+            f"{int(gpus / gpus_per_worker)} or fewer{fix}, or set train.device to cpu")
     return True
 
 

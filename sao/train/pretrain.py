@@ -324,6 +324,7 @@ def pretrain_value(cfg: TrainConfig, pcfg: PretrainConfig | None = None, *,
     pcfg = pcfg or PretrainConfig()
     if not cfg.update.uses_critic:
         raise ValueError(f"algorithm {cfg.update.algorithm.value!r} has no critic to pretrain")
+    # No rollout_gpus: the data was collected and its rollout app is gone; the fit has every GPU.
     gpu = use_gpu(cfg.device, bf16=cfg.bf16, workers=pcfg.num_workers, gpus_per_worker=cfg.gpus_per_worker)
     started = time.perf_counter()
     if prepare_run(cfg) != 0:

@@ -74,7 +74,8 @@ def fit(cfg: TrainConfig, *, storage_path: str | None = None, max_steps: int | N
     from ray.train import RunConfig
     from ray.train.torch import TorchTrainer
 
-    gpu = use_gpu(cfg.device, bf16=cfg.bf16, workers=cfg.num_workers, gpus_per_worker=cfg.gpus_per_worker)
+    gpu = use_gpu(cfg.device, bf16=cfg.bf16, workers=cfg.num_workers, gpus_per_worker=cfg.gpus_per_worker,
+                  rollout_gpus=cfg.rollout_gpus)
     storage = storage_path or str(Path(cfg.checkpoint_root).resolve().parent / "ray_train")
     trainer = TorchTrainer(
         _train_func,

@@ -6,6 +6,7 @@ same updates on CPU, bf16 autocast, a checkpoint written from CUDA, and runs on 
 """
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -13,11 +14,12 @@ import ray
 import torch
 
 from sao.config import ConfigError, RunConfig
+from sao.lake.config import LakeConfig
 from sao.models.critic import Critic
 from sao.models.policy import load_policy
 from sao.train.batch import collate
 from sao.train.checkpoint import load_checkpoint, save_checkpoint, weights_hash
-from sao.train.config import UpdateConfig
+from sao.train.config import TrainConfig, UpdateConfig
 from sao.train.device import (
     CPU,
     DeviceUnavailableError,
@@ -97,6 +99,35 @@ def test_fewer_gpus_than_trainer_workers_is_refused_rather_than_waited_for(monke
     assert use_gpu("cuda", workers=2, gpus_per_worker=0.5)  # two workers sharing the one GPU
     with pytest.raises(DeviceUnavailableError, match=r"0.5 per worker \(train.gpus_per_worker\).*lower train.workers to 2"):
         use_gpu("cuda", workers=3, gpus_per_worker=0.5)
+
+
+def test_the_gpus_the_rollout_replicas_hold_are_not_the_trainers(monkeypatch, no_cuda):
+    # One GPU and rollout.gpus 1: the check passed (1 >= 1), the replicas took the GPU, and the trainer
+    # asked Ray for one that never came free.
+    ray_cluster(monkeypatch, {"GPU": 1.0})
+    assert use_gpu("auto", rollout_gpus=1.0) is False  # the trainer on CPU beside the vLLM replica
+    with pytest.raises(DeviceUnavailableError, match=r"has no GPU left to the trainer \(the rollout replicas hold 1 "
+                                                      r"of its 1: rollout.gpus x rollout.num_replicas\).*lower rollout.gpus"):
+        use_gpu("cuda", rollout_gpus=1.0)
+    assert use_gpu("cuda", gpus_per_worker=0.5, rollout_gpus=0.5)  # the GPU shared: half each
+    ray_cluster(monkeypatch, {"GPU": 2.0})
+    with pytest.raises(DeviceUnavailableError, match=r"has 1 GPU\(s\) left to the trainer .* for 2 workers"):
+        use_gpu("auto", workers=2, rollout_gpus=1.0)
+    assert use_gpu("cuda", workers=1, rollout_gpus=1.0)
+
+
+def test_rollout_replicas_asking_for_more_gpus_than_the_cluster_has_are_refused(monkeypatch):
+    from sao.pipeline import PipelineConfig, _check_rollout_gpus
+
+    config = PipelineConfig(train=TrainConfig(run_id="r", lake=LakeConfig(root="lake"), checkpoint_root="c",
+                                              policy_path="p"), num_replicas=2, gpus_per_replica=1.0)
+    ray_cluster(monkeypatch, {"GPU": 1.0})
+    with pytest.raises(DeviceUnavailableError, match=r"ask for 2 GPU\(s\) \(rollout.gpus 1 x rollout.num_replicas 2\)"
+                                                      r" and the Ray cluster has 1"):
+        _check_rollout_gpus(config)
+    ray_cluster(monkeypatch, {"GPU": 2.0})
+    _check_rollout_gpus(config)  # they fit
+    _check_rollout_gpus(dataclasses.replace(config, gpus_per_replica=0.0))  # on CPU: nothing to count
 
 
 def test_a_gpu_that_torch_cannot_use_is_named(monkeypatch, no_cuda):
