@@ -446,6 +446,11 @@ class RunConfig(Section):
                              "own loop")
         if self.env.verifiers is not None and (self.data.train is not None or self.env.agent):
             raise ValueError("env.verifiers brings its own tasks and rollout loop: leave data.train and env.agent unset")
+        window = self.rollout.vllm.max_model_len
+        if self.rollout.engine == "vllm" and window is not None and self.rollout.max_tokens >= window:
+            raise ValueError(f"rollout.max_tokens {self.rollout.max_tokens} leaves no room for a prompt in "
+                             f"rollout.vllm.max_model_len {window} (prompt and completion together): every rollout "
+                             "would end with an error")
         ignored = self._ignored_settings()
         if ignored:
             raise ValueError(f"{', '.join(ignored)} would be ignored: "

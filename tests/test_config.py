@@ -247,3 +247,13 @@ def test_reward_and_tool_settings_beside_a_verifiers_environment_are_refused():
     with pytest.raises(ValidationError, match="reward.functions would be ignored: env.verifiers brings its own"):
         RunConfig(env={"verifiers": {"id": "my_env"}}, reward={"functions": ["my_rewards:correct"]})
     assert RunConfig(env={"verifiers": {"id": "my_env"}}, data={"eval_fraction": 0.2})  # its held-out share
+
+
+def test_a_vllm_context_window_that_leaves_no_room_for_a_prompt_is_refused():
+    # The engine refused each request whose prompt and completion budget overran max_model_len: every
+    # rollout of the run ended with an error, and the trainer never filled a batch.
+    with pytest.raises(ValidationError, match="rollout.max_tokens 512 leaves no room for a prompt in "
+                                              "rollout.vllm.max_model_len 512"):
+        RunConfig(rollout={"engine": "vllm", "max_tokens": 512, "vllm": {"max_model_len": 512}})
+    assert RunConfig(rollout={"engine": "vllm", "max_tokens": 256, "vllm": {"max_model_len": 512}})
+    assert RunConfig(rollout={"max_tokens": 512, "vllm": {"max_model_len": 512}})  # the torch engine: not read
