@@ -47,8 +47,8 @@ def pretrain_value_flow(
     pretrain = PretrainConfig(num_samples=config.value_pretraining.samples if num_samples is None else num_samples,
                               heldout_fraction=heldout_fraction, epochs=epochs, batch_size=batch_size, target=target,
                               data_run_id=data_run_id)
+    runs.check_resume(config)  # a run recorded with other settings is refused before anything is written, as by the train flow
     runs.prepare_inputs(config)  # the model, tasks and reward functions of the run, as the train flow checks them
-    runs.check_resume(config)  # a run recorded with other settings is refused, as by the train flow
     policy_path = warm_start(settings)
     report = pretrain_task(settings, policy_path, pretrain)
     show_pretrain_report(run_id, report)

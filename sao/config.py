@@ -63,9 +63,9 @@ from sao.train.retention import RetentionConfig
 from sao.train.sft import SFTConfig
 from schemas.trajectories import RUN_ID_PATTERN
 
-__all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "RUN_OWN", "ConfigError", "RunConfig", "changed_keys", "default_of",
-           "demo_config", "from_data", "setting_keys", "leaves", "show",
-           "load_file", "resolve"]
+__all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "RUN_OWN", "TASK_KEYS", "ConfigError", "RunConfig", "changed_keys",
+           "default_of", "demo_config", "from_data", "setting_keys", "leaves", "show",
+           "load_file", "resolve", "unread_keys", "without_unread"]
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 """The laptop demo's config (``sao demo``, ``make demo``), in the source checkout."""
@@ -454,8 +454,7 @@ class RunConfig(Section):
         ignored = self._ignored_settings()
         if ignored:
             raise ValueError(f"{', '.join(ignored)} would be ignored: "
-                             + ("env.verifiers brings its own tasks, rewards and tools"
-                                if self.env.verifiers is not None else
+                             + ("env.verifiers brings its own tasks" if self.env.verifiers is not None else
                                 "they set up the tasks of data.train, and without it the run trains on the built-in "
                                 "math_tool task, with its own reward and tool"))
         if self.sft.data is not None and self.model.path is None:
@@ -466,18 +465,10 @@ class RunConfig(Section):
         return self
 
     def _ignored_settings(self) -> list[str]:
-        """The task, reward and tool settings set away from their defaults where nothing reads them: every
-        one without ``data.train`` (the built-in math_tool task), those of rewards and tools with
-        ``env.verifiers``."""
-        if self.data.train is not None:
-            return []
-        default = {"data": DataSection(), "reward": RewardSection(), "env": EnvSection()}
-        keys = [("reward", "functions"), ("reward", "weights"), ("env", "tools"), ("env", "max_tool_calls"),
-                ("env", "system_prompt")]
-        if self.env.verifiers is None:
-            keys += [("data", "eval"), ("data", "eval_fraction")]
-        return [f"{section}.{key}" for section, key in keys
-                if getattr(getattr(self, section), key) != getattr(default[section], key)]
+        """The task, reward and tool settings set away from their defaults where nothing reads them:
+        :func:`unread_keys`."""
+        public, defaults = self.public(), _task_defaults()
+        return [key for key in unread_keys(public) if _dotted(public, key) != _dotted(defaults, key)]
 
     # Where the run's files go.
     @property
@@ -766,6 +757,45 @@ def demo_config() -> RunConfig:
         raise ConfigError(f"the demo config {DEMO_CONFIG} is missing: it ships with the source checkout "
                           "(configs/demo.yaml); run `sao train --config FILE` with a config of your own")
     return resolve(DEMO_CONFIG)[0]
+
+
+TASK_KEYS = ("reward.functions", "reward.weights", "env.tools", "env.max_tool_calls", "env.system_prompt",
+             "data.eval", "data.eval_fraction")
+"""The settings of a run's own tasks: what :func:`unread_keys` may leave unread."""
+
+
+def _dotted(data: Mapping[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _task_defaults() -> dict[str, Any]:
+    return {"data": DataSection().model_dump(mode="json"), "reward": RewardSection().model_dump(mode="json"),
+            "env": EnvSection().model_dump(mode="json")}
+
+
+def unread_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys of :data:`TASK_KEYS` that nothing reads in a config (JSON data, :meth:`RunConfig.public`):
+    every one without ``data.train`` and ``env.verifiers`` (the run trains on the built-in math_tool
+    task, with its own reward and tool); ``data.eval`` beside ``env.verifiers`` (its environment's data
+    is split by ``data.eval_fraction``; its held-out evaluation is scored by ``reward.functions``)."""
+    if _dotted(config, "data.train") is not None:
+        return ()
+    return ("data.eval",) if _dotted(config, "env.verifiers") is not None else TASK_KEYS
+
+
+def without_unread(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (JSON data) with its :func:`unread_keys` at their defaults: what a run recorded
+    before they were refused is compared, and rebuilt, as it ran."""
+    data = json.loads(json.dumps(config))
+    defaults = _task_defaults()
+    for key in unread_keys(data):
+        section, name = key.split(".")
+        if isinstance(data.get(section), dict):
+            data[section][name] = defaults[section][name]
+    return data
 
 
 def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from sao import interrupt
@@ -52,7 +53,6 @@ from sao.runtime import RayConfig, init_ray
 from sao.train.checkpoint import policy_dir
 from sao.train.config import TrainConfig
 from sao.train.loop import StepReport, last_committed_step, prepare_run
-from schemas.vocabulary import TerminationReason
 
 __all__ = ["PipelineConfig", "PipelineResult", "collect_rollouts", "collected", "run_pipeline", "task_stream"]
 
@@ -411,16 +411,18 @@ def _check_rollout_gpus(cfg: PipelineConfig) -> None:
                 "rollout.num_replicas, or start Ray on nodes with GPUs (ray start --num-gpus N)")
 
 
-def collected(lake: Lake, run_id: str) -> tuple[int, int]:
-    """(rows stored, rows not ``cancelled``) of the data run ``run_id``: how far along its seeded task
-    stream it is, and how many of its rollouts count towards what :func:`collect_rollouts` was asked
-    for. A rollout cancelled by a Ctrl-C is stored with no tokens and never fitted on, so the next task
-    of the stream is rolled out in its place: an interrupted run ends with as many samples as one that
-    was not (an ``error`` end is the policy's, and counts)."""
+def collected(lake: Lake, run_id: str, skip_reasons: Sequence[str]) -> tuple[int, int]:
+    """(rows stored, rows value pretraining fits on) of the data run ``run_id``: how far along its seeded
+    task stream it is, and how many of its rollouts count towards what :func:`collect_rollouts` was
+    asked for. A rollout that ended for one of ``skip_reasons`` (the run's ``algorithm.skip_reasons``,
+    which :func:`sao.train.pretrain.select_samples` leaves out: by default ``cancelled``, as a Ctrl-C
+    stores what was in flight, and ``error``) does not count, and the next task of the stream is rolled
+    out in its place when the collection resumes: an interrupted run ends with as many samples as asked."""
     ends = lake.read_run("trajectories", run_id, ["termination_reason"])["termination_reason"]
     if len(ends) == 0:
         return 0, 0
-    return len(ends), len(ends) - pc.sum(pc.equal(ends, TerminationReason.CANCELLED.value)).as_py()
+    skipped = pc.sum(pc.is_in(ends, value_set=pa.array(list(skip_reasons), pa.string()))).as_py() or 0
+    return len(ends), len(ends) - skipped
 
 
 def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, count: int, *,
@@ -438,7 +440,7 @@ def collect_rollouts(cfg: PipelineConfig, tasks: Sequence[Task], run_id: str, co
     lake = Lake.open(cfg.train.lake)
     issuer_id = f"{run_id}-driver"
     relaunch = _relaunches(lake, run_id, issuer_id, tasks)  # closes out a dead predecessor's rollouts
-    stored, usable = collected(lake, run_id)
+    stored, usable = collected(lake, run_id, cfg.train.update.skip_reasons)
     missing = count - usable
     if missing <= 0:
         return DriverStats()

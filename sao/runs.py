@@ -25,7 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sao import interrupt
-from sao.config import RESUME_SAFE, ConfigError, RunConfig, changed_keys, leaves, setting_keys
+from sao.config import (
+    RESUME_SAFE,
+    ConfigError,
+    RunConfig,
+    changed_keys,
+    leaves,
+    setting_keys,
+    without_unread,
+)
 from sao.envs.base import Split, Task
 from sao.envs.math_tool import MathToolConfig, ensure_dataset, generate_tasks
 from sao.lake.config import LakeConfig
@@ -240,8 +248,11 @@ def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple
     if stored is None:
         return None
     defaults = leaves(RunConfig(), json_values=True)
-    # A key the recorded config lacks (added by a later version of sao) at its default is no change.
-    changed = {key: (before, after) for key, (before, after) in changed_keys(stored, config.public()).items()
+    # A key the recorded config lacks (added by a later version of sao) at its default is no change; a
+    # setting recorded where nothing read it (before such settings were refused) is compared as it ran,
+    # at its default.
+    changed = {key: (before, after) for key, (before, after) in changed_keys(without_unread(stored),
+                                                                           config.public()).items()
                if not (before is None and key not in setting_keys(stored) and after == defaults.get(key))}
     refused = {key: values for key, values in changed.items() if key not in RESUME_SAFE}
     if refused:
@@ -313,7 +324,7 @@ def record_what_if(lake: Lake, run_id: str, parent_run_id: str, first: int, last
         notes = f"run {parent_run_id!r} has no recorded config (it started before the runs table): only the overrides are known"
         changed = {key: [None, value] for key, value in overrides.items()}
     else:
-        parent = RunConfig.model_validate(stored)
+        parent = RunConfig.model_validate(without_unread(stored))
         config = parent.with_values({"run_id": run_id, **overrides})
         changed = {key: list(values) for key, values in changed_keys(parent.public(), config.public()).items()
                    if key != "run_id"}

@@ -243,10 +243,27 @@ def test_task_reward_and_tool_settings_without_data_train_are_refused_not_ignore
     assert RunConfig(**settings | {"data": {"train": "tasks.jsonl", **settings.get("data", {})}})
 
 
-def test_reward_and_tool_settings_beside_a_verifiers_environment_are_refused():
-    with pytest.raises(ValidationError, match="reward.functions would be ignored: env.verifiers brings its own"):
-        RunConfig(env={"verifiers": {"id": "my_env"}}, reward={"functions": ["my_rewards:correct"]})
+def test_a_held_out_file_beside_a_verifiers_environment_is_refused():
+    with pytest.raises(ValidationError, match="data.eval would be ignored: env.verifiers brings its own tasks"):
+        RunConfig(env={"verifiers": {"id": "my_env"}}, data={"eval": "heldout.jsonl"})
     assert RunConfig(env={"verifiers": {"id": "my_env"}}, data={"eval_fraction": 0.2})  # its held-out share
+    # The held-out evaluation scores it with reward.functions (not its rubric): they are read.
+    assert RunConfig(env={"verifiers": {"id": "my_env"}}, reward={"functions": ["my_rewards:correct"]})
+
+
+def test_a_run_recorded_with_a_setting_nothing_read_resumes_and_replays_a_what_if(tmp_path, monkeypatch):
+    # A run on the built-in task recorded env.max_tool_calls 2 before such settings were refused: it could
+    # neither keep the key (refused now) nor drop it (a changed setting), and a what-if of it failed.
+    base = RunConfig(run_id="r", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")})
+    lake = Lake.open(base.lake_config())
+    runs.record_start(base, lake=lake)
+    older = base.public()
+    older["env"]["max_tool_calls"] = 2  # what it recorded; the built-in task never read it
+    monkeypatch.setattr(runs, "latest_config", lambda lake, run_id: older)
+    assert runs.check_resume(base, lake) == {}
+    runs.record_what_if(lake, "r-what-if", "r", 0, 0, {"algorithm.eps_high": 4.0}, {})
+    rows = lake.read("runs", predicate="run_id = 'r-what-if'").to_pylist()
+    assert json.loads(rows[0]["changed"]) == {"algorithm.eps_high": [5.0, 4.0]}
 
 
 def test_a_vllm_context_window_that_leaves_no_room_for_a_prompt_is_refused():

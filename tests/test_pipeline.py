@@ -140,6 +140,7 @@ def test_a_synchronous_grpo_run_trains_whole_groups_of_its_own_version(tmp_path,
 def test_value_pretraining_data_rolls_out_again_what_a_ctrl_c_cancelled(tmp_path):
     # collect_rollouts counted every stored row, so the rows a Ctrl-C stored as `cancelled` (no tokens,
     # never fitted on) were counted as samples: each interrupted collection fitted the critic on fewer.
+    # What counts is what the fit takes: rows that did not end for one of the run's skip_reasons.
     import numpy as np
 
     from sao.lake.config import WriterConfig
@@ -152,7 +153,8 @@ def test_value_pretraining_data_rolls_out_again_what_a_ctrl_c_cancelled(tmp_path
     from sao.rollout.driver import failed_record
 
     lake = Lake.open(str(tmp_path / "lake"))
-    assert collected(lake, "r-v0") == (0, 0)
+    skip = ("cancelled", "error")  # algorithm.skip_reasons' default: what the fit leaves out
+    assert collected(lake, "r-v0", skip) == (0, 0)
     register_policy_version(lake, PolicyVersionRecord("r-v0", 0, "ckpt/0", "sha256:0"))
     rng = np.random.default_rng(0)
     task = generate_tasks(MathToolConfig(num_train=1, num_heldout=1, seed=0))[0]
@@ -162,7 +164,8 @@ def test_value_pretraining_data_rolls_out_again_what_a_ctrl_c_cancelled(tmp_path
     records += [failed_record(task, "r-v0", "e0", "the reward raised", reason="error")]
     with TrajectoryWriter(lake, WriterConfig(background_flush=False)) as writer:
         writer.add_many(records)
-    assert collected(lake, "r-v0") == (9, 6)  # 9 along the task stream; the 3 cancelled are rolled out again
+    assert collected(lake, "r-v0", skip) == (9, 5)  # 9 along the task stream; 4 the fit leaves out, rolled out again
+    assert collected(lake, "r-v0", ("cancelled",)) == (9, 6)  # a run that fits on error ends counts them
 
 
 def test_a_run_that_has_its_steps_starts_no_rollouts(tmp_path, policy_dir, monkeypatch):
