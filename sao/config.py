@@ -451,6 +451,12 @@ class RunConfig(Section):
             raise ValueError(f"rollout.max_tokens {self.rollout.max_tokens} leaves no room for a prompt in "
                              f"rollout.vllm.max_model_len {window} (prompt and completion together): every rollout "
                              "would end with an error")
+        vllm = self.rollout.vllm
+        if (self.rollout.engine == "vllm" and 0 < self.rollout.gpus < 1 and vllm.gpu_memory_utilization is None
+                and vllm.kv_cache_memory_bytes is None and "gpu_memory_utilization" not in vllm.engine_args):
+            raise ValueError(f"rollout.gpus {self.rollout.gpus:g} shares a GPU, but vLLM would take 0.9 of its "
+                             "memory (its default): set rollout.vllm.gpu_memory_utilization to the replica's share "
+                             "of the memory, or rollout.vllm.kv_cache_memory_bytes")
         ignored = self._ignored_settings()
         if ignored:
             raise ValueError(f"{', '.join(ignored)} would be ignored: "

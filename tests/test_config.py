@@ -274,3 +274,12 @@ def test_a_vllm_context_window_that_leaves_no_room_for_a_prompt_is_refused():
         RunConfig(rollout={"engine": "vllm", "max_tokens": 512, "vllm": {"max_model_len": 512}})
     assert RunConfig(rollout={"engine": "vllm", "max_tokens": 256, "vllm": {"max_model_len": 512}})
     assert RunConfig(rollout={"max_tokens": 512, "vllm": {"max_model_len": 512}})  # the torch engine: not read
+
+
+def test_a_vllm_replica_sharing_a_gpu_must_be_given_its_share_of_the_memory():
+    # vLLM takes 0.9 of the GPU's memory by default: a trainer (or a second replica) beside it ran out.
+    with pytest.raises(ValidationError, match=r"rollout.gpus 0.5 shares a GPU, but vLLM would take 0.9 of its memory"):
+        RunConfig(rollout={"engine": "vllm", "gpus": 0.5})
+    assert RunConfig(rollout={"engine": "vllm", "gpus": 0.5, "vllm": {"gpu_memory_utilization": 0.4}})
+    assert RunConfig(rollout={"engine": "vllm", "gpus": 0.5, "vllm": {"kv_cache_memory_bytes": 2**30}})
+    assert RunConfig(rollout={"engine": "vllm", "gpus": 1})  # a GPU of its own
