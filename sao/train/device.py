@@ -23,7 +23,10 @@ as it starts (:func:`worker_device`).
 
 ``bf16``: the forward passes of the update run under ``torch.autocast("cuda", dtype=torch.bfloat16)``
 (:func:`autocast`); the weights, their gradients and AdamW's moments stay float32 (master weights), and
-log-probabilities and values are cast to float32 before any loss. It is refused on CPU (a
+log-probabilities and values are cast to float32 before any loss. The policy's output layer runs in
+float32 (:func:`sao.train.step.scoring_logits`: its logits decide the DIS ratio) for the models whose
+output layer it runs at the scoring positions (``PLAIN_HEAD_MODEL_TYPES``); any other model's logits
+come from its whole forward under autocast, in bf16. It is refused on CPU (a
 ``ValueError`` naming ``train.bf16`` and ``train.device``): CPU autocast to bf16 is slow on most CPUs and
 would only break the bit-for-bit replay the CPU path keeps.
 

@@ -104,7 +104,10 @@ def scoring_logits(policy: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         else:
             hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, use_cache=False).last_hidden_state
             scoring = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return policy.get_output_embeddings()(scoring).float()
+        # The output layer in float32 even under bf16 autocast: its logits decide the DIS ratio against the
+        # engine's log-probabilities, and bf16 would round a logit of 16-32 to steps of 0.125-0.25.
+        with torch.autocast(scoring.device.type, enabled=False):
+            return policy.get_output_embeddings()(scoring.float())
     logits = policy(input_ids=batch.input_ids, attention_mask=forward_mask(batch), use_cache=False).logits.float()
     return logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 

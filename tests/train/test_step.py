@@ -263,6 +263,26 @@ def test_two_workers_whiten_their_shards_by_the_whole_batchs_statistics(tmp_path
     assert not torch.allclose(sharded, alone, rtol=0, atol=1e-3)  # what each worker alone would have done
 
 
+def test_the_output_layer_scores_in_float32_under_bf16_autocast(monkeypatch):
+    # bf16 autocast (train.bf16) ran the output layer in bf16: a logit of 16-32 was rounded to steps of
+    # 0.125-0.25 before the DIS ratio compared it with the engine's. The decoder's hidden states are
+    # fixed here, so that only the output layer's precision is compared.
+    policy = tiny()
+    batch = collate(hand_built_rows(policy), trainer_version=5)
+    positions = step_module.completion_positions(batch)
+    hidden = torch.randn(*positions.shape, policy.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 30
+    monkeypatch.setattr(step_module, "decoder_at", lambda decoder, ids, at: hidden)
+    monkeypatch.setattr(step_module, "forward_mask", lambda batch: None)
+    monkeypatch.setattr(step_module, "supports_decoder_at", lambda decoder: True)
+    want = policy.get_output_embeddings()(hidden)  # float32, no autocast
+    assert torch.equal(step_module.scoring_logits(policy, batch), want)  # float32 path: bit for bit as before
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = step_module.scoring_logits(policy, batch)
+        rounded = policy.get_output_embeddings()(hidden).float()  # what the layer gave under autocast
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.allclose(rounded, want, rtol=0, atol=1e-3)  # bf16 would have moved them
+
+
 def test_logits_at_the_scoring_positions_are_the_whole_forwards_logits(monkeypatch):
     # The output layer runs at the scoring positions only for plain-head models; a model of any other
     # type takes its whole forward. Both give the same log-probabilities.
