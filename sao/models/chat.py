@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # transformers is only needed by callers that hold a tokenizer
@@ -71,6 +71,7 @@ __all__ = [
     "parse_chat",
     "prompt_ids",
     "tool_call_message",
+    "without_turn_end",
 ]
 
 Message = dict[str, Any]  # a Hugging Face chat message: {"role", "content", optional "tool_calls"}
@@ -168,6 +169,16 @@ class Reply(NamedTuple):
 
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 _ANSWER = re.compile(re.escape(ANSWER_START) + r"(.*?)" + re.escape(ANSWER_END), re.DOTALL)
+
+
+def without_turn_end(text: str, ids: Sequence[int], ends: Collection[int],
+                     tokenizer: PreTrainedTokenizerBase) -> str:
+    """``text`` (sampled ``ids`` decoded with special tokens kept) less its last token when that is one
+    of ``ends``: the end of the turn is no part of the reply (what the chat endpoint answers, and what
+    the evaluation scores)."""
+    if ids and ids[-1] in ends:
+        return text[: len(text) - len(tokenizer.decode([ids[-1]], skip_special_tokens=False))]
+    return text
 
 
 def parse_action(text: str) -> ToolCall | FinalAnswer | Reply:

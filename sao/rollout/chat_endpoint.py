@@ -62,7 +62,7 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from sao.models.chat import TOOL_CALL_END, TOOL_CALL_START, ChatTokens, Message
+from sao.models.chat import TOOL_CALL_END, TOOL_CALL_START, ChatTokens, Message, without_turn_end
 from sao.rollout.agent import AgentConfig, _Trace
 from sao.rollout.engine import Engine, FinishReason, SamplingParams, generate_until
 from schemas.vocabulary import TerminationReason
@@ -543,8 +543,8 @@ class ChatEndpoint:
                     "function": {"name": "python", "arguments": {"code": code}}}
             return {"role": "assistant", "content": head, "tool_calls": [call]}, "tool_calls"
         ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
-        if finish is FinishReason.STOP and last in ends and last not in stop_ids:
-            text = text[: len(text) - len(self.decode([last]))]  # the end of the turn is not content
+        if finish is FinishReason.STOP and last not in stop_ids:
+            text = without_turn_end(text, ids, ends, self.tokenizer)
         return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
 
     def response(self, reply: Message, finish: str, generation, prompt_tokens: int, logprobs: bool) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sao.envs.base import StepResult, Task, Termination
 from sao.envs.math_tool import MathToolConfig, MathToolEnv
-from sao.models.chat import ChatTokens, observation_ids, prompt_ids
+from sao.models.chat import ChatTokens, observation_ids, prompt_ids, without_turn_end
 from sao.rewards import RewardError
 
 __all__ = ["EvalConfig", "EvalResult", "Episode", "action_segments", "evaluate_math", "run_math_episodes",
@@ -210,10 +210,7 @@ def _turn_text(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int], chat: 
     environment steps on (``ChatEndpoint.reply``), and a reward given it would compare
     ``'42<|eot_id|>'`` with ``'42'``. This format's tokenizer has no such ids (``end_ids`` is empty):
     its text keeps its ``<|im_end|>`` as before, which every built-in environment reads past itself."""
-    text = tokenizer.decode(list(tokens), skip_special_tokens=False)
-    if tokens and tokens[-1] in chat.end_ids:
-        text = text[: len(text) - len(tokenizer.decode([tokens[-1]], skip_special_tokens=False))]
-    return text
+    return without_turn_end(tokenizer.decode(list(tokens), skip_special_tokens=False), tokens, chat.end_ids, tokenizer)
 
 
 def run_math_episodes(
