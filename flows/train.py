@@ -164,7 +164,7 @@ def train(config: RunConfig = RunConfig(), sources: dict[str, str] | None = None
         get_run_logger().info("run %s finished already (%d steps, version %d); nothing to do",
                               run_id, done["steps"], done["version"])
         return done
-    event = runs.record_start(config, sources, notes=runs.model_notes(config))
+    event = runs.record_start(config, sources, notes=runs.model_notes(config), warn=get_run_logger().warning)
     get_run_logger().info("run %s: %s (config recorded in the lake's runs table)", run_id, event)
     policy_path = warm_start(settings)
     before = evaluate(settings, 0)

@@ -229,6 +229,12 @@ def latest_config(lake: Lake, run_id: str) -> dict | None:
     return json.loads(max(rows, key=lambda row: row["started_at"])["config"])
 
 
+def _latest_code(lake: Lake, run_id: str) -> str | None:
+    """The ``code`` of run ``run_id``'s latest row in ``runs`` (None: no row, or written without one)."""
+    rows = lake.read_run("runs", run_id, ["started_at", "code"]).to_pylist()
+    return max(rows, key=lambda row: row["started_at"])["code"] if rows else None
+
+
 def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple] | None:
     """What a start of ``config`` changes from the run's latest recorded config (None: the run has no
     recorded config, this is its start).
@@ -290,23 +296,33 @@ def _append_runs_row(lake: Lake, config: RunConfig | None, **fields: object) -> 
            "config": json.dumps({} if config is None else config.public(), sort_keys=True),
            "settings": [] if config is None else [(key, json.dumps(value))
                                                   for key, value in leaves(config, json_values=True).items()],
-           "parent_run_id": None, "parent_steps": None, "changed": None, "notes": None} | fields
+           "parent_run_id": None, "parent_steps": None, "changed": None, "notes": None, "code": None} | fields
     append_blind(lake, "runs", pa.Table.from_pylist([row], schema=runs_table.SCHEMA))
 
 
 def record_start(config: RunConfig, sources: dict[str, str] | None = None, notes: str | None = None,
-                 lake: Lake | None = None) -> str:
-    """Check a start of ``config`` (:func:`check_resume`) and append its row to ``runs``; returns the
-    event (``start`` or ``resume``). ``lake``: the run's lake opened already (default: opened from
-    ``config.lake``, with object-store options from the environment)."""
+                 lake: Lake | None = None, warn: Callable[[str], object] | None = None) -> str:
+    """Check a start of ``config`` (:func:`check_resume`) and append its row to ``runs``, with the
+    code of one's own it imports (:func:`sao.user_code.fingerprint`); returns the event (``start`` or
+    ``resume``). A resume whose code differs from the run's previous start is said through ``warn``
+    (default: this module's logger), naming each module. ``lake``: the run's lake opened already (default:
+    opened from ``config.lake``, with object-store options from the environment)."""
+    from sao import user_code
     from schemas import runs as runs_table
 
     lake = lake or Lake.open(config.lake_config())
     changed = check_resume(config, lake)
     resumed = changed is not None or config.checkpoint_root.exists()
     event = runs_table.RESUME if resumed else runs_table.START
+    code = user_code.fingerprint(config)
+    differs = user_code.changes(_latest_code(lake, config.run_id), code) if resumed else []
+    if differs:
+        (warn or log.warning)(f"run {config.run_id}: code of one's own changed since the run's previous start "
+                              "(the steps from here run with it; the runs table keeps each start's code, column "
+                              "code):\n  " + "\n  ".join(differs))
     _append_runs_row(lake, config, run_id=config.run_id, event=event, sources=json.dumps(sources or {}, sort_keys=True),
-                     changed=None if changed is None else json.dumps(changed, sort_keys=True), notes=notes)
+                     changed=None if changed is None else json.dumps(changed, sort_keys=True), notes=notes,
+                     code=None if code is None else json.dumps(code, sort_keys=True))
     log.info("run %s: %s recorded in the lake's runs table", config.run_id, event)
     return event
 

@@ -2,7 +2,8 @@
 run config it ran with (:class:`sao.config.RunConfig`), so SQL can answer "which settings produced this
 trajectory" (join on ``run_id``).
 
-Rows are appended blindly, one per event; a run's settings are those of its latest row. Secrets are
+Rows are appended blindly, one per event; a run's settings are those of its latest row. Schema version 2
+added ``code`` (nullable: older rows read null). Secrets are
 never here: the config holds no object-store options or credentials (they come from the environment).
 """
 
@@ -15,7 +16,7 @@ from schemas._spec import TIMESTAMP, TableSpec, doc_field
 __all__ = ["EVENTS", "NAME", "PARTITION_BY", "RESUME", "SCHEMA", "SCHEMA_VERSION", "SPEC", "START", "WHAT_IF"]
 
 NAME = "runs"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 START = "start"
 RESUME = "resume"
@@ -68,6 +69,15 @@ SCHEMA = pa.schema(
         doc_field("sao_version", pa.string(), False, "Version of sao that wrote the row."),
         doc_field(
             "schema_version", pa.int32(), False, "Version of this schema the row was written with."
+        ),
+        doc_field(
+            "code",
+            pa.string(),
+            True,
+            "JSON object: each module of one's own the run imports (reward, tool and agent functions, the "
+            "verifiers environment, and the modules they import from their folders) -> {file, sha256, key}: "
+            "what a resume ran with (sao/user_code.py). Null for a run of the built-in task, a what_if, "
+            "and rows of schema version 1.",
         ),
     ]
 )

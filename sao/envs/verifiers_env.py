@@ -27,7 +27,7 @@ from typing import Any
 from sao.envs.base import Split, Task
 from sao.rewards import import_path
 
-__all__ = ["AGENT", "VerifiersError", "agent", "load", "module_folder", "tasks"]
+__all__ = ["AGENT", "VerifiersError", "agent", "load", "module_folder", "module_name", "tasks"]
 
 AGENT = "sao.envs.verifiers_env:agent"
 """The agent that runs a verifiers environment's rollout loop (what ``env.verifiers`` sets ``env.agent`` to)."""
@@ -57,12 +57,17 @@ def _key(spec: Mapping[str, Any]) -> str:
     return json.dumps({"id": spec["id"], "args": dict(spec.get("args") or {})}, sort_keys=True)
 
 
+def module_name(env_id: str) -> str:
+    """The module environment ``env_id`` is loaded from (what ``load_environment`` imports)."""
+    return env_id.replace("-", "_").split("/")[-1]
+
+
 def module_folder(env_id: str) -> str | None:
     """The folder environment ``env_id``'s module is found in (the working directory first), or None
     for an installed package or a module that is not found."""
     import importlib.util
 
-    name = env_id.replace("-", "_").split("/")[-1]  # what load_environment imports
+    name = module_name(env_id)
     local = Path.cwd() / f"{name}.py"
     if local.exists() or (Path.cwd() / name / "__init__.py").exists():
         return str(Path.cwd())

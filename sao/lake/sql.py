@@ -75,6 +75,9 @@ EXAMPLE_QUERIES: dict[str, str] = {
         "r.settings['algorithm.eps_high'] AS eps_high, r.settings['rollout.max_tokens'] AS max_tokens "
         "FROM trajectories t JOIN runs r ON r.run_id = t.run_id AND r.event = 'start' LIMIT 20"
     ),
+    "Which code of one's own did each start and resume run with?": (
+        "SELECT run_id, event, started_at, code FROM runs WHERE code IS NOT NULL ORDER BY 1, 3"
+    ),
     "What was rejected, and why?": (
         "SELECT reason, field, count(*) AS deliveries FROM quarantine GROUP BY 1, 2 ORDER BY 3 DESC"
     ),

@@ -45,7 +45,9 @@ def filled(request, tmp_path_factory):
             {"torch": 3},
         ),
     )
-    record_start(RunConfig(run_id=RUN, workdir=str(tmp_path / "runs"), lake={"root": lake.root}), lake=lake)
+    own = {"data": {"train": "examples/math_jsonl/train.jsonl"},  # a reward of one's own: a runs row with code
+           "reward": {"functions": ["examples.math_jsonl.my_rewards:correct_in_few_calls"]}}
+    record_start(RunConfig(run_id=RUN, workdir=str(tmp_path / "runs"), lake={"root": lake.root}, **own), lake=lake)
     return lake
 
 
