@@ -545,15 +545,21 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     each episode within the budgets a rollout of the run has (``rollout.max_tokens`` over its whole
     completion, ``rollout.max_turns`` action segments). Kept under the run's folder, so a resumed run
     does not evaluate a version again (the evaluation is seeded: the same version, tasks and seed give
-    the same figure; the budgets cannot change on a resume)."""
+    the same figure; the budgets cannot change on a resume). A run with an agent of one's own
+    (``env.agent``) or a verifiers environment is evaluated on that agent's episodes, played against the
+    chat endpoint as in a rollout (:func:`sao.train.evaluate.evaluate_agent`); other runs on the built-in
+    loop (:func:`sao.train.evaluate.evaluate_math`)."""
     from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
-    from sao.train.evaluate import EvalConfig, evaluate_math
+    from sao.train.evaluate import EvalConfig, evaluate_agent, evaluate_math
 
     # Named by what decides the figure: an evaluation kept with other budgets (or by an evaluation that
     # gave a reply 48 tokens, before it had a rollout's budgets) is not reused.
+    # An agent run's evaluation is named apart: one kept before it ran the agent played the built-in loop.
+    played = "-agent" if config.env.agent or config.env.verifiers is not None else ""
     kept = config.run_dir / "evaluations" / (f"v{version:06d}-tasks{config.eval.tasks}-seed{config.eval_seed}"
-                                             f"-tokens{config.rollout.max_tokens}-turns{config.rollout.max_turns}.json")
+                                             f"-tokens{config.rollout.max_tokens}-turns{config.rollout.max_turns}"
+                                             f"{played}.json")
     if kept.exists():
         fields = json.loads(kept.read_text())
         return Evaluation(**fields | {"rewards": tuple(fields.get("rewards", ()))})
@@ -567,10 +573,13 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
 
     tokenizer = load_tokenizer(path)
     tasks = run_tasks(config, Split.HELDOUT)
-    result = evaluate_math(load_policy(path), tokenizer, tasks,
-                           EvalConfig(num_tasks=config.eval.tasks, seed=config.eval_seed,
-                                      max_tokens=config.rollout.max_tokens, max_turns=config.rollout.max_turns),
-                           env_factory=environment)
+    settings = EvalConfig(num_tasks=config.eval.tasks, seed=config.eval_seed, max_tokens=config.rollout.max_tokens,
+                          max_turns=config.rollout.max_turns)
+    agent = options.get("dataset", {}).get("agent")
+    if agent:  # an agent of one's own or a verifiers environment: its own episodes, as a rollout runs them
+        result = evaluate_agent(load_policy(path), tokenizer, tasks, settings, environment, agent, config.agent())
+    else:
+        result = evaluate_math(load_policy(path), tokenizer, tasks, settings, env_factory=environment)
     reward_of = {episode.task_id: episode.reward for episode in result.episodes}
     evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks,
                             failure_counts(result.episodes, {t.task_id: t for t in tasks}, tokenizer),

@@ -1,6 +1,9 @@
 """sao.runs: what a run's pipeline is built from."""
 
+import json
 from pathlib import Path
+
+import pytest
 
 from sao import runs
 from sao.config import RunConfig
@@ -205,3 +208,62 @@ def test_the_trainer_is_told_the_gpus_the_rollout_replicas_hold(tmp_path):
                          rollout={"gpus": 0.5, "num_replicas": 2})
     assert runs.pipeline_config(settings, tmp_path / "sft").train.rollout_gpus == 1.0
     assert runs.pipeline_config(settings.with_values({"rollout.gpus": 0}), tmp_path / "sft").train.rollout_gpus == 0
+
+
+SCORED_AGENT = '''
+async def agent(client, task):
+    """One short call, then a score of its own that no reward function gives: 0.5, or 0.25 for the
+    tasks whose answer is even; a task asking for an error raises."""
+    reply = await client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=3)
+    assert reply.choices[0].message is not None
+    if task["info"].get("fail"):
+        raise RuntimeError("the agent failed")
+    return 0.25 if int(task["answer"]) % 2 == 0 else 0.5
+'''
+
+
+def test_an_agent_runs_evaluation_plays_the_agents_episodes(tmp_path, monkeypatch, tokenizer):
+    """A run with an agent of one's own is evaluated on that agent's episodes against the chat endpoint
+    (rewards no built-in loop gives: 0.5 and 0.25), with the run's budgets; an agent that raises scores 0
+    with ``error``; the result is kept under a name of its own."""
+    from sao.models.policy import build_policy, save_policy
+
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "info": {"fail": i == 3}} for i in range(16)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[8:]))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:8]))
+    (tmp_path / "half_scoring_agent.py").write_text(SCORED_AGENT)  # a module name no other test imports
+    monkeypatch.chdir(tmp_path)  # agents are imported from the working directory, as a user's are
+    settings = RunConfig(run_id="agent-eval", workdir=str(tmp_path / "runs"),
+                         data={"train": "train.jsonl", "eval": "eval.jsonl"}, env={"agent": "half_scoring_agent:agent"},
+                         eval={"tasks": 8}, rollout={"max_tokens": 40, "max_turns": 2})
+    runs.prepare_inputs(settings)
+    save_policy(build_policy(seed=0), settings.initial_policy_dir, tokenizer, policy_version=0)
+    evaluation = runs.evaluate(settings, 0)
+    held_out = runs.run_tasks(settings, "heldout")
+    expected = [0.0 if task.answer == "4" else 0.25 if int(task.answer) % 2 == 0 else 0.5 for task in held_out]
+    assert evaluation.num_tasks == 8 and list(evaluation.rewards) == expected
+    assert evaluation.accuracy == pytest.approx(sum(expected) / 8)
+    kept = settings.run_dir / "evaluations" / "v000000-tasks8-seed0-tokens40-turns2-agent.json"
+    assert json.loads(kept.read_text())["rewards"] == expected
+
+
+def test_a_verifiers_runs_evaluation_plays_the_environments_rollout_loop(tmp_path, monkeypatch):
+    import sao.models.policy as policy
+    import sao.models.tokenizer as tokenizer
+    import sao.train.evaluate as evaluate
+    from sao.envs.verifiers_env import AGENT
+    from sao.train.evaluate import EvalResult
+
+    played = []
+    monkeypatch.setattr(policy, "load_policy", lambda path: None)
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(runs, "run_tasks", lambda config, split: [])
+    monkeypatch.setattr(evaluate, "evaluate_math", lambda *args, **kwargs: pytest.fail("the built-in loop played"))
+    monkeypatch.setattr(evaluate, "evaluate_agent", lambda model, tok, tasks, config, env_factory, agent, agent_config:
+                        played.append((agent, agent_config.timeout_s)) or EvalResult(
+                            accuracy=0.5, stderr=0.1, num_tasks=4, mean_tool_calls=1.0, terminations={}, wall_s=0.0,
+                            episodes=()))
+    settings = RunConfig(run_id="v", workdir=str(tmp_path), env={"verifiers": {"id": "some-env"}},
+                         rollout={"timeout_s": 33.0})
+    assert runs.evaluate(settings, 0).accuracy == 0.5
+    assert played == [(AGENT, 33.0)]

@@ -29,8 +29,8 @@ from sao.envs.math_tool import MathToolConfig, MathToolEnv
 from sao.models.chat import ChatTokens, observation_ids, prompt_ids, without_turn_end
 from sao.rewards import RewardError
 
-__all__ = ["EvalConfig", "EvalResult", "Episode", "action_segments", "evaluate_math", "run_math_episodes",
-           "sample_segments"]
+__all__ = ["EvalConfig", "EvalResult", "Episode", "action_segments", "evaluate_agent", "evaluate_math",
+           "run_agent_episodes", "run_math_episodes", "sample_segments"]
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +290,86 @@ def run_math_episodes(
     ]
 
 
+def run_agent_episodes(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[Task],
+    config: EvalConfig,
+    env_factory: Callable[[Task], object],
+    agent: str,
+    agent_config,
+) -> list[Episode]:
+    """One episode of ``agent`` (``module:function``: an agent of one's own, or a verifiers environment's
+    rollout loop) per task, run as a rollout replica runs it: the agent talks to the chat endpoint over
+    the torch engine, both in this process (:class:`sao.rollout.user_agent.UserAgentRunner`), within the
+    budgets of ``config`` (``agent_config``, a :class:`sao.rollout.agent.AgentConfig`, gives the rest:
+    its wall-clock budget, the kind of log-probabilities) and at ``config.temperature`` with no top-k or
+    top-p. At most ``config.batch_size`` episodes run at once; episode ``i`` is seeded with
+    ``config.seed`` and ``i``. The engine batches the episodes' calls, so the same seed gives the same
+    samples up to rounding that depends on which calls were batched together."""
+    import asyncio
+
+    from sao.rollout.chat_endpoint import ChatEndpoint
+    from sao.rollout.env_agent import episode_agent
+    from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
+    from sao.rollout.user_agent import UserAgentRunner
+
+    agent_config = dataclasses.replace(agent_config, max_tokens=config.max_tokens, max_turns=config.max_turns,
+                                       temperature=config.temperature, top_k=0, top_p=1.0)
+    engine = TorchEngine(model, config=TorchEngineConfig(max_batch=config.batch_size), seed=config.seed)
+
+    async def episodes() -> list[Episode]:
+        endpoint = ChatEndpoint(engine, tokenizer)
+        runner = UserAgentRunner(endpoint, agent_config, "evaluation")
+        slots = asyncio.Semaphore(config.batch_size)  # an episode's wall-clock budget starts when it opens
+
+        async def one(index: int, task: Task) -> Episode:
+            async with slots:
+                env = env_factory(task)
+                play, built_in = episode_agent(runner, agent, env, task, tools)
+                parts = await runner.run(play, env, task, "evaluation", f"evaluation-{index}",
+                                         config.seed * 1_000_003 + index, built_in=built_in)
+            first = parts[0]
+            return Episode(task_id=task.task_id, reward=float(first.reward),
+                           termination=Termination(first.termination_reason),
+                           tool_calls=max(sum(part.num_turns for part in parts) - 1, 0),
+                           token_ids=(*first.prompt_ids, *first.completion_ids),
+                           action_mask=(0,) * len(first.prompt_ids) + tuple(int(m) for m in first.action_mask),
+                           error=first.error)
+
+        try:
+            return list(await asyncio.gather(*(one(i, task) for i, task in enumerate(tasks))))
+        finally:
+            await runner.close()
+            await endpoint.close()
+
+    tools = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="eval-tool")
+    try:
+        return asyncio.run(episodes())
+    finally:
+        tools.shutdown(wait=False, cancel_futures=True)
+        engine.close()
+
+
+def evaluate_agent(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[Task],
+    config: EvalConfig,
+    env_factory: Callable[[Task], object],
+    agent: str,
+    agent_config,
+) -> EvalResult:
+    """:func:`evaluate_math`'s figures for ``agent``'s episodes (:func:`run_agent_episodes`) on the first
+    ``config.num_tasks`` of ``tasks``. ``tool_calls``: an episode's calls of the policy after its first."""
+    if not tasks:
+        raise ValueError("evaluate_agent: no tasks given")
+    start = time.monotonic()
+    episodes = run_agent_episodes(model, tokenizer, list(tasks)[: config.num_tasks], config, env_factory, agent,
+                                  agent_config)
+    return _result(episodes, time.monotonic() - start)
+
+
 def evaluate_math(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -305,6 +385,10 @@ def evaluate_math(
         raise ValueError("evaluate_math: no tasks given")
     start = time.monotonic()
     episodes = run_math_episodes(model, tokenizer, list(tasks)[: config.num_tasks], config, env_config, env_factory)
+    return _result(episodes, time.monotonic() - start)
+
+
+def _result(episodes: list[Episode], wall_s: float) -> EvalResult:
     n = len(episodes)
     accuracy = sum(e.reward for e in episodes) / n
     variance = sum((e.reward - accuracy) ** 2 for e in episodes) / n  # p(1 - p) for rewards of 0 and 1
@@ -314,6 +398,6 @@ def evaluate_math(
         num_tasks=n,
         mean_tool_calls=sum(e.tool_calls for e in episodes) / n,
         terminations=dict(Counter(str(e.termination) for e in episodes)),
-        wall_s=time.monotonic() - start,
+        wall_s=wall_s,
         episodes=tuple(episodes),
     )
