@@ -28,8 +28,10 @@ Tool output is encoded with special tokens split into ordinary text, so a progra
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # transformers is only needed by callers that hold a tokenizer
@@ -65,6 +67,7 @@ __all__ = [
     "Reply",
     "ToolCall",
     "action_text",
+    "generation_end_ids",
     "observation_ids",
     "observation_text",
     "parse_action",
@@ -92,8 +95,9 @@ class ChatTokens:
         tool_call_start_id / tool_call_end_id: around the code of a tool call; the end is a stop id.
         tool_response_start_id / tool_response_end_id: around a tool's output in an observation.
         answer_start_id / answer_end_id: around a final answer.
-        end_ids: plain format only: the ids that end the assistant's turn (the tokenizer's EOS and the
-            end-of-turn tokens it has: ``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...).
+        end_ids: plain format only: the ids that end the assistant's turn (the tokenizer's EOS, the
+            end-of-turn tokens it has: ``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ..., and the
+            ids its model's ``generation_config.json`` ends generation at: :func:`generation_end_ids`).
     """
 
     pad_id: int
@@ -127,6 +131,7 @@ class ChatTokens:
             return cls(**{field: vocab[token] for field, token in names.items()})
         ends = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         ends += [vocab[token] for token in END_OF_TURN_TOKENS if token in vocab]
+        ends += generation_end_ids(tokenizer)
         ends = list(dict.fromkeys(int(i) for i in ends))
         if not ends:
             raise ValueError("the tokenizer has no EOS token and none of the end-of-turn tokens "
@@ -147,6 +152,31 @@ class ChatTokens:
         if not self.supports_tools:
             return self.end_ids
         return (self.tool_call_end_id, self.im_end_id, self.answer_end_id)
+
+
+def generation_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids ``generation_config.json`` in the tokenizer's directory ends generation at (its
+    ``eos_token_id``, one id or a list); [] without one. Some models end a turn at an id that only this
+    file names: Llama 3.1's ``<|eom_id|>``, GLM-4's ``<|user|>`` and ``<|observation|>``; neither engine
+    stops at the model's EOS unless it is a stop id (vLLM runs with ``ignore_eos``), so without them such
+    a reply runs on to the token budget. A policy directory this project writes keeps them
+    (:func:`sao.models.policy.save_policy` writes the stop ids as its ``eos_token_id``).
+
+    Raises:
+        ValueError: the file is not JSON, or its ``eos_token_id`` is not an id or a list of ids.
+    """
+    folder = getattr(tokenizer, "name_or_path", "") or ""
+    path = Path(folder) / "generation_config.json"
+    if not folder or not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except ValueError as error:
+        raise ValueError(f"{path}: not a JSON generation config ({error})") from None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 class ToolCall(NamedTuple):

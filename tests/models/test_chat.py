@@ -155,3 +155,49 @@ def test_a_tokenizer_without_the_format_tokens_gets_the_plain_format():
     plain = ChatTokens.from_tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>"))
     assert not plain.supports_tools and plain.tool_call_end_id is None
     assert plain.stop_token_ids == (0, 1) and plain.pad_id == 0  # EOS first, then the end-of-turn token
+
+
+def _plain_model_tokenizer(folder, generation_config=None):
+    """A plain-format tokenizer saved in ``folder`` (ids: </s> 0, <|eot_id|> 1, <|eom_id|> 2,
+    <|observation|> 3), with ``generation_config`` written beside it as its model's."""
+    from transformers import AutoTokenizer
+
+    backend = Tokenizer(models.BPE())
+    backend.add_special_tokens(["</s>", "<|eot_id|>", "<|eom_id|>", "<|observation|>"])
+    template = "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}"
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", chat_template=template).save_pretrained(folder)
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(generation_config)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("written, stops", [
+    (None, (0, 1)),
+    ('{"eos_token_id": [0, 2, 3]}', (0, 1, 2, 3)),  # GLM-4-like: ends a turn at ids only this file names
+    ('{"eos_token_id": 2}', (0, 1, 2)),  # one id
+    ('{"temperature": 0.6}', (0, 1)),
+], ids=["no generation config", "a list", "one id", "no eos_token_id"])
+def test_the_ids_the_models_generation_config_ends_at_end_a_turn_too(tmp_path, written, stops):
+    assert ChatTokens.from_tokenizer(_plain_model_tokenizer(tmp_path, written)).stop_token_ids == stops
+
+
+def test_a_bad_generation_config_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be a token id"):
+        ChatTokens.from_tokenizer(_plain_model_tokenizer(tmp_path, '{"eos_token_id": "</s>"}'))
+    with pytest.raises(ValueError, match=r"generation_config.json: not a JSON generation config"):
+        ChatTokens.from_tokenizer(_plain_model_tokenizer(tmp_path, "{eos"))
+
+
+def test_a_policy_directory_keeps_the_models_end_ids(tmp_path):
+    """The version-0 policy (and every checkpoint after it) is written from the user's tokenizer: its
+    generation config carries the stop ids, so the ids only the source's file named still end a turn."""
+    from sao.models.policy import build_policy, save_policy
+    from sao.models.tokenizer import load_tokenizer
+
+    (tmp_path / "source").mkdir()
+    source = _plain_model_tokenizer(tmp_path / "source", '{"eos_token_id": [0, 2, 3]}')
+    save_policy(build_policy(seed=0), tmp_path / "v0", source)
+    again = load_tokenizer(tmp_path / "v0")
+    assert ChatTokens.from_tokenizer(again).stop_token_ids == (0, 1, 2, 3)
+    save_policy(build_policy(seed=0), tmp_path / "v1", again)  # a checkpoint written from version 0's tokenizer
+    assert ChatTokens.from_tokenizer(load_tokenizer(tmp_path / "v1")).stop_token_ids == (0, 1, 2, 3)
