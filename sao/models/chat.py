@@ -68,6 +68,7 @@ __all__ = [
     "ToolCall",
     "action_text",
     "generation_end_ids",
+    "hermes_tool_calls",
     "observation_ids",
     "observation_text",
     "parse_action",
@@ -209,6 +210,29 @@ def without_turn_end(text: str, ids: Sequence[int], ends: Collection[int],
     if ids and ids[-1] in ends:
         return text[: len(text) - len(tokenizer.decode([ids[-1]], skip_special_tokens=False))]
     return text
+
+
+def hermes_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
+    """The tool calls of a reply in the Hermes format, the one the chat templates of Qwen2.5, Qwen3 and
+    other models render a call in: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
+    (JSON between the tags, whitespace around it) after optional text. Returns the text before the
+    first block (the newlines that end it stripped: templates put one between the text and the first
+    call) and the calls as ``{"name", "arguments"}``; None when the text holds no block, or a block is
+    not such JSON (the reply is then plain text, as vLLM's ``hermes`` tool parser leaves it)."""
+    blocks = _TOOL_CALL.findall(text)
+    if not blocks:
+        return None
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]
+                and isinstance(call.get("arguments", {}), dict)):
+            return None
+        calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
+    return text[: text.index(TOOL_CALL_START)].rstrip("\n"), calls
 
 
 def parse_action(text: str) -> ToolCall | FinalAnswer | Reply:

@@ -42,8 +42,12 @@ nothing: the episode goes on.
 
 **Replies.** A standard ``chat.completion``: the assistant's text, and with the built-in chat format
 (:mod:`sao.models.chat`), a tool call ``<tool_call>code</tool_call>`` as a ``python`` function call
-whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); ``usage``; ``logprobs`` when
-asked for.
+whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a model's own format and
+``tools`` in the request, the calls of a reply in the Hermes format (Qwen2.5, Qwen3 and others:
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>``; :func:`sao.models.chat.hermes_tool_calls`)
+as its ``tool_calls``, the text before them as its content; ``usage``; ``logprobs`` when asked for.
+Sent back, such a reply extends the record when the template renders it as it was sampled (the
+template's own layout of a call: JSON as ``tojson`` writes it); otherwise the episode splits there.
 """
 
 from __future__ import annotations
@@ -62,7 +66,14 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from sao.models.chat import TOOL_CALL_END, TOOL_CALL_START, ChatTokens, Message, without_turn_end
+from sao.models.chat import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    ChatTokens,
+    Message,
+    hermes_tool_calls,
+    without_turn_end,
+)
 from sao.rollout.agent import AgentConfig, _Trace
 from sao.rollout.engine import Engine, FinishReason, SamplingParams, generate_until
 from schemas.vocabulary import TerminationReason
@@ -309,7 +320,8 @@ class Episode:
             raise EndpointError(500, "engine_error", f"the engine failed: {generation.error}")
         if generation.finish_reason is FinishReason.LENGTH and max_tokens == remaining:
             self.end(TerminationReason.LENGTH)  # the trajectory's budget; the reply is still given
-        reply, finish = endpoint.reply(generation.token_ids, generation.finish_reason, request["stop_ids"])
+        reply, finish = endpoint.reply(generation.token_ids, generation.finish_reason, request["stop_ids"],
+                                       request["tools"])
         part.messages = [*part.messages, reply]
         part.text += endpoint.decode(generation.token_ids)
         return endpoint.response(reply, finish, generation, len(ids), request["logprobs"])
@@ -532,8 +544,12 @@ class ChatEndpoint:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def reply(self, ids: Sequence[int], finish: FinishReason, stop_ids: tuple[int, ...]) -> tuple[Message, str]:
-        """The assistant message of sampled ``ids`` and its OpenAI finish reason."""
+    def reply(self, ids: Sequence[int], finish: FinishReason, stop_ids: tuple[int, ...],
+              tools: list | None = None) -> tuple[Message, str]:
+        """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
+        chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
+        and ``tools`` in the request, Hermes-format calls in a reply that stopped are its tool calls
+        (:func:`sao.models.chat.hermes_tool_calls`)."""
         text = self.decode(ids)
         last = ids[-1] if ids else None
         head, opened, code = text.rpartition(TOOL_CALL_START)
@@ -545,6 +561,12 @@ class ChatEndpoint:
         ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
         if finish is FinishReason.STOP and last not in stop_ids:
             text = without_turn_end(text, ids, ends, self.tokenizer)
+            parsed = hermes_tool_calls(text) if tools and not self.tokens.supports_tools else None
+            if parsed is not None:
+                content, calls = parsed
+                return {"role": "assistant", "content": content, "tool_calls": [
+                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call}
+                    for call in calls]}, "tool_calls"
         return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
 
     def response(self, reply: Message, finish: str, generation, prompt_tokens: int, logprobs: bool) -> dict[str, Any]:

@@ -201,3 +201,20 @@ def test_a_policy_directory_keeps_the_models_end_ids(tmp_path):
     assert ChatTokens.from_tokenizer(again).stop_token_ids == (0, 1, 2, 3)
     save_policy(build_policy(seed=0), tmp_path / "v1", again)  # a checkpoint written from version 0's tokenizer
     assert ChatTokens.from_tokenizer(load_tokenizer(tmp_path / "v1")).stop_token_ids == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+     ("", [{"name": "add", "arguments": {"a": 2, "b": 3}}])),
+    ('Adding.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+     '<tool_call>{"name": "now"}</tool_call>',
+     ("Adding.", [{"name": "add", "arguments": {"a": 1}}, {"name": "now", "arguments": {}}])),
+    ("The sum is 5.", None),
+    ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', None),  # not JSON: plain text
+    ('<tool_call>{"arguments": {}}</tool_call>', None),  # no name
+    ('<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>', None),  # arguments not an object
+], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text"])
+def test_hermes_tool_calls(text, expected):
+    from sao.models.chat import hermes_tool_calls
+
+    assert hermes_tool_calls(text) == expected

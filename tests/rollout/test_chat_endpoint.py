@@ -282,3 +282,96 @@ def test_special_tokens_in_what_the_agent_adds_stay_plain_text(engine, tokenizer
     # The template's turn delimiters only: close the reply, open the user turn, close it, open the answer.
     assert [i for i in added if i in (im_start, im_end)] == [im_end, im_start, im_end, im_start]
     assert tokenizer.decode(added).count("<|im_end|>") == 3  # the user's text still reads as it was
+
+
+QWEN_STYLE = (  # the parts of Qwen2.5's chat template that render tools, calls and their results
+    "{%- if tools %}<|im_start|>system\nTools:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- set call = tool_call.function %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + call.name + '\", \"arguments\": ' + call.arguments | tojson + '}\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}{{- '<|im_start|>user\n<tool_response>\n' + message.content + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def qwen_style_tokenizer():
+    """A byte-level BPE tokenizer with Qwen2.5's turn and tool-call tokens and template, none of this
+    project's answer tokens (so the model's own format: its tool calls are Hermes JSON)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    backend.train_from_iterator(['{"name": "add", "arguments": {"a": 2}} The sum is 5.'], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = QWEN_STYLE
+    return tokenizer
+
+
+class ScriptedEngine:
+    """An engine whose replies are given as text, one per call, each sampled with log-probability -0.5."""
+
+    name, version, engine_version = "scripted", 0, "scripted-1"
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies = tokenizer, list(replies)
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        from sao.rollout.engine import FinishReason, Generation, VersionSpan
+
+        ids = tuple(self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False))
+        return Generation(token_ids=ids, logprobs=(-0.5,) * len(ids), logprob_kind="sampling",
+                          finish_reason=FinishReason.STOP, spans=(VersionSpan(0, 0, len(ids)),))
+
+    def cancel(self, request_id):
+        return False
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+
+
+def test_a_models_own_hermes_tool_calls_reach_the_agent_as_tool_calls_and_extend_the_record():
+    """With a model's own chat format (Qwen2.5's layout), a reply in the Hermes format is an OpenAI tool
+    call; sent back with the tool's result, the template renders it as sampled, so the episode is one
+    trajectory: the call (action), the template's tool turn (observation), the answer (action)."""
+    tokenizer = qwen_style_tokenizer()
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+    engine = ScriptedEngine(tokenizer, [call, "The sum is 5.<|im_end|>", "no tools asked: <tool_call>\n"
+                                        '{"name": "add", "arguments": {}}\n</tool_call><|im_end|>'])
+    seen = []
+
+    async def agent(client, task):
+        messages = list(task["messages"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+        message = reply.choices[0].message
+        seen.append((reply.choices[0].finish_reason, message.content, message.tool_calls))
+        arguments = json.loads(message.tool_calls[0].function.arguments)
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": str(sum(arguments.values()))}]
+        final = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+        seen.append((final.choices[0].finish_reason, final.choices[0].message.content, final.choices[0].message.tool_calls))
+        plain = await client.chat.completions.create(model="policy", messages=task["messages"])  # no tools: text
+        seen.append((plain.choices[0].finish_reason, plain.choices[0].message.content, plain.choices[0].message.tool_calls))
+        return 1.0
+
+    records, endpoint = episode(engine, tokenizer, agent)
+    (finish, content, calls), answered, untooled = seen
+    assert finish == "tool_calls" and content is None and len(calls) == 1
+    assert (calls[0].function.name, json.loads(calls[0].function.arguments)) == ("add", {"a": 2, "b": 3})
+    assert answered == ("stop", "The sum is 5.", None)
+    assert untooled[0] == "stop" and untooled[1].startswith("no tools asked: <tool_call>") and untooled[2] is None
+    first = records[0]  # the third call started over from the task's messages: a split, part 1
+    assert len(records) == 2 and [s.kind for s in first.segments] == ["action", "observation", "action"]
+    observation = first.segments[1]
+    assert tokenizer.decode(list(first.completion_ids[observation.start:observation.end])) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode(list(first.completion_ids[:observation.start])) == call
