@@ -30,7 +30,7 @@ from sao.models.chat import ChatTokens, observation_ids, prompt_ids, without_tur
 from sao.rewards import RewardError
 
 __all__ = ["EvalConfig", "EvalResult", "Episode", "action_segments", "evaluate_agent", "evaluate_math",
-           "run_agent_episodes", "run_math_episodes", "sample_segments"]
+           "run_math_episodes", "sample_segments"]
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ def run_math_episodes(
     ]
 
 
-def run_agent_episodes(
+def evaluate_agent(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     tasks: Sequence[Task],
@@ -298,15 +298,17 @@ def run_agent_episodes(
     env_factory: Callable[[Task], object],
     agent: str,
     agent_config,
-) -> list[Episode]:
-    """One episode of ``agent`` (``module:function``: an agent of one's own, or a verifiers environment's
-    rollout loop) per task, run as a rollout replica runs it: the agent talks to the chat endpoint over
-    the torch engine, both in this process (:class:`sao.rollout.user_agent.UserAgentRunner`), within the
-    budgets of ``config`` (``agent_config``, a :class:`sao.rollout.agent.AgentConfig`, gives the rest:
-    its wall-clock budget, the kind of log-probabilities) and at ``config.temperature`` with no top-k or
-    top-p. At most ``config.batch_size`` episodes run at once; episode ``i`` is seeded with
+) -> EvalResult:
+    """:func:`evaluate_math`'s figures for ``agent``'s episodes on the first ``config.num_tasks`` of
+    ``tasks``: one episode of ``agent`` (``module:function``: an agent of one's own, or a verifiers
+    environment's rollout loop) per task, run as a rollout replica runs it. The agent talks to the chat
+    endpoint over the torch engine, both in this process (:class:`sao.rollout.user_agent.UserAgentRunner`),
+    within the budgets of ``config`` (``agent_config``, a :class:`sao.rollout.agent.AgentConfig`, gives the
+    rest: its wall-clock budget, the kind of log-probabilities) and at ``config.temperature`` with no
+    top-k or top-p. At most ``config.batch_size`` episodes run at once; episode ``i`` is seeded with
     ``config.seed`` and ``i``. The engine batches the episodes' calls, so the same seed gives the same
-    samples up to rounding that depends on which calls were batched together."""
+    samples up to rounding that depends on which calls were batched together. An episode's
+    ``tool_calls``: its calls of the policy after its first."""
     import asyncio
 
     from sao.rollout.chat_endpoint import ChatEndpoint
@@ -314,6 +316,9 @@ def run_agent_episodes(
     from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
     from sao.rollout.user_agent import UserAgentRunner
 
+    if not tasks:
+        raise ValueError("evaluate_agent: no tasks given")
+    start = time.monotonic()
     agent_config = dataclasses.replace(agent_config, max_tokens=config.max_tokens, max_turns=config.max_turns,
                                        temperature=config.temperature, top_k=0, top_p=1.0)
     engine = TorchEngine(model, config=TorchEngineConfig(max_batch=config.batch_size), seed=config.seed)
@@ -338,36 +343,17 @@ def run_agent_episodes(
                            error=first.error)
 
         try:
-            return list(await asyncio.gather(*(one(i, task) for i, task in enumerate(tasks))))
+            return list(await asyncio.gather(*(one(i, task) for i, task in enumerate(list(tasks)[: config.num_tasks]))))
         finally:
             await runner.close()
             await endpoint.close()
 
     tools = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="eval-tool")
     try:
-        return asyncio.run(episodes())
+        return _result(asyncio.run(episodes()), time.monotonic() - start)
     finally:
         tools.shutdown(wait=False, cancel_futures=True)
         engine.close()
-
-
-def evaluate_agent(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    tasks: Sequence[Task],
-    config: EvalConfig,
-    env_factory: Callable[[Task], object],
-    agent: str,
-    agent_config,
-) -> EvalResult:
-    """:func:`evaluate_math`'s figures for ``agent``'s episodes (:func:`run_agent_episodes`) on the first
-    ``config.num_tasks`` of ``tasks``. ``tool_calls``: an episode's calls of the policy after its first."""
-    if not tasks:
-        raise ValueError("evaluate_agent: no tasks given")
-    start = time.monotonic()
-    episodes = run_agent_episodes(model, tokenizer, list(tasks)[: config.num_tasks], config, env_factory, agent,
-                                  agent_config)
-    return _result(episodes, time.monotonic() - start)
 
 
 def evaluate_math(
