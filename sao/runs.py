@@ -229,12 +229,6 @@ def latest_config(lake: Lake, run_id: str) -> dict | None:
     return json.loads(max(rows, key=lambda row: row["started_at"])["config"])
 
 
-def _latest_code(lake: Lake, run_id: str) -> str | None:
-    """The ``code`` of run ``run_id``'s latest row in ``runs`` (None: no row, or written without one)."""
-    rows = lake.read_run("runs", run_id, ["started_at", "code"]).to_pylist()
-    return max(rows, key=lambda row: row["started_at"])["code"] if rows else None
-
-
 def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple] | None:
     """What a start of ``config`` changes from the run's latest recorded config (None: the run has no
     recorded config, this is its start).
@@ -315,7 +309,7 @@ def record_start(config: RunConfig, sources: dict[str, str] | None = None, notes
     resumed = changed is not None or config.checkpoint_root.exists()
     event = runs_table.RESUME if resumed else runs_table.START
     code = user_code.fingerprint(config)
-    differs = user_code.changes(_latest_code(lake, config.run_id), code) if resumed else []
+    differs = user_code.changes(user_code.recorded_code(lake, config.run_id), code) if resumed else []
     if differs:
         (warn or log.warning)(f"run {config.run_id}: code of one's own changed since the run's previous start "
                               "(the steps from here run with it; the runs table keeps each start's code, column "

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["changes", "fingerprint", "named_modules"]
+__all__ = ["changed_since", "changes", "fingerprint", "named_modules", "recorded_code"]
 
 PRODUCT_PACKAGES = frozenset({"sao", "flows", "schemas"})
 """Top-level packages of this project: versioned by the row's ``sao_version``, not fingerprinted."""
@@ -70,9 +70,9 @@ def fingerprint(config) -> dict[str, dict[str, str]] | None:
             for name, (path, key) in sorted(files.items())}
 
 
-def changes(before: str | dict | None, after: dict | None) -> list[str]:
+def changes(before: str | dict | None, after: dict | None, gone: str = "no longer imported") -> list[str]:
     """What differs between two :func:`fingerprint` records (``before`` as stored: JSON text), one line
-    per module: changed, new or gone, with its file. [] when equal or when ``before`` is unknown (a row
+    per module: changed, new or ``gone``, with its file. [] when equal or when ``before`` is unknown (a row
     written before the ``code`` column)."""
     if before is None:
         return []
@@ -84,11 +84,35 @@ def changes(before: str | dict | None, after: dict | None) -> list[str]:
         if old is None:
             lines.append(f"{name} ({new['file']}): new")
         elif new is None:
-            lines.append(f"{name} ({old['file']}): no longer imported")
+            lines.append(f"{name} ({old['file']}): {gone}")
         elif old["sha256"] != new["sha256"]:
             where = new["file"] if new["file"] == old["file"] else f"{old['file']} -> {new['file']}"
             lines.append(f"{name} ({where}): changed, sha256 {old['sha256'][:12]} -> {new['sha256'][:12]}")
     return lines
+
+
+def changed_since(recorded: str | dict | None) -> list[str]:
+    """The modules of a :func:`fingerprint` record (``recorded``, as stored: JSON text) whose files
+    differ now, one line each as :func:`changes` words it (a file gone: "no longer found"); [] for no
+    record."""
+    if recorded is None:
+        return []
+    recorded = json.loads(recorded) if isinstance(recorded, str) else recorded
+    now = {}
+    for name, entry in (recorded or {}).items():
+        path = Path(entry["file"])
+        if path.is_file():
+            now[name] = {**entry, "sha256": _digest(path)}
+    return changes(recorded, now, gone="no longer found")
+
+
+def recorded_code(lake, run_id: str, at=None) -> str | None:
+    """The ``code`` of the ``runs`` row of run ``run_id`` in effect at time ``at`` (its latest start or
+    resume at or before it; None: the latest row), or None when the run has no such row or it holds
+    no code."""
+    rows = [row for row in lake.read_run("runs", run_id, ["started_at", "event", "code"]).to_pylist()
+            if row["event"] != "what_if" and (at is None or row["started_at"] <= at)]
+    return max(rows, key=lambda row: row["started_at"])["code"] if rows else None
 
 
 def _module_file(name: str) -> Path | None:

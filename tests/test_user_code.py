@@ -124,3 +124,14 @@ def test_a_run_recorded_before_the_code_column_resumes_and_is_migrated(tmp_path,
     rows = Lake.open(config.lake_config()).read("runs", columns=["schema_version", "code"]).to_pylist()
     assert sorted(rows, key=lambda row: row["schema_version"])[0] == {"schema_version": 1, "code": None}
     assert "my_scores" in json.loads(max(rows, key=lambda row: row["schema_version"])["code"])
+
+
+def test_changed_since_rehashes_the_recorded_files(tmp_path):
+    kept, gone = tmp_path / "kept.py", tmp_path / "gone.py"
+    kept.write_text("A = 1\n")
+    record = {"kept": {"file": str(kept), "sha256": _sha(kept), "key": "reward.functions"},
+              "gone": {"file": str(gone), "sha256": "0" * 64, "key": "imported"}}
+    assert user_code.changed_since(json.dumps(record)) == [f"gone ({gone}): no longer found"]
+    kept.write_text("A = 2\n")
+    assert user_code.changed_since(record)[1].startswith(f"kept ({kept}): changed, sha256 {record['kept']['sha256'][:12]}")
+    assert user_code.changed_since(None) == []

@@ -304,6 +304,15 @@ def _termination_check(row: Mapping, turns: list[_Turn], ended, pending, max_tur
     return Check("termination", None, f"a {reason} end is decided by the clock or the machine, not the tokens")
 
 
+def _code_changed(lake: Lake, row: Mapping) -> str:
+    """Why a re-score may differ, when it can be told: the code of one's own the run ran with when it
+    generated ``row`` (``runs.code``) and which of its modules differ now."""
+    from sao.user_code import changed_since, recorded_code
+
+    changed = changed_since(recorded_code(lake, row["run_id"], row["timings"]["created_at"]))
+    return f" (the code of one's own it was scored with has changed since: {'; '.join(changed)})" if changed else ""
+
+
 def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = None,
                       checkpoint_root: str | Path | None = None, tasks_path: str | Path | None = None,
                       atol: float = DEFAULT_ATOL) -> TrajectoryReplay:
@@ -333,7 +342,8 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
         prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
         rescored = float(ended.reward) if ended is not None and row["termination_reason"] in ("stop", "turns") else 0.0
         reward_check = Check("reward", recorded == rescored,
-                             "" if recorded == rescored else f"recorded {recorded}, re-scored {rescored}")
+                             "" if recorded == rescored else f"recorded {recorded}, re-scored {rescored}"
+                             + _code_changed(lake, row))
         termination_check = _termination_check(row, turns, ended, pending, cfg.rollout.max_turns, stop_ids)
     same_tokenizer = (tokenizer_version(tokenizer) == row["tokenizer_version"]
                       and chat_template_version(tokenizer) == row["chat_template_version"])

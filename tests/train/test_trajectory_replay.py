@@ -239,3 +239,40 @@ def test_a_step_dependent_reward_is_rescored_at_the_trajectory_s_policy_version(
         report = replay_trajectory(lake, record.trajectory_id)
         assert report.ok, report
         assert report.reward_rescored == record.reward
+
+
+def test_a_reward_mismatch_names_the_code_of_ones_own_that_changed_since(swapped, tmp_path):
+    """A trajectory re-scored after its run's reward module was edited: the mismatch says which module
+    changed since the start the trajectory was generated under (``runs.code``)."""
+    import datetime
+    import hashlib
+    import json
+
+    import pyarrow as pa
+
+    from sao.lake.commit import append_blind
+    from schemas import runs as runs_table
+
+    cfg, lake, records, _ = swapped
+    source = next(r for r in records if r.termination_reason == "stop")
+    row = read_trajectories(lake, trajectory_ids=[source.trajectory_id]).to_pylist()[0]
+    copy = {name: row[name] for name in trajectories.RECORD_SCHEMA.names}
+    copy["reward"] = 1.0 - row["reward"]  # scored by other code than the environment's now
+    copy["trajectory_id"] = source.trajectory_id + "-rescored"
+    write(lake, [copy])
+    module = tmp_path / "graders.py"
+    module.write_text("def score(**kwargs):\n    return 1.0\n")
+    code = {"graders": {"file": str(module), "sha256": hashlib.sha256(module.read_bytes()).hexdigest(),
+                        "key": "reward.functions"}}
+    started = row["timings"]["created_at"] - datetime.timedelta(seconds=1)  # the start it was generated under
+    append_blind(lake, "runs", pa.Table.from_pylist([{
+        "run_id": cfg.run_id, "event": "resume", "started_at": started, "config": "{}", "settings": [],
+        "sources": "{}", "changed": None, "notes": None, "parent_run_id": None, "parent_steps": None,
+        "sao_version": "test", "schema_version": runs_table.SCHEMA_VERSION, "code": json.dumps(code)}],
+        schema=runs_table.SCHEMA))
+    unchanged = replay_trajectory(lake, copy["trajectory_id"], run_id=cfg.run_id).check("reward")
+    assert unchanged.ok is False and "changed since" not in unchanged.detail
+    module.write_text("def score(**kwargs):\n    return 0.0\n")
+    changed = replay_trajectory(lake, copy["trajectory_id"], run_id=cfg.run_id).check("reward")
+    assert changed.ok is False and changed.detail.startswith(f"recorded {copy['reward']}, re-scored {row['reward']}")
+    assert f"the code of one's own it was scored with has changed since: graders ({module}): changed" in changed.detail
