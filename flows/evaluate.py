@@ -1,7 +1,9 @@
 """Prefect flow ``evaluate``: held-out accuracy of one policy version of a run.
 
-Calls :func:`sao.runs.evaluate` (sampled accuracy at temperature 1 on held-out math_tool tasks) and
-shows the result as a table artifact. Version 0 is the run's warm start; version N its checkpoint
+Calls :func:`sao.runs.evaluate` (sampled accuracy on the run's held-out tasks: at temperature 1 in the
+built-in loop, or its agent's own episodes) and shows the result as a table artifact. The run's
+settings (its tasks, model, reward and budgets) are those the lake at ``lake`` recorded for it; a run
+the lake does not know is evaluated as a run of the built-in task. Version 0 is the run's warm start; version N its checkpoint
 after N actor updates. Evaluation only reads the checkpoint, so its task may be retried.
 """
 
@@ -30,9 +32,12 @@ def evaluate(
     eval_tasks: int = _DEFAULTS.eval.tasks,
     workdir: str = _DEFAULTS.workdir,
     seed: int = _DEFAULTS.seed,
+    lake: str = _DEFAULTS.lake.root,
 ) -> dict:
-    """Held-out accuracy (temperature 1) of policy ``version`` of run ``run_id`` under ``workdir``."""
-    settings = RunConfig(run_id=run_id, eval={"tasks": eval_tasks}, workdir=workdir, seed=seed)
+    """Held-out accuracy of policy ``version`` of run ``run_id`` under ``workdir``, with the settings the
+    lake at ``lake`` recorded for the run."""
+    values = {"eval.tasks": eval_tasks, "workdir": workdir, "seed": seed}
+    settings = runs.recorded_settings(run_id, lake, **values) or RunConfig(run_id=run_id).with_values(values)
     path = runs.policy_dir(settings, version)
     if not (path / "config.json").exists():
         raise FileNotFoundError(

@@ -3,7 +3,7 @@
     warm_start      SFT on math_tool demonstrations -> the run's version-0 policy (skipped if present)
     pretrain_value  version-0 rollouts into the lake, then the version-0 critic fitted on them
     train_async     the asynchronous pipeline (:func:`sao.pipeline.run_pipeline`) for the run's steps
-    evaluate        sampled accuracy (temperature 1) of a version on held-out tasks
+    evaluate        sampled accuracy (temperature 1; an agent's: as its rollouts sample) of a version on held-out tasks
     summarize       plots from the lake and a short text summary
 
 Every stage is idempotent for a run id: re-running a run resumes it, from wherever it stopped (a
@@ -49,7 +49,7 @@ from sao.train.run_config import ReplayContext, read_run_config, run_config_path
 
 __all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "failure_counts", "finished", "math_tasks", "pipeline_config",
            "import_paths", "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
-           "record_finished", "summarize", "train_async", "value_data_run", "warm_start"]
+           "record_finished", "recorded_settings", "summarize", "train_async", "value_data_run", "warm_start"]
 
 RESULT_FILE = "result.json"
 """Under the run's folder: the result of a run that reached its steps (:func:`record_finished`)."""
@@ -227,6 +227,20 @@ def latest_config(lake: Lake, run_id: str) -> dict | None:
     if not rows:
         return None
     return json.loads(max(rows, key=lambda row: row["started_at"])["config"])
+
+
+def recorded_settings(run_id: str, lake_root: str, **values: object) -> RunConfig | None:
+    """Run ``run_id``'s latest recorded config in the lake at ``lake_root``, with ``values`` (dotted keys)
+    applied: what a later stage of the run (an evaluation from the UI) must use to run on the run's own
+    tasks, model and budgets. None when there is no lake there or it holds no config of the run."""
+    try:
+        lake = Lake.open(lake_root, create=False)
+    except LakeNotFoundError:
+        return None
+    stored = latest_config(lake, run_id)
+    if stored is None:
+        return None
+    return RunConfig.model_validate(without_unread(stored)).with_values(values)
 
 
 def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple] | None:
@@ -515,7 +529,9 @@ class Evaluation:
     """A version's sampled accuracy on held-out tasks; ``failures``: the failed math_tool episodes by
     :func:`sao.envs.math_tool.failure_class` (empty for other environments, and for an evaluation
     kept by a version of this code that did not count them); ``rewards``: each task's reward, in the
-    order of the held-out tasks evaluated (empty for an evaluation kept before they were)."""
+    order of the held-out tasks evaluated (empty for an evaluation kept before they were);
+    ``terminations``: how many episodes ended each way (``stop``, ``length``, ``error``, ...; empty for an
+    evaluation kept before they were counted)."""
 
     version: int
     accuracy: float
@@ -523,6 +539,7 @@ class Evaluation:
     num_tasks: int
     failures: dict[str, int] = dataclasses.field(default_factory=dict)
     rewards: tuple[float, ...] = ()
+    terminations: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def policy_dir(config: RunConfig, version: int) -> Path:
@@ -541,8 +558,8 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     does not evaluate a version again (the evaluation is seeded: the same version, tasks and seed give
     the same figure; the budgets cannot change on a resume). A run with an agent of one's own
     (``env.agent``) or a verifiers environment is evaluated on that agent's episodes, played against the
-    chat endpoint as in a rollout (:func:`sao.train.evaluate.evaluate_agent`); other runs on the built-in
-    loop (:func:`sao.train.evaluate.evaluate_math`)."""
+    chat endpoint as in a rollout, sampling as the rollouts do (:func:`sao.train.evaluate.evaluate_agent`);
+    other runs on the built-in loop (:func:`sao.train.evaluate.evaluate_math`)."""
     from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
     from sao.train.evaluate import EvalConfig, evaluate_agent, evaluate_math
@@ -577,7 +594,8 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     reward_of = {episode.task_id: episode.reward for episode in result.episodes}
     evaluation = Evaluation(version, result.accuracy, result.stderr, result.num_tasks,
                             failure_counts(result.episodes, {t.task_id: t for t in tasks}, tokenizer),
-                            tuple(reward_of[task.task_id] for task in tasks[: result.num_tasks]))
+                            tuple(reward_of[task.task_id] for task in tasks[: result.num_tasks]),
+                            dict(sorted(result.terminations.items())))
     _write_json(kept, dataclasses.asdict(evaluation))
     return evaluation
 

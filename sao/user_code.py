@@ -9,13 +9,17 @@ mid-run is a user's call), but it is said (:func:`changes`) and kept: SQL over `
 steps ran with which code.
 
 Left out: the project's own modules (``sao_version`` names them), modules of installed packages other
-than the named ones, and code a module reads at run time rather than imports.
+than the named ones (a module under the interpreter's prefix counts as installed), and code a module
+reads at run time rather than imports. The helpers are those imported when the start is recorded (after
+the run's inputs were checked, which imports the named modules): a helper a module imports only later,
+inside a function, is not among them. A module in the working directory itself makes that whole folder
+its folder: each module imported from it then counts as a helper.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib.machinery
 import json
 import sys
 from pathlib import Path
@@ -49,8 +53,8 @@ def named_modules(config) -> dict[str, str]:
 
 def fingerprint(config) -> dict[str, dict[str, str]] | None:
     """Module name -> {"file", "sha256", "key"} for the modules of one's own the run imports (see the
-    module docstring); None when it names none. Reads the modules the run's start imported (a module not
-    imported yet is looked up, not imported)."""
+    module docstring); None when it names none, or none of them is a Python file. Reads the modules the
+    run's start imported (a module not imported yet is looked up, not imported, nor is its package)."""
     named = named_modules(config)
     if not named:
         return None
@@ -66,6 +70,8 @@ def fingerprint(config) -> dict[str, dict[str, str]] | None:
                 or not any(path.is_relative_to(folder) for folder in folders) or _installed(path)):
             continue
         files[name] = (path, "imported")
+    if not files:  # named, but none is a Python file (an extension module, or not found)
+        return None
     return {name: {"file": str(path), "sha256": _digest(path), "key": key}
             for name, (path, key) in sorted(files.items())}
 
@@ -121,14 +127,19 @@ def _module_file(name: str) -> Path | None:
     module = sys.modules.get(name)
     if module is not None:
         return _file_of(module)
-    from sao.rewards import import_path
-
-    try:
-        with import_path([str(Path.cwd())]):
-            found = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if found is None or found.origin is None or not Path(found.origin).is_file():
+    search: list[str] | None = [str(Path.cwd()), *sys.path]
+    found = None
+    for part in name.split("."):  # each package's folders in turn: nothing is imported, not even a parent
+        if search is None:
+            return None
+        try:
+            found = importlib.machinery.PathFinder.find_spec(part, search)
+        except (ImportError, ValueError):
+            return None
+        if found is None:
+            return None
+        search = list(found.submodule_search_locations) if found.submodule_search_locations is not None else None
+    if found is None or not isinstance(found.origin, str) or not Path(found.origin).is_file():
         return None
     return Path(found.origin).resolve()
 

@@ -1,6 +1,7 @@
 """sao.runs: what a run's pipeline is built from."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,7 +215,8 @@ SCORED_AGENT = '''
 async def agent(client, task):
     """One short call, then a score of its own that no reward function gives: 0.5, or 0.25 for the
     tasks whose answer is even; a task asking for an error raises."""
-    reply = await client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=3)
+    reply = await client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=3,
+                                                 temperature=0.7)  # the run's: served as in a rollout
     assert reply.choices[0].message is not None
     if task["info"].get("fail"):
         raise RuntimeError("the agent failed")
@@ -224,8 +226,8 @@ async def agent(client, task):
 
 def test_an_agent_runs_evaluation_plays_the_agents_episodes(tmp_path, monkeypatch, tokenizer):
     """A run with an agent of one's own is evaluated on that agent's episodes against the chat endpoint
-    (rewards no built-in loop gives: 0.5 and 0.25), with the run's budgets; an agent that raises scores 0
-    with ``error``; the result is kept under a name of its own."""
+    (rewards no built-in loop gives: 0.5 and 0.25), with the run's budgets and sampling; an agent that
+    raises scores 0 with ``error``; the result is kept under a name of its own."""
     from sao.models.policy import build_policy, save_policy
 
     rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "info": {"fail": i == 3}} for i in range(16)]
@@ -233,9 +235,10 @@ def test_an_agent_runs_evaluation_plays_the_agents_episodes(tmp_path, monkeypatc
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:8]))
     (tmp_path / "half_scoring_agent.py").write_text(SCORED_AGENT)  # a module name no other test imports
     monkeypatch.chdir(tmp_path)  # agents are imported from the working directory, as a user's are
+    monkeypatch.delitem(sys.modules, "half_scoring_agent", raising=False)  # and unloaded after the test
     settings = RunConfig(run_id="agent-eval", workdir=str(tmp_path / "runs"),
                          data={"train": "train.jsonl", "eval": "eval.jsonl"}, env={"agent": "half_scoring_agent:agent"},
-                         eval={"tasks": 8}, rollout={"max_tokens": 40, "max_turns": 2})
+                         eval={"tasks": 8}, rollout={"max_tokens": 40, "max_turns": 2, "temperature": 0.7})
     runs.prepare_inputs(settings)
     save_policy(build_policy(seed=0), settings.initial_policy_dir, tokenizer, policy_version=0)
     evaluation = runs.evaluate(settings, 0)
@@ -243,6 +246,7 @@ def test_an_agent_runs_evaluation_plays_the_agents_episodes(tmp_path, monkeypatc
     expected = [0.0 if task.answer == "4" else 0.25 if int(task.answer) % 2 == 0 else 0.5 for task in held_out]
     assert evaluation.num_tasks == 8 and list(evaluation.rewards) == expected
     assert evaluation.accuracy == pytest.approx(sum(expected) / 8)
+    assert evaluation.terminations == {"error": 1, "stop": 7}
     kept = settings.run_dir / "evaluations" / "v000000-tasks8-seed0-tokens40-turns2-agent.json"
     assert json.loads(kept.read_text())["rewards"] == expected
 
@@ -267,3 +271,17 @@ def test_a_verifiers_runs_evaluation_plays_the_environments_rollout_loop(tmp_pat
                          rollout={"timeout_s": 33.0})
     assert runs.evaluate(settings, 0).accuracy == 0.5
     assert played == [(AGENT, 33.0)]
+
+
+def test_a_later_stage_runs_with_the_settings_the_lake_recorded_for_the_run(tmp_path):
+    """The evaluate flow (and the UI's form for it) names a run; its tasks, model and budgets are the
+    ones the run recorded, with the stage's own values on top."""
+    lake = str(tmp_path / "lake")
+    assert runs.recorded_settings("own", lake) is None  # no lake
+    own = RunConfig(run_id="own", workdir=str(tmp_path / "runs"), lake={"root": lake},
+                    data={"train": str(tmp_path / "tasks.jsonl")}, rollout={"max_tokens": 77})
+    runs.record_start(own)
+    settings = runs.recorded_settings("own", lake, **{"eval.tasks": 9, "seed": 4})
+    assert settings.data.train == own.data.train and settings.rollout.max_tokens == 77
+    assert (settings.eval.tasks, settings.seed) == (9, 4)
+    assert runs.recorded_settings("other", lake) is None  # a run the lake does not know

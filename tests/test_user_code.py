@@ -135,3 +135,17 @@ def test_changed_since_rehashes_the_recorded_files(tmp_path):
     kept.write_text("A = 2\n")
     assert user_code.changed_since(record)[1].startswith(f"kept ({kept}): changed, sha256 {record['kept']['sha256'][:12]}")
     assert user_code.changed_since(None) == []
+
+
+def test_a_module_in_a_package_is_found_without_importing_the_package(tmp_path, monkeypatch):
+    package = tmp_path / "own_graders"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")  # must not run
+    (package / "scores.py").write_text("def f(**kwargs):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    config = _config(tmp_path, **{"reward.functions": ["own_graders.scores:f", "missing_graders:f"]})
+    record = user_code.fingerprint(config)
+    assert record == {"own_graders.scores": {"file": str((package / "scores.py").resolve()),
+                                             "sha256": _sha(package / "scores.py"), "key": "reward.functions"}}
+    assert "own_graders" not in sys.modules
+    assert user_code.fingerprint(_config(tmp_path, **{"reward.functions": ["missing_graders:f"]})) is None

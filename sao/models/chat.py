@@ -171,9 +171,12 @@ def generation_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if not folder or not path.is_file():
         return []
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
+        data = json.loads(path.read_text())
     except ValueError as error:
         raise ValueError(f"{path}: not a JSON generation config ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON generation config (a {type(data).__name__}, not an object)")
+    eos = data.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")

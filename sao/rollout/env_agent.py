@@ -24,10 +24,10 @@ from typing import Any
 from sao.envs.base import Environment, Task, Termination
 from sao.models.chat import TOOL_CALL_END, TOOL_CALL_START
 from sao.rollout.chat_endpoint import MODEL_NAME
-from sao.rollout.user_agent import AgentFunction, EpisodeEnded, UserAgentRunner
+from sao.rollout.user_agent import AgentFunction, EpisodeEnded
 from schemas.vocabulary import TerminationReason
 
-__all__ = ["action_of", "environment_agent", "episode_agent"]
+__all__ = ["action_of", "environment_agent"]
 
 
 def action_of(message: Any) -> str:
@@ -58,14 +58,3 @@ def environment_agent(env: Environment, task: Task, tools: concurrent.futures.Ex
             messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "content": result.observation}]
 
     return agent
-
-
-def episode_agent(runner: UserAgentRunner, spec: str | None, env: Environment, task: Task,
-                  tools: concurrent.futures.Executor) -> tuple[AgentFunction, bool]:
-    """Who plays an episode of ``task`` on ``env``, and whether it is built in: ``spec``'s agent (one's own,
-    or a verifiers environment's rollout loop; imported from the environment's paths), else the
-    environment's own loop (:func:`environment_agent`). A rollout replica and the evaluation of an agent
-    run both ask here."""
-    if spec:
-        return runner.agent(spec, tuple(env.config.paths)), False
-    return environment_agent(env, task, tools), True

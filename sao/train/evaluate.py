@@ -35,6 +35,10 @@ __all__ = ["EvalConfig", "EvalResult", "Episode", "action_segments", "evaluate_a
 log = logging.getLogger(__name__)
 
 
+EVAL_TIMEOUT_S = 86_400.0
+"""An evaluated agent episode's wall-clock budget (:func:`evaluate_agent`): a day, in effect none."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """How the evaluator samples.
@@ -303,16 +307,17 @@ def evaluate_agent(
     ``tasks``: one episode of ``agent`` (``module:function``: an agent of one's own, or a verifiers
     environment's rollout loop) per task, run as a rollout replica runs it. The agent talks to the chat
     endpoint over the torch engine, both in this process (:class:`sao.rollout.user_agent.UserAgentRunner`),
-    within the budgets of ``config`` (``agent_config``, a :class:`sao.rollout.agent.AgentConfig`, gives the
-    rest: its wall-clock budget, the kind of log-probabilities) and at ``config.temperature`` with no
-    top-k or top-p. At most ``config.batch_size`` episodes run at once; episode ``i`` is seeded with
-    ``config.seed`` and ``i``. The engine batches the episodes' calls, so the same seed gives the same
-    samples up to rounding that depends on which calls were batched together. An episode's
-    ``tool_calls``: its calls of the policy after its first."""
+    within the token and turn budgets of ``config``, sampling as ``agent_config`` (the run's
+    :class:`sao.rollout.agent.AgentConfig`) says, so an agent that names the run's temperature in its
+    requests is served as in a rollout (``config.temperature`` is not used). There is no wall-clock
+    budget (:data:`EVAL_TIMEOUT_S`): how fast the machine evaluating is must not decide a figure. At most
+    ``config.batch_size`` episodes run at once; episode ``i`` is seeded with ``config.seed`` and ``i``.
+    The engine batches the episodes' calls, so the same seed gives the same samples up to rounding that
+    depends on which calls were batched together. An episode's ``tool_calls``: its calls of the policy
+    after its first."""
     import asyncio
 
     from sao.rollout.chat_endpoint import ChatEndpoint
-    from sao.rollout.env_agent import episode_agent
     from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
     from sao.rollout.user_agent import UserAgentRunner
 
@@ -320,7 +325,7 @@ def evaluate_agent(
         raise ValueError("evaluate_agent: no tasks given")
     start = time.monotonic()
     agent_config = dataclasses.replace(agent_config, max_tokens=config.max_tokens, max_turns=config.max_turns,
-                                       temperature=config.temperature, top_k=0, top_p=1.0)
+                                       timeout_s=EVAL_TIMEOUT_S)
     engine = TorchEngine(model, config=TorchEngineConfig(max_batch=config.batch_size), seed=config.seed)
 
     async def episodes() -> list[Episode]:
@@ -331,9 +336,8 @@ def evaluate_agent(
         async def one(index: int, task: Task) -> Episode:
             async with slots:
                 env = env_factory(task)
-                play, built_in = episode_agent(runner, agent, env, task, tools)
-                parts = await runner.run(play, env, task, "evaluation", f"evaluation-{index}",
-                                         config.seed * 1_000_003 + index, built_in=built_in)
+                parts = await runner.run(runner.agent(agent, tuple(env.config.paths)), env, task, "evaluation",
+                                         f"evaluation-{index}", config.seed * 1_000_003 + index)
             first = parts[0]
             return Episode(task_id=task.task_id, reward=float(first.reward),
                            termination=Termination(first.termination_reason),
@@ -348,11 +352,9 @@ def evaluate_agent(
             await runner.close()
             await endpoint.close()
 
-    tools = ThreadPoolExecutor(config.tool_workers, thread_name_prefix="eval-tool")
     try:
         return _result(asyncio.run(episodes()), time.monotonic() - start)
     finally:
-        tools.shutdown(wait=False, cancel_futures=True)
         engine.close()
 
 

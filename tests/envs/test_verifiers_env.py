@@ -143,3 +143,21 @@ def test_two_sao_steps_on_a_verifiers_environment(kind, env_module, tokenizer, r
     assert rows and all(row["error"] is None for row in rows)
     assert all(json.loads(row["agent_info"])["metrics"]["correct"] == row["reward"] for row in rows
                if row["termination_reason"] == "stop")
+
+
+def test_a_verifiers_runs_evaluation_plays_its_rollout_loop(env_module, tokenizer, tmp_path):
+    """The held-out evaluation of a verifiers run runs the environment's own rollout loop on the chat
+    endpoint and its rubric scores: the taught policy's replies end, and each reward is the rubric's."""
+    from sao import runs
+    from sao.config import RunConfig
+    from tests.test_user_agent import tool_calling_policy
+
+    settings = RunConfig(run_id="vf-eval", workdir=str(tmp_path / "runs"), eval={"tasks": 2},
+                         env={"verifiers": {"id": "arith_env", "args": {"kind": "single"}}},
+                         rollout={"max_tokens": 96, "max_turns": 3})
+    runs.prepare_inputs(settings)
+    tool_calling_policy(tokenizer, settings.initial_policy_dir)
+    evaluation = runs.evaluate(settings, 0)
+    assert evaluation.num_tasks == 2 and evaluation.terminations == {"stop": 2}
+    assert set(evaluation.rewards) <= {0.0, 1.0} and evaluation.accuracy == sum(evaluation.rewards) / 2
+    assert (settings.run_dir / "evaluations" / "v000000-tasks2-seed0-tokens96-turns3-agent.json").exists()

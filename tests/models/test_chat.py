@@ -186,6 +186,8 @@ def test_a_bad_generation_config_is_named(tmp_path):
         ChatTokens.from_tokenizer(_plain_model_tokenizer(tmp_path, '{"eos_token_id": "</s>"}'))
     with pytest.raises(ValueError, match=r"generation_config.json: not a JSON generation config"):
         ChatTokens.from_tokenizer(_plain_model_tokenizer(tmp_path, "{eos"))
+    with pytest.raises(ValueError, match=r"generation_config.json: not a JSON generation config \(a list"):
+        ChatTokens.from_tokenizer(_plain_model_tokenizer(tmp_path, "[1, 2]"))
 
 
 def test_a_policy_directory_keeps_the_models_end_ids(tmp_path):
