@@ -163,6 +163,13 @@ def build_engine(config: RolloutConfig) -> Engine:
     return TorchEngine(load_policy(config.policy_path), version=config.initial_version, config=engine)
 
 
+def update_timeout_s(engine: Engine) -> float:
+    """How long ``engine`` may take to run weights handed to it: the vLLM engine's reload timeout
+    (``update_timeout_s``: a reload of a large model takes minutes), else a minute (the torch engine
+    swaps between two decode steps)."""
+    return float(getattr(getattr(engine, "config", None), "update_timeout_s", 60.0))
+
+
 class RolloutReplica:
     """One Serve replica (see the module docstring)."""
 
@@ -186,7 +193,7 @@ class RolloutReplica:
         self._version_waits: dict[int, asyncio.Future] = {}  # min_version -> the one wait every request shares
         self.subscriber = WeightSubscriber(get_or_create_broker(config.app_name), self.replica_id,
                                            lambda: self.engine.version, self.engine.load_weights,
-                                           wait_s=config.weight_wait_s)
+                                           wait_s=config.weight_wait_s, apply_timeout_s=update_timeout_s(self.engine))
 
     def _new_env(self, task: Task) -> Environment:
         """A fresh environment for one episode of ``task`` (see the module docstring)."""

@@ -202,15 +202,21 @@ class WeightSubscriber:
 
     Args:
         wait_s: longest one request to the broker waits for a newer version before it is renewed.
+        apply_timeout_s: longest wait for the engine to run a version handed to it (the engine's own
+            longest weight update: a vLLM reload of a large model takes minutes); after it, the
+            version is handed again. Shorter than the update itself, it was applied twice (a second
+            staged copy and reload of the same weights).
     """
 
     def __init__(self, broker, replica_id: str, current_version: Callable[[], int],
-                 apply: Callable[[int, Mapping[str, torch.Tensor]], None], wait_s: float = 1.0) -> None:
+                 apply: Callable[[int, Mapping[str, torch.Tensor]], None], wait_s: float = 1.0,
+                 apply_timeout_s: float = 60.0) -> None:
         self._broker = broker
         self._replica_id = replica_id
         self._current_version = current_version
         self._apply = apply
         self._wait_s = wait_s
+        self._apply_timeout_s = apply_timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-subscriber", daemon=True)
         self._thread.start()
@@ -235,9 +241,12 @@ class WeightSubscriber:
 
     def _wait_applied(self, version: int) -> None:
         """Until the engine runs ``version`` (it swaps between decode steps), so the ack is prompt."""
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + self._apply_timeout_s
         while self._current_version() < version and not self._stop.is_set() and time.monotonic() < deadline:
             time.sleep(0.001)
+        if self._current_version() < version and not self._stop.is_set():
+            log.warning("replica %s: version %d is not running %.0f s after it was handed to the engine; handing "
+                        "it again", self._replica_id, version, self._apply_timeout_s)
 
     def close(self) -> None:
         self._stop.set()

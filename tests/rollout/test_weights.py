@@ -196,3 +196,48 @@ def test_a_subscriber_applies_each_newer_version_and_acknowledges_it(ray_session
     finally:
         subscriber.close()
         ray.kill(broker)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("apply_timeout_s, handed_twice", [(30.0, False), (0.3, True)], ids=["waits", "hands again"])
+def test_a_version_the_engine_takes_long_to_run_is_handed_to_it_once(ray_session, apply_timeout_s, handed_twice):
+    """A vLLM reload of a large model can outlast a minute: the subscriber waits the engine's own update
+    timeout for a version to run (``apply_timeout_s``, :func:`sao.rollout.serve.update_timeout_s`) before
+    handing the same weights over again (a second staged copy and reload)."""
+    import threading
+
+    import ray
+    import torch
+
+    from sao.rollout.weights import WeightSubscriber, get_or_create_broker, publish_weights
+
+    broker = get_or_create_broker("test-slow-apply")
+    ray.get(broker.reset.remote(0))
+    running = {"version": 0}
+    handed: list[int] = []
+
+    def apply(version, weights):  # queued: the engine runs it 1.5 s later
+        handed.append(version)
+        threading.Timer(1.5, lambda: running.update(version=version)).start()
+
+    subscriber = WeightSubscriber(broker, "replica-1", lambda: running["version"], apply, wait_s=0.1,
+                                  apply_timeout_s=apply_timeout_s)
+    try:
+        publish_weights(broker, 1, {"w": torch.ones(3)})
+        for _ in range(100):
+            if running["version"] == 1:
+                break
+            threading.Event().wait(0.05)
+        assert running["version"] == 1 and set(handed) == {1}
+        assert (len(handed) > 1) is handed_twice, handed
+    finally:
+        subscriber.close()
+        ray.kill(broker)
+
+
+def test_the_engines_own_update_timeout_bounds_the_wait():
+    from sao.rollout.serve import update_timeout_s
+    from sao.rollout.vllm_engine import VLLMEngineConfig
+
+    assert update_timeout_s(type("Engine", (), {"config": VLLMEngineConfig(update_timeout_s=900.0)})()) == 900.0
+    assert update_timeout_s(object()) == 60.0  # the torch engine swaps between decode steps
