@@ -160,8 +160,10 @@ def generation_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     ``eos_token_id``, one id or a list); [] without one. Some models end a turn at an id that only this
     file names: Llama 3.1's ``<|eom_id|>``, GLM-4's ``<|user|>`` and ``<|observation|>``; neither engine
     stops at the model's EOS unless it is a stop id (vLLM runs with ``ignore_eos``), so without them such
-    a reply runs on to the token budget. A policy directory this project writes keeps them
-    (:func:`sao.models.policy.save_policy` writes the stop ids as its ``eos_token_id``).
+    a reply runs on to the token budget. Only ids of the tokenizer's special tokens count: a model saved
+    from a default configuration can name an id (Llama's default 2) that is an ordinary token of its
+    tokenizer. A policy directory this project writes keeps them (:func:`sao.models.policy.save_policy`
+    writes the stop ids as its ``eos_token_id``).
 
     Raises:
         ValueError: the file is not JSON, or its ``eos_token_id`` is not an id or a list of ids.
@@ -180,7 +182,9 @@ def generation_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    return ids
+    special = {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    special |= set(tokenizer.all_special_ids)
+    return [i for i in ids if i in special]
 
 
 class ToolCall(NamedTuple):

@@ -159,11 +159,12 @@ def test_a_tokenizer_without_the_format_tokens_gets_the_plain_format():
 
 def _plain_model_tokenizer(folder, generation_config=None):
     """A plain-format tokenizer saved in ``folder`` (ids: </s> 0, <|eot_id|> 1, <|eom_id|> 2,
-    <|observation|> 3), with ``generation_config`` written beside it as its model's."""
+    <|observation|> 3, the ordinary token "word" 4), with ``generation_config`` written beside it as its model's."""
     from transformers import AutoTokenizer
 
     backend = Tokenizer(models.BPE())
     backend.add_special_tokens(["</s>", "<|eot_id|>", "<|eom_id|>", "<|observation|>"])
+    backend.add_tokens(["word"])  # id 4, an ordinary token
     template = "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}"
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", chat_template=template).save_pretrained(folder)
     if generation_config is not None:
@@ -176,7 +177,8 @@ def _plain_model_tokenizer(folder, generation_config=None):
     ('{"eos_token_id": [0, 2, 3]}', (0, 1, 2, 3)),  # GLM-4-like: ends a turn at ids only this file names
     ('{"eos_token_id": 2}', (0, 1, 2)),  # one id
     ('{"temperature": 0.6}', (0, 1)),
-], ids=["no generation config", "a list", "one id", "no eos_token_id"])
+    ('{"eos_token_id": [0, 2, 4, 7]}', (0, 1, 2)),  # 4 is an ordinary token, 7 none: a default config's ids
+], ids=["no generation config", "a list", "one id", "no eos_token_id", "an ordinary token"])
 def test_the_ids_the_models_generation_config_ends_at_end_a_turn_too(tmp_path, written, stops):
     assert ChatTokens.from_tokenizer(_plain_model_tokenizer(tmp_path, written)).stop_token_ids == stops
 
