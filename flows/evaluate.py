@@ -2,8 +2,9 @@
 
 Calls :func:`sao.runs.evaluate` (sampled accuracy on the run's held-out tasks: at temperature 1 in the
 built-in loop, or its agent's own episodes) and shows the result as a table artifact. The run's
-settings (its tasks, model, reward and budgets) are those the lake at ``lake`` recorded for it; a run
-the lake does not know is evaluated as a run of the built-in task. Version 0 is the run's warm start; version N its checkpoint
+settings (its tasks, model, reward and budgets) are those the lake at ``lake_root`` recorded for it; a
+run the lake does not know is evaluated as a run of the built-in task (refused when its folder holds a
+task file of its own). Version 0 is the run's warm start; version N its checkpoint
 after N actor updates. Evaluation only reads the checkpoint, so its task may be retried.
 """
 
@@ -29,15 +30,25 @@ def evaluate_version(settings: RunConfig, version: int) -> runs.Evaluation:
 def evaluate(
     run_id: str = _DEFAULTS.run_id,
     version: int = 0,
-    eval_tasks: int = _DEFAULTS.eval.tasks,
-    workdir: str = _DEFAULTS.workdir,
-    seed: int = _DEFAULTS.seed,
-    lake: str = _DEFAULTS.lake.root,
+    eval_tasks: int | None = None,
+    workdir: str | None = None,
+    seed: int | None = None,
+    lake_root: str = _DEFAULTS.lake.root,
 ) -> dict:
-    """Held-out accuracy of policy ``version`` of run ``run_id`` under ``workdir``, with the settings the
-    lake at ``lake`` recorded for the run."""
-    values = {"eval.tasks": eval_tasks, "workdir": workdir, "seed": seed}
-    settings = runs.recorded_settings(run_id, lake, **values) or RunConfig(run_id=run_id).with_values(values)
+    """Held-out accuracy of policy ``version`` of run ``run_id``, with the settings the lake at
+    ``lake_root`` recorded for the run; ``eval_tasks``, ``workdir`` and ``seed`` replace the recorded
+    ones where given (a run the lake does not know: the defaults'). A run the lake does not know whose
+    folder holds a task file of its own is refused: evaluated as a run of the built-in task, it would be
+    scored on other tasks."""
+    values = {key: value for key, value in (("eval.tasks", eval_tasks), ("workdir", workdir), ("seed", seed))
+              if value is not None}
+    settings = runs.recorded_settings(run_id, lake_root, **values)
+    if settings is None:
+        settings = RunConfig(run_id=run_id).with_values(values)
+        own = runs.tasks_path(settings.with_values({"data.train": "tasks.jsonl"}))
+        if own.exists():
+            raise ValueError(f"run {run_id!r} has tasks of its own ({own}), and the lake at {lake_root} records no "
+                             "settings for it: give lake_root, the lake the run trained with")
     path = runs.policy_dir(settings, version)
     if not (path / "config.json").exists():
         raise FileNotFoundError(

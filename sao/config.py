@@ -379,7 +379,8 @@ class EvalSection(Section):
     """Held-out accuracy before and after training."""
 
     tasks: int = Field(default_of(EvalConfig, "num_tasks"), ge=1)
-    """Held-out tasks evaluated (sampled at temperature 1)."""
+    """Held-out tasks evaluated (sampled at temperature 1; with an agent of one's own or a verifiers
+    environment, as its rollouts sample)."""
     seed: int | None = None
     """Seed of the evaluation's sampling; None: the run's seed. Fixed, runs of different seeds are
     evaluated on the same draws, so their accuracies compare pairwise."""

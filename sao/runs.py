@@ -47,7 +47,7 @@ from sao.train.loop import StepReport, prepare_run
 from sao.train.pretrain import PretrainReport
 from sao.train.run_config import ReplayContext, read_run_config, run_config_path
 
-__all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "failure_counts", "finished", "math_tasks", "pipeline_config",
+__all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "failure_counts", "finished", "math_tasks", "pipeline_config", "played_by_agent",
            "import_paths", "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
            "record_finished", "recorded_settings", "summarize", "train_async", "value_data_run", "warm_start"]
 
@@ -238,9 +238,12 @@ def recorded_settings(run_id: str, lake_root: str, **values: object) -> RunConfi
     except LakeNotFoundError:
         return None
     stored = latest_config(lake, run_id)
-    if stored is None:
+    if not stored:  # none, or a row written without one (a what-if of a run that had none)
         return None
-    return RunConfig.model_validate(without_unread(stored)).with_values(values)
+    try:
+        return RunConfig.model_validate(without_unread(stored)).with_values({"run_id": run_id, **values})
+    except ValueError as error:  # pydantic's ValidationError and the config's own checks
+        raise ConfigError(f"run {run_id!r}: the config the lake at {lake_root} recorded does not load: {error}") from None
 
 
 def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple] | None:
@@ -552,7 +555,8 @@ def policy_dir(config: RunConfig, version: int) -> Path:
 
 
 def evaluate(config: RunConfig, version: int) -> Evaluation:
-    """Sampled accuracy (temperature 1, the policy's own distribution) of ``version`` on held-out tasks,
+    """Sampled accuracy (temperature 1, the policy's own distribution; an agent run's: see below) of
+    ``version`` on held-out tasks,
     each episode within the budgets a rollout of the run has (``rollout.max_tokens`` over its whole
     completion, ``rollout.max_turns`` action segments). Kept under the run's folder, so a resumed run
     does not evaluate a version again (the evaluation is seeded: the same version, tasks and seed give
@@ -567,7 +571,7 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     # Named by what decides the figure: an evaluation kept with other budgets (or by an evaluation that
     # gave a reply 48 tokens, before it had a rollout's budgets) is not reused.
     # An agent run's evaluation is named apart: one kept before it ran the agent played the built-in loop.
-    played = "-agent" if config.env.agent or config.env.verifiers is not None else ""
+    played = "-agent" if played_by_agent(config) else ""
     kept = config.run_dir / "evaluations" / (f"v{version:06d}-tasks{config.eval.tasks}-seed{config.eval_seed}"
                                              f"-tokens{config.rollout.max_tokens}-turns{config.rollout.max_turns}"
                                              f"{played}.json")
@@ -598,6 +602,12 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
                             dict(sorted(result.terminations.items())))
     _write_json(kept, dataclasses.asdict(evaluation))
     return evaluation
+
+
+def played_by_agent(config: RunConfig) -> bool:
+    """Whether the run's episodes (and its evaluation's) are played by an agent of one's own or a
+    verifiers environment's rollout loop, not the built-in loop."""
+    return bool(config.env.agent) or config.env.verifiers is not None
 
 
 def failure_counts(episodes, tasks: dict[str, Task], tokenizer) -> dict[str, int]:
@@ -642,7 +652,8 @@ def summarize(config: RunConfig, evaluations: list[Evaluation]) -> tuple[list[Pa
     plots = plot_run(lake, config.run_id, config.plots_dir, [(e.version, e.accuracy) for e in evaluations])
     counts = lake.read_run("trajectories", config.run_id, ["termination_reason"]).column(0).to_pylist()
     lines = [f"# Run `{config.run_id}` ({config.algorithm.name.value})", "",
-             "| policy version | held-out accuracy (T=1) |", "|---:|---:|"]
+             f"| policy version | held-out accuracy ({'as the rollouts sample' if played_by_agent(config) else 'T=1'}) |",
+             "|---:|---:|"]
     lines += [f"| {e.version} | {e.accuracy:.3f} ± {e.stderr:.3f} ({e.num_tasks} tasks) |" for e in evaluations]
     lines += ["", f"Trajectories stored: {len(counts)} "
               + "(" + ", ".join(f"{r}: {counts.count(r)}" for r in sorted(set(counts))) + ")",

@@ -139,7 +139,8 @@ def _module_file(name: str) -> Path | None:
         if found is None:
             return None
         search = list(found.submodule_search_locations) if found.submodule_search_locations is not None else None
-    if found is None or not isinstance(found.origin, str) or not Path(found.origin).is_file():
+    if (found is None or not isinstance(found.origin, str) or not found.origin.endswith(".py")
+            or not Path(found.origin).is_file()):
         return None
     return Path(found.origin).resolve()
 

@@ -285,3 +285,14 @@ def test_a_later_stage_runs_with_the_settings_the_lake_recorded_for_the_run(tmp_
     assert settings.data.train == own.data.train and settings.rollout.max_tokens == 77
     assert (settings.eval.tasks, settings.seed) == (9, 4)
     assert runs.recorded_settings("other", lake) is None  # a run the lake does not know
+    assert runs.recorded_settings("own", lake).seed == own.seed  # only the values given replace the recorded
+
+
+def test_the_evaluate_flow_refuses_a_run_of_ones_own_that_its_lake_does_not_know(tmp_path):
+    """Evaluated as a run of the built-in task, it would be scored on math_tool's tasks."""
+    from flows.evaluate import evaluate
+
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    (tmp_path / "runs" / "mine" / "tasks.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"run 'mine' has tasks of its own .* give lake_root"):
+        evaluate.fn(run_id="mine", workdir=str(tmp_path / "runs"), lake_root=str(tmp_path / "no-lake"))

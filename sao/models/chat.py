@@ -182,8 +182,11 @@ def generation_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    special = {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
-    special |= set(tokenizer.all_special_ids)
+    try:
+        added = tokenizer.added_tokens_decoder
+    except (AttributeError, NotImplementedError):  # a tokenizer class without the table
+        added = {}
+    special = {i for i, token in added.items() if token.special} | set(tokenizer.all_special_ids)
     return [i for i in ids if i in special]
 
 

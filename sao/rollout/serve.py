@@ -165,9 +165,11 @@ def build_engine(config: RolloutConfig) -> Engine:
 
 def update_timeout_s(engine: Engine) -> float:
     """How long ``engine`` may take to run weights handed to it: the vLLM engine's reload timeout
-    (``update_timeout_s``: a reload of a large model takes minutes), else a minute (the torch engine
-    swaps between two decode steps)."""
-    return float(getattr(getattr(engine, "config", None), "update_timeout_s", 60.0))
+    (``update_timeout_s``: a reload of a large model takes minutes) and a minute for the pause, lock
+    and version label around the reload, else a minute (the torch engine swaps between two decode
+    steps)."""
+    reload_s = getattr(getattr(engine, "config", None), "update_timeout_s", None)
+    return 60.0 if reload_s is None else float(reload_s) + 60.0
 
 
 class RolloutReplica:
