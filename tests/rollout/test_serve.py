@@ -104,7 +104,7 @@ def test_vllm_replicas_run_in_the_python_given_and_record_the_agents_kind():
 class _LocalSubscriber:
     """Stands in for the weight subscriber (no Ray): the test hands the replica weights through it."""
 
-    def __init__(self, broker, replica_id, current_version, apply, wait_s=1.0) -> None:
+    def __init__(self, broker, replica_id, current_version, apply, wait_s=1.0, apply_timeout_s=60.0) -> None:
         self.apply = apply
 
     def close(self) -> None:
