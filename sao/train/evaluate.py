@@ -331,7 +331,7 @@ def evaluate_agent(
     async def episodes() -> list[Episode]:
         endpoint = ChatEndpoint(engine, tokenizer)
         runner = UserAgentRunner(endpoint, agent_config, "evaluation")
-        slots = asyncio.Semaphore(config.batch_size)  # an episode's wall-clock budget starts when it opens
+        slots = asyncio.Semaphore(config.batch_size)  # episodes in flight: what the engine decodes together
 
         async def one(index: int, task: Task) -> Episode:
             async with slots:
