@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ANSWER_REWARDS", "RewardError", "RewardImportError", "RewardSet", "exact_match", "final_answer", "import_path", "math_verify",
-           "resolve_function", "resolve_reward"]
+           "resolve_function", "resolve_reward", "split_spec"]
 
 _SPEC = re.compile(r"^([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*):([A-Za-z_]\w*)$")
 
@@ -87,14 +87,21 @@ def import_path(folders: Sequence[str]) -> Iterator[None]:
                 sys.path.remove(folder)
 
 
-def resolve_function(spec: str, paths: Sequence[str] = (), *, what: str = "function",
-                     require_kwargs: bool = False) -> tuple[Callable[..., Any], str | None]:
-    """:func:`resolve_reward` for any ``module:function`` (``what`` names it in messages)."""
+def split_spec(spec: str, what: str = "function") -> tuple[str, str]:
+    """``module:function`` as (module, function). Raises :class:`RewardImportError` (``what`` names the
+    spec) when it is not that."""
     match = _SPEC.match(spec.strip())
     if match is None:
         raise RewardImportError(f"{what} {spec!r}: expected MODULE:FUNCTION, e.g. my_rewards:correct "
                                 "or sao.rewards:math_verify")
     module_name, function_name = match.groups()
+    return module_name, function_name
+
+
+def resolve_function(spec: str, paths: Sequence[str] = (), *, what: str = "function",
+                     require_kwargs: bool = False) -> tuple[Callable[..., Any], str | None]:
+    """:func:`resolve_reward` for any ``module:function`` (``what`` names it in messages)."""
+    module_name, function_name = split_spec(spec, what)
     searched = [*paths, str(Path.cwd())]
     try:
         with import_path(searched):

@@ -174,7 +174,7 @@ def needs_tool_tokens(config: RunConfig) -> bool:
     (the built-in math_tool task, or tasks of one's own with ``env.max_tool_calls`` > 0). An agent of
     one's own or a verifiers environment calls tools through the chat endpoint and the model's own
     chat template instead."""
-    if config.env.agent or config.env.verifiers is not None:
+    if played_by_agent(config):
         return False
     return config.data.train is None or config.env.max_tool_calls > 0
 

@@ -40,8 +40,10 @@ def named_modules(config) -> dict[str, str]:
     specs = [("reward.functions", spec) for spec in config.reward.functions]
     specs += [("env.tools", spec) for spec in config.env.tools]
     specs += [("env.agent", config.env.agent)] if config.env.agent else []
+    from sao.rewards import split_spec
+
     for key, spec in specs:
-        module = spec.split(":", 1)[0].strip()
+        module = split_spec(spec, key)[0]
         if module.split(".", 1)[0] not in PRODUCT_PACKAGES:
             named.setdefault(module, key)
     if config.env.verifiers is not None:

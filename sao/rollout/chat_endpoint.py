@@ -327,6 +327,13 @@ class Episode:
         return endpoint.response(reply, finish, generation, len(ids), request["logprobs"])
 
 
+def _calling(content: str, calls: list[dict[str, Any]]) -> tuple[Message, str]:
+    """The assistant message that calls ``calls`` (``{"name", "arguments"}`` each, under new ids) after
+    ``content``, and its finish reason."""
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call} for call in calls]}, "tool_calls"
+
+
 class ChatEndpoint:
     """The HTTP server of one rollout replica and its episodes (see the module docstring).
 
@@ -554,19 +561,13 @@ class ChatEndpoint:
         last = ids[-1] if ids else None
         head, opened, code = text.rpartition(TOOL_CALL_START)
         if self.tokens.supports_tools and last == self.tokens.tool_call_end_id and opened:  # a whole call
-            code = code.removesuffix(TOOL_CALL_END)
-            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                    "function": {"name": "python", "arguments": {"code": code}}}
-            return {"role": "assistant", "content": head, "tool_calls": [call]}, "tool_calls"
+            return _calling(head, [{"name": "python", "arguments": {"code": code.removesuffix(TOOL_CALL_END)}}])
         ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
         if finish is FinishReason.STOP and last not in stop_ids:
             text = without_turn_end(text, ids, ends, self.tokenizer)
             parsed = hermes_tool_calls(text) if tools and not self.tokens.supports_tools else None
             if parsed is not None:
-                content, calls = parsed
-                return {"role": "assistant", "content": content, "tool_calls": [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call}
-                    for call in calls]}, "tool_calls"
+                return _calling(*parsed)
         return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
 
     def response(self, reply: Message, finish: str, generation, prompt_tokens: int, logprobs: bool) -> dict[str, Any]:
