@@ -45,7 +45,8 @@ nothing: the episode goes on.
 whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a model's own format and
 ``tools`` in the request, the calls of a reply in the Hermes format (Qwen2.5, Qwen3 and others:
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``; :func:`sao.models.chat.hermes_tool_calls`)
-as its ``tool_calls``, the text before them as its content; ``usage``; ``logprobs`` when asked for.
+as its ``tool_calls``, the text before them as its content (a call's id is derived from the episode
+and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for.
 Sent back, such a reply extends the record when the template renders it as it was sampled (the
 template's own layout of a call: JSON as ``tojson`` writes it); otherwise the episode splits there.
 """
@@ -54,8 +55,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -78,7 +81,7 @@ from sao.rollout.agent import AgentConfig, _Trace
 from sao.rollout.engine import Engine, FinishReason, SamplingParams, generate_until
 from schemas.vocabulary import TerminationReason
 
-__all__ = ["ChatEndpoint", "EndpointError", "Episode", "EpisodePart", "MODEL_NAME"]
+__all__ = ["ChatEndpoint", "ChatRendering", "EndpointError", "Episode", "EpisodePart", "MODEL_NAME", "call_id"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ MODEL_NAME = "policy"
 """The model name the endpoint reports (any name a client sends is accepted: there is one policy)."""
 
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
+_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_START) + ".*?" + re.escape(TOOL_CALL_END), re.DOTALL)
 _FINISHED_KEPT = 4096  # ended episodes remembered, to tell "ended" from "unknown" in a refusal
 
 
@@ -321,20 +325,110 @@ class Episode:
         if generation.finish_reason is FinishReason.LENGTH and max_tokens == remaining:
             self.end(TerminationReason.LENGTH)  # the trajectory's budget; the reply is still given
         reply, finish = endpoint.reply(generation.token_ids, generation.finish_reason, request["stop_ids"],
-                                       request["tools"])
+                                       request["tools"], f"{self.episode_id}/{self.turns}")
         part.messages = [*part.messages, reply]
         part.text += endpoint.decode(generation.token_ids)
         return endpoint.response(reply, finish, generation, len(ids), request["logprobs"])
 
 
-def _calling(content: str, calls: list[dict[str, Any]]) -> tuple[Message, str]:
-    """The assistant message that calls ``calls`` (``{"name", "arguments"}`` each, under new ids) after
-    ``content``, and its finish reason."""
+def call_id(key: str, index: int) -> str:
+    """The id of the ``index``-th tool call of the reply ``key`` names (``episode_id/call number``): the
+    same on every replay of the episode, so a chat template that renders call ids renders them again
+    as they were recorded (:mod:`sao.train.trajectory_replay`)."""
+    return f"call_{hashlib.sha256(f'{key}/{index}'.encode()).hexdigest()[:24]}"
+
+
+def _calling(content: str, calls: list[dict[str, Any]], key: str) -> tuple[Message, str]:
+    """The assistant message that calls ``calls`` (``{"name", "arguments"}`` each, ids from ``key``:
+    :func:`call_id`) after ``content``, and its finish reason."""
     return {"role": "assistant", "content": content, "tool_calls": [
-        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call} for call in calls]}, "tool_calls"
+        {"id": call_id(key, k), "type": "function", "function": call} for k, call in enumerate(calls)]}, "tool_calls"
 
 
-class ChatEndpoint:
+class ChatRendering:
+    """What the chat endpoint does with a tokenizer alone: a conversation rendered by the chat template
+    and tokenised, what an agent added encoded as observations, a reply read back as an assistant
+    message. The endpoint serves with it; trajectory replay renders a built-in episode in a model's own
+    format with it again (:mod:`sao.train.trajectory_replay`).
+
+    Args:
+        tokenizer: the policy's tokenizer (its chat template renders requests).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = ChatTokens.from_tokenizer(tokenizer)
+
+    def render(self, messages: Sequence[Message], tools: list | None) -> str:
+        """The chat template's text of ``messages`` and the assistant's generation prompt."""
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as error:  # the template refused the conversation (a role, a missing field)
+            raise _bad(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def encode_added(self, messages: Sequence[Message], kept: int, tools: list | None, before: str,
+                     text: str) -> list[int]:
+        """The ids of ``text``, what the template renders for the agent's messages after the first ``kept``
+        (``before`` is the rendering up to them): the template's own parts with their special tokens,
+        each added message's content as plain text (a tool result that prints ``<|im_end|>`` cannot
+        forge a turn boundary), as the built-in loop encodes observations. Where the contents are is
+        found by rendering the messages again with a marker for each; a template that does not render a
+        content verbatim gets the whole text encoded as it is."""
+        contents = [str(m.get("content") or "") for m in messages[kept:]]
+        marked = [*messages[:kept], *({**m, "content": f"\x00{k}\x00"} for k, m in enumerate(messages[kept:]))]
+        around = self.render(marked, tools)
+        if not around.startswith(before):
+            return self.encode(text)
+        parts = around[len(before):].split("\x00")  # template, index, template, index, ..., template
+        rebuilt, pieces = "", []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                rebuilt += part
+                pieces.append((part, False))
+            elif part.isdigit() and int(part) < len(contents):
+                rebuilt += contents[int(part)]
+                pieces.append((contents[int(part)], True))
+            else:
+                return self.encode(text)
+        if rebuilt != text:
+            return self.encode(text)
+        ids: list[int] = []
+        for piece, plain in pieces:
+            if piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=plain)
+        return [int(i) for i in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def reply(self, ids: Sequence[int], finish: FinishReason, stop_ids: tuple[int, ...],
+              tools: list | None, key: str) -> tuple[Message, str]:
+        """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
+        chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
+        and ``tools`` in the request, Hermes-format calls in a reply that stopped are its tool calls
+        (:func:`sao.models.chat.hermes_tool_calls`), with ids from ``key`` (:func:`call_id`)."""
+        text = self.decode(ids)
+        last = ids[-1] if ids else None
+        head, opened, code = text.rpartition(TOOL_CALL_START)
+        if self.tokens.supports_tools and last == self.tokens.tool_call_end_id and opened:  # a whole call
+            return _calling(head, [{"name": "python", "arguments": {"code": code.removesuffix(TOOL_CALL_END)}}], key)
+        ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
+        if finish is FinishReason.STOP and last not in stop_ids:
+            text = without_turn_end(text, ids, ends, self.tokenizer)
+            parsed = hermes_tool_calls(text) if tools and not self.tokens.supports_tools else None
+            if parsed is not None:
+                if _CALL_BLOCK.sub("", text[text.index(TOOL_CALL_START):]).strip():
+                    log.info("reply %s: text between or after its tool calls is not in its message (an OpenAI "
+                             "message holds text before its calls only); sent back, the episode splits there", key)
+                return _calling(*parsed, key)
+        return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
+
+
+class ChatEndpoint(ChatRendering):
     """The HTTP server of one rollout replica and its episodes (see the module docstring).
 
     Args:
@@ -343,9 +437,8 @@ class ChatEndpoint:
     """
 
     def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__(tokenizer)
         self.engine = engine
-        self.tokenizer = tokenizer
-        self.tokens = ChatTokens.from_tokenizer(tokenizer)
         self.url: str | None = None
         self.episodes: dict[str, Episode] = {}
         self.splits = 0  # history rewrites counted over every episode this endpoint served
@@ -504,71 +597,6 @@ class ChatEndpoint:
                            "that are one token can end a generation without re-tokenising it")
             ids.append(int(encoded[0]))
         return tuple(ids)
-
-    def render(self, messages: Sequence[Message], tools: list | None) -> str:
-        """The chat template's text of ``messages`` and the assistant's generation prompt."""
-        try:
-            return self.tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
-                                                      tokenize=False)
-        except Exception as error:  # the template refused the conversation (a role, a missing field)
-            raise _bad(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from None
-
-    def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
-
-    def encode_added(self, messages: Sequence[Message], kept: int, tools: list | None, before: str,
-                     text: str) -> list[int]:
-        """The ids of ``text``, what the template renders for the agent's messages after the first ``kept``
-        (``before`` is the rendering up to them): the template's own parts with their special tokens,
-        each added message's content as plain text (a tool result that prints ``<|im_end|>`` cannot
-        forge a turn boundary), as the built-in loop encodes observations. Where the contents are is
-        found by rendering the messages again with a marker for each; a template that does not render a
-        content verbatim gets the whole text encoded as it is."""
-        contents = [str(m.get("content") or "") for m in messages[kept:]]
-        marked = [*messages[:kept], *({**m, "content": f"\x00{k}\x00"} for k, m in enumerate(messages[kept:]))]
-        around = self.render(marked, tools)
-        if not around.startswith(before):
-            return self.encode(text)
-        parts = around[len(before):].split("\x00")  # template, index, template, index, ..., template
-        rebuilt, pieces = "", []
-        for k, part in enumerate(parts):
-            if k % 2 == 0:
-                rebuilt += part
-                pieces.append((part, False))
-            elif part.isdigit() and int(part) < len(contents):
-                rebuilt += contents[int(part)]
-                pieces.append((contents[int(part)], True))
-            else:
-                return self.encode(text)
-        if rebuilt != text:
-            return self.encode(text)
-        ids: list[int] = []
-        for piece, plain in pieces:
-            if piece:
-                ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=plain)
-        return [int(i) for i in ids]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    def reply(self, ids: Sequence[int], finish: FinishReason, stop_ids: tuple[int, ...],
-              tools: list | None = None) -> tuple[Message, str]:
-        """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
-        chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
-        and ``tools`` in the request, Hermes-format calls in a reply that stopped are its tool calls
-        (:func:`sao.models.chat.hermes_tool_calls`)."""
-        text = self.decode(ids)
-        last = ids[-1] if ids else None
-        head, opened, code = text.rpartition(TOOL_CALL_START)
-        if self.tokens.supports_tools and last == self.tokens.tool_call_end_id and opened:  # a whole call
-            return _calling(head, [{"name": "python", "arguments": {"code": code.removesuffix(TOOL_CALL_END)}}])
-        ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
-        if finish is FinishReason.STOP and last not in stop_ids:
-            text = without_turn_end(text, ids, ends, self.tokenizer)
-            parsed = hermes_tool_calls(text) if tools and not self.tokens.supports_tools else None
-            if parsed is not None:
-                return _calling(*parsed)
-        return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
 
     def response(self, reply: Message, finish: str, generation, prompt_tokens: int, logprobs: bool) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": reply["content"] or None}
