@@ -47,7 +47,7 @@ from sao.train.loop import StepReport, prepare_run
 from sao.train.pretrain import PretrainReport
 from sao.train.run_config import ReplayContext, read_run_config, run_config_path
 
-__all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "failure_counts", "finished", "math_tasks", "pipeline_config", "played_by_agent",
+__all__ = ["Evaluation", "check_resume", "env_options", "evaluate", "failure_counts", "finished", "math_tasks", "own_format_tools", "pipeline_config", "played_by_agent",
            "import_paths", "model_notes", "policy_dir", "prepare_inputs", "record_what_if", "what_if", "pretrain_value", "record_start", "run_tasks", "user_tasks",
            "record_finished", "recorded_settings", "summarize", "train_async", "value_data_run", "warm_start"]
 
@@ -134,7 +134,7 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
     if config.model.path is not None:
         from sao.models.policy import check_model_directory
 
-        check_model_directory(config.model.path, need_tools=needs_tool_tokens(config))
+        check_model_directory(config.model.path, need_tools=needs_tool_tokens(config), own_format=config.own_tasks)
     if config.sft.data is not None:
         from sao.data import load_demonstrations
 
@@ -170,10 +170,11 @@ def _check_answers(config: RunConfig, tasks: list[Task]) -> None:
 
 
 def needs_tool_tokens(config: RunConfig) -> bool:
-    """Whether the policy's tokenizer needs this project's tool-call tokens: the built-in tool loop runs
-    (the built-in math_tool task, or tasks of one's own with ``env.max_tool_calls`` > 0). An agent of
-    one's own or a verifiers environment calls tools through the chat endpoint and the model's own
-    chat template instead."""
+    """Whether the policy must call the built-in loop's Python tool: the built-in math_tool task (with
+    this project's tool-call tokens), or tasks of one's own with ``env.max_tool_calls`` > 0 (with those
+    tokens, or in the model's own format when its chat template renders Hermes calls:
+    :func:`sao.models.policy.check_model_directory`). An agent of one's own or a verifiers environment
+    calls tools through the chat endpoint and the model's own chat template instead."""
     if played_by_agent(config):
         return False
     return config.data.train is None or config.env.max_tool_calls > 0
@@ -366,6 +367,7 @@ def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
     warm start."""
     from sao.data import load_demonstrations
     from sao.models.policy import import_policy, read_policy_metadata
+    from sao.models.tokenizer import load_tokenizer
     from sao.train.sft import SFTConfig, sft_own_model, sft_warm_start
 
     path = config.initial_policy_dir
@@ -389,7 +391,7 @@ def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
         log.info("version 0: the model of %s after SFT on %d demonstrations of %s", config.model.path,
                  len(demonstrations), config.sft.data)
         sft_own_model(config.model.path, demonstrations, partial, sft, system_prompt=config.env.system_prompt,
-                      on_log=on_log)
+                      tools=own_format_tools(config, load_tokenizer(config.model.path)), on_log=on_log)
     partial.rename(path)
     return path
 
@@ -562,8 +564,9 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     does not evaluate a version again (the evaluation is seeded: the same version, tasks and seed give
     the same figure; the budgets cannot change on a resume). A run with an agent of one's own
     (``env.agent``) or a verifiers environment is evaluated on that agent's episodes, played against the
-    chat endpoint as in a rollout, sampling as the rollouts do (:func:`sao.train.evaluate.evaluate_agent`);
-    other runs on the built-in loop (:func:`sao.train.evaluate.evaluate_math`)."""
+    chat endpoint as in a rollout, sampling as the rollouts do (:func:`sao.train.evaluate.evaluate_agent`),
+    and so is a run whose model calls the built-in loop's tool in its own format
+    (:mod:`sao.rollout.env_agent`); other runs on the built-in loop (:func:`sao.train.evaluate.evaluate_math`)."""
     from sao.models.policy import load_policy
     from sao.models.tokenizer import load_tokenizer
     from sao.train.evaluate import EvalConfig, evaluate_agent, evaluate_math
@@ -591,8 +594,10 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     settings = EvalConfig(num_tasks=config.eval.tasks, seed=config.eval_seed, max_tokens=config.rollout.max_tokens,
                           max_turns=config.rollout.max_turns)
     agent = options.get("dataset", {}).get("agent")
-    if agent:  # an agent of one's own or a verifiers environment: its own episodes, as a rollout runs them
-        result = evaluate_agent(load_policy(path), tokenizer, tasks, settings, environment, agent, config.agent())
+    if agent or own_format_tools(config, tokenizer) is not None:  # an agent of one's own, a verifiers environment, or the built-in tool loop in the
+        # model's own tool-call format: its episodes as a rollout runs them, on the chat endpoint
+        result = evaluate_agent(load_policy(path), tokenizer, tasks, settings, environment, agent or None,
+                                config.agent())
     else:
         result = evaluate_math(load_policy(path), tokenizer, tasks, settings, env_factory=environment)
     reward_of = {episode.task_id: episode.reward for episode in result.episodes}
@@ -602,6 +607,21 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
                             dict(sorted(result.terminations.items())))
     _write_json(kept, dataclasses.asdict(evaluation))
     return evaluation
+
+
+def own_format_tools(config: RunConfig, tokenizer) -> list | None:
+    """The tools every prompt of the run offers when a model of one's own runs the built-in tool loop in
+    its own tool-call format (:func:`sao.rollout.env_agent.tool_schema`: tasks of one's own that allow
+    tool calls, a tokenizer without this project's tool-call tokens); None otherwise. ``tokenizer``:
+    the policy's."""
+    if config.model.path is None or not needs_tool_tokens(config) or not config.own_tasks:
+        return None
+    from sao.envs import make_env
+    from sao.models.chat import ChatTokens
+    from sao.rollout.env_agent import tool_schema
+
+    environment = make_env("dataset", **env_options(config, import_paths(config))["dataset"])
+    return tool_schema(environment, ChatTokens.from_tokenizer(tokenizer))
 
 
 def played_by_agent(config: RunConfig) -> bool:

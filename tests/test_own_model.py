@@ -123,7 +123,7 @@ def test_the_plain_chat_format_of_a_foreign_tokenizer():
 def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     path = model_directory(tmp_path, "llama")
     check_model_directory(path)
-    with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*env.max_tool_calls: 0"):
+    with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*Hermes format.*env.max_tool_calls: 0"):
         check_model_directory(path, need_tools=True)
     with pytest.raises(ModelDirectoryError, match="no such folder"):
         check_model_directory(tmp_path / "missing")
@@ -138,6 +138,12 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     (no_weights / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
     with pytest.raises(ModelDirectoryError, match="no usable tokenizer"):
         check_model_directory(no_weights)
+    from tests.rollout.test_chat_endpoint import qwen_style_tokenizer
+
+    hermes = model_directory(tmp_path / "hermes", "qwen2", qwen_style_tokenizer())  # renders Hermes tool calls
+    assert not ChatTokens.from_tokenizer(check_model_directory(hermes, need_tools=True)).supports_tools
+    with pytest.raises(ModelDirectoryError, match="the built-in math_tool task is written in: give your tasks"):
+        check_model_directory(hermes, need_tools=True, own_format=False)  # math_tool: this project's format
     untemplated = model_directory(tmp_path / "untemplated", "qwen2", train_tokenizer(chat_template=None))
     with pytest.raises(ModelDirectoryError, match="has no chat template"):
         check_model_directory(untemplated)
@@ -283,3 +289,41 @@ def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_sess
             mask = torch.tensor(row["action_mask"], dtype=torch.bool)
             worst = max(worst, float((recomputed[mask] - torch.tensor(row["logprobs"])[mask]).abs().max()))
     assert worst < 1e-5, worst
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, ray_session):
+    """A model of one's own with Qwen2.5's published chat template (Hermes tool calls, none of this
+    project's tool tokens) on tasks that allow tool calls: the replicas offer the python tool in every
+    prompt, 3 SAO steps train through Serve, the lake and Ray Train, the lake's audit passes, and a
+    stored trajectory replays (prompt, observations, reward and end re-rendered through the template)."""
+    from sao.lake.store import Lake
+    from sao.train.trajectory_replay import replay_trajectory
+    from tests._runs import train_and_audit
+    from tests.rollout.test_chat_endpoint import QWEN25_TEMPLATE, qwen_style_tokenizer
+
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    tokenizer = qwen_style_tokenizer(QWEN25_TEMPLATE)
+    torch.manual_seed(0)
+    model = tmp_path / "qwen2-tools"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                 tie_word_embeddings=False)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "run_id": "own-tools", "workdir": str(tmp_path / "runs"), "model": {"path": str(model)},
+        "data": {"train": str(tmp_path / "data.jsonl")},
+        "reward": {"functions": ["sao.rewards:exact_match"]}, "env": {"max_tool_calls": 2},
+        "train": {"steps": 3, "batch_size": 4, "max_staleness": 0},
+        "rollout": {"num_replicas": 1, "max_tokens": 16, "max_turns": 3, "max_in_flight": 4},
+        "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))
+    config, _, rows = train_and_audit(config_file)
+    assert rows and all(row["error"] is None for row in rows)
+    assert all('{"type": "function", "function": {"name": "python"' in tokenizer.decode(row["prompt_ids"])
+               for row in rows)
+    lake = Lake.open(config.lake.root)
+    for row in rows[:4]:
+        report = replay_trajectory(lake, row["trajectory_id"], run_id=config.run_id)
+        assert report.ok and report.check("prompt").ok, report

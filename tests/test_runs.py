@@ -296,3 +296,48 @@ def test_the_evaluate_flow_refuses_a_run_of_ones_own_that_its_lake_does_not_know
     (tmp_path / "runs" / "mine" / "tasks.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"run 'mine' has tasks of its own .* give lake_root"):
         evaluate.fn(run_id="mine", workdir=str(tmp_path / "runs"), lake_root=str(tmp_path / "no-lake"))
+
+
+def test_a_run_whose_model_calls_tools_in_its_own_format_is_evaluated_on_that_loop(tmp_path, monkeypatch):
+    """A model of one's own whose chat template renders Hermes tool calls, on tasks that allow tool
+    calls: the run's inputs pass the tool check, and its evaluation plays the built-in tool loop in the
+    model's own format on the chat endpoint (the python tool offered in every prompt), not the loop of
+    this project's format."""
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import sao.train.evaluate as evaluate
+    from tests.rollout.test_chat_endpoint import qwen_style_tokenizer
+
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[4:]))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:4]))
+    tokenizer = qwen_style_tokenizer()
+    torch.manual_seed(0)
+    model = tmp_path / "model"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                 tie_word_embeddings=False)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    settings = RunConfig(run_id="own-tools", workdir=str(tmp_path / "runs"), model={"path": str(model)},
+                         data={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
+                         env={"max_tool_calls": 2}, eval={"tasks": 4}, rollout={"max_tokens": 24, "max_turns": 3})
+    runs.prepare_inputs(settings)
+    shutil.copytree(model, settings.initial_policy_dir)
+    monkeypatch.setattr(evaluate, "evaluate_math", lambda *args, **kwargs: pytest.fail("this project's format played"))
+    played, prompts = [], []
+    real = evaluate.evaluate_agent
+
+    def spy(model, tok, tasks, config, env_factory, agent, agent_config):
+        result = real(model, tok, tasks, config, env_factory, agent, agent_config)
+        played.append(agent)
+        prompts.extend(tok.decode(list(episode.token_ids)) for episode in result.episodes)
+        return result
+
+    monkeypatch.setattr(evaluate, "evaluate_agent", spy)
+    evaluation = runs.evaluate(settings, 0)
+    assert played == [None] and evaluation.num_tasks == 4 and len(prompts) == 4
+    assert all('{"type": "function", "function": {"name": "python"' in prompt for prompt in prompts)
+    assert sum(evaluation.terminations.values()) == 4

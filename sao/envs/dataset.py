@@ -3,7 +3,9 @@ functions (:mod:`sao.rewards`).
 
 An episode shows the task's prompt (its chat messages, or one user message), then takes the policy's
 actions in the chat format of :mod:`sao.models.chat`: a tool call (``<tool_call>code</tool_call>``)
-runs in the sandboxed Python tool, as in math_tool, while ``max_tool_calls`` allows (0: single-turn),
+runs in the sandboxed Python tool, as in math_tool, while ``max_tool_calls`` allows (0: single-turn;
+a model of one's own calls the tool in its own format, which the episode's agent turns into these
+actions: :mod:`sao.rollout.env_agent`),
 with the user's own tool functions (``tools``) defined before the code, so it can call them;
 any other action ends the episode with ``stop``, and the reward functions score it. Calling more tools
 than allowed ends it with ``turns`` (reward 0, the functions are not called).

@@ -74,6 +74,7 @@ __all__ = [
     "parse_action",
     "parse_chat",
     "prompt_ids",
+    "renders_hermes_calls",
     "tool_call_message",
     "without_turn_end",
 ]
@@ -243,6 +244,31 @@ def hermes_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
             return None
         calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
     return text[: text.index(TOOL_CALL_START)].rstrip("\n"), calls
+
+
+def renders_hermes_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template takes ``tools`` and renders an assistant's tool call in the
+    Hermes format that :func:`hermes_tool_calls` reads back, and the tool's result after it: a
+    model whose template does (Qwen2.5, Qwen3, Hermes and others) can run the built-in tool loop in
+    its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing."""
+    code = "print(6 * 7)"
+    tool = {"type": "function", "function": {"name": "python", "description": "Run Python code.", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+    messages = [{"role": "user", "content": "What is 6 * 7?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
+                {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": "42"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses tools or tool messages: it does not render them
+        return False
+    if not isinstance(text, str):
+        return False
+    for block in _TOOL_CALL.finditer(text):
+        parsed = hermes_tool_calls(block.group(0))
+        if parsed is not None and parsed[1] == [{"name": "python", "arguments": {"code": code}}]:
+            return "42" in text[block.end():]
+    return False
 
 
 def parse_action(text: str) -> ToolCall | FinalAnswer | Reply:

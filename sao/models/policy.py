@@ -33,7 +33,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from sao.models.chat import ChatTokens
+from sao.models.chat import ChatTokens, renders_hermes_calls
 from sao.models.tokenizer import chat_template_version, save_tokenizer, tokenizer_version
 
 __all__ = [
@@ -280,10 +280,15 @@ class ModelDirectoryError(ValueError):
     """A model directory that cannot be a policy: what is missing or wrong, and where."""
 
 
-def check_model_directory(path: str | Path, *, need_tools: bool = False) -> PreTrainedTokenizerBase:
+def check_model_directory(path: str | Path, *, need_tools: bool = False,
+                          own_format: bool = True) -> PreTrainedTokenizerBase:
     """Check a Hugging Face model directory of the user's before anything starts: ``config.json``,
-    weights, a fast tokenizer with a chat template and a token that ends a turn; with ``need_tools``,
-    this project's tool-call tokens. Returns the tokenizer. Loads no weights.
+    weights, a fast tokenizer with a chat template and a token that ends a turn; with ``need_tools``
+    (the built-in tool loop runs), this project's tool-call tokens or, with ``own_format`` (tasks of
+    one's own: the built-in math_tool task asks for this project's format), a chat template that
+    renders tool calls in the Hermes format (:func:`sao.models.chat.renders_hermes_calls`: the loop
+    then runs in the model's own format, :mod:`sao.rollout.env_agent`). Returns the tokenizer. Loads no
+    weights.
 
     Raises:
         ModelDirectoryError: naming the directory and what it lacks.
@@ -314,11 +319,19 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False) -> PreT
     except ValueError as error:
         raise ModelDirectoryError(f"model.path {path}: {error}") from None
     _check_architecture(path)
-    if need_tools and not tokens.supports_tools:
+    if need_tools and not tokens.supports_tools and not own_format:
         raise ModelDirectoryError(
             f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
-            "(<tool_call>, <answer>, ...), so actions cannot call the Python tool: set env.max_tool_calls: 0 "
-            "(single-turn) and give the tasks in data.train, or call tools from an agent of your own (env.agent)")
+            "(<tool_call>, <answer>, ...) that the built-in math_tool task is written in: give your tasks in "
+            "data.train (a model whose chat template renders Hermes tool calls calls the tool in its own format "
+            "there), or set env.max_tool_calls: 0 with them for single-turn")
+    if need_tools and not tokens.supports_tools and not renders_hermes_calls(tokenizer):
+        raise ModelDirectoryError(
+            f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
+            "(<tool_call>, <answer>, ...), and its chat template does not render tool calls in the Hermes format "
+            "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>, as Qwen2.5's and Qwen3's do), so actions "
+            "cannot call the Python tool: set env.max_tool_calls: 0 (single-turn) and give the tasks in data.train, "
+            "or call tools from an agent of your own (env.agent)")
     return tokenizer
 
 

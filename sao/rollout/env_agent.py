@@ -12,6 +12,19 @@ message, which the endpoint records as the observation. The records are those of
 the same prompt ids, the same per-call seeds, the same observation ids (a tool's output as plain text),
 the same ends (the environment's ``stop`` and ``turns``; the endpoint's ``length``, ``turns`` and
 ``timeout``; ``error`` with the text of what failed).
+
+**A model's own tool-call format.** A policy whose tokenizer lacks this project's tool-call tokens
+(a model of one's own) calls the sandboxed Python tool in its own format, when its chat template
+renders tool calls in the Hermes format (:func:`sao.models.chat.renders_hermes_calls`: Qwen2.5, Qwen3,
+Hermes and others) and the environment allows tool calls (``max_tool_calls`` > 0): every request
+offers the one tool :func:`python_tool` (``python``, argument ``code``; the template writes it into
+the prompt), each ``python`` call of a reply is one environment step (several calls in a reply run in
+order), and each result goes back as a ``tool`` message answering its call's id, rendered by the
+template. A call of another name, or without a ``code`` string, is answered by a ``tool`` message
+saying so (:func:`tool_answer`) and is no environment step; the episode goes on within its budgets.
+This runs in the ``dataset`` environment (tasks of one's own); the built-in math_tool task asks for
+this project's format.
+Trajectory replay renders such an episode again the same way.
 """
 
 from __future__ import annotations
@@ -22,12 +35,14 @@ import json
 from typing import Any
 
 from sao.envs.base import Environment, Task, Termination
-from sao.models.chat import TOOL_CALL_END, TOOL_CALL_START
+from sao.envs.dataset import ENV_NAME as DATASET
+from sao.models.chat import IM_END, TOOL_CALL_END, TOOL_CALL_START, ChatTokens
+from sao.rewards import split_spec
 from sao.rollout.chat_endpoint import MODEL_NAME
 from sao.rollout.user_agent import AgentFunction, EpisodeEnded
 from schemas.vocabulary import TerminationReason
 
-__all__ = ["action_of", "environment_agent"]
+__all__ = ["action_of", "environment_agent", "python_tool", "steps_of", "tool_answer", "tool_schema"]
 
 
 def action_of(message: Any) -> str:
@@ -39,22 +54,98 @@ def action_of(message: Any) -> str:
     return text
 
 
-def environment_agent(env: Environment, task: Task, tools: concurrent.futures.Executor) -> AgentFunction:
-    """The agent of one episode of ``env`` on ``task``; environment steps run on ``tools``."""
+def python_tool(functions: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The sandboxed Python tool as a chat template's tool definition (OpenAI's function format); the
+    names of the run's own tool functions (``env.tools``), defined before the code, are in its
+    description."""
+    description = "Run Python code in a sandbox; the result is what the code prints."
+    if functions:
+        description += f" Functions defined for the code to call: {', '.join(functions)}."
+    return {"type": "function", "function": {"name": "python", "description": description, "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "description": "the Python code to run"}},
+        "required": ["code"]}}}
+
+
+def tool_schema(env: Environment, tokens: ChatTokens) -> list[dict[str, Any]] | None:
+    """The tools every request of an episode of ``env`` offers: ``[python_tool(...)]`` when the policy
+    calls tools in its own format (``tokens`` lack this project's tool-call tokens) in the ``dataset``
+    environment (tasks of one's own) with tool calls allowed; None otherwise (this project's format, or
+    single-turn: requests offer no tools). The built-in math_tool task asks for this project's format
+    (its answers are ``<answer>`` tags), so a model of one's own runs it only with those tokens
+    (:func:`sao.models.policy.check_model_directory`)."""
+    config = getattr(env, "config", None)
+    if tokens.supports_tools or getattr(env, "name", None) != DATASET or getattr(config, "max_tool_calls", 0) <= 0:
+        return None
+    return [python_tool(tuple(split_spec(spec, "tool function")[1] for spec in getattr(config, "tools", ())))]
+
+
+def steps_of(message: dict[str, Any]) -> list[tuple[str | None, str | None]]:
+    """How a reply in a model's own format steps the environment: ``(call id, action text)`` for each
+    ``python`` call with a ``code`` string, in order (the action as the built-in format writes it); a
+    call of another name or without code: ``(call id, None)``, answered without a step
+    (:func:`tool_answer`); a reply without calls: ``[(None, its content and IM_END)]``, a final reply (a
+    ``<tool_call>`` the reply holds as text, not a Hermes call, is not run). ``message``: the assistant
+    message as the endpoint keeps it (arguments as objects)."""
+    calls = message.get("tool_calls") or []
+    if not calls:
+        return [(None, (message.get("content") or "") + IM_END)]
+    steps: list[tuple[str | None, str | None]] = []
+    for call in calls:
+        function = call["function"]
+        arguments = function.get("arguments")
+        code = arguments.get("code") if isinstance(arguments, dict) else None
+        ok = function.get("name") == "python" and isinstance(code, str)
+        steps.append((call["id"], f"{TOOL_CALL_START}{code}{TOOL_CALL_END}" if ok else None))
+    return steps
+
+
+def tool_answer(message: dict[str, Any], call_id: str, output: str | None) -> dict[str, Any]:
+    """The ``tool`` message that answers call ``call_id`` of ``message`` (a reply in a model's own
+    format): the environment's ``output``, or for a call :func:`steps_of` does not step on (None), an
+    error naming the one tool there is."""
+    name = next(c["function"].get("name") for c in message["tool_calls"] if c["id"] == call_id)
+    content = output if output is not None else (
+        f"error: no tool {name!r} with these arguments; the one tool is python, called with {{\"code\": \"...\"}}")
+    return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
+
+
+def environment_agent(env: Environment, task: Task, tools: concurrent.futures.Executor,
+                      schema: list[dict[str, Any]] | None = None) -> AgentFunction:
+    """The agent of one episode of ``env`` on ``task``; environment steps run on ``tools``. ``schema``:
+    the tools a model of one's own is offered (:func:`tool_schema`; the module docstring), None with
+    this project's format."""
 
     async def agent(client: Any, row: dict[str, Any]) -> float:
         loop = asyncio.get_running_loop()
         messages = list(env.reset(task))
+        offered = {"tools": schema} if schema else {}
         while True:
-            reply = await client.chat.completions.create(model=MODEL_NAME, messages=messages)
+            reply = await client.chat.completions.create(model=MODEL_NAME, messages=messages, **offered)
             choice = reply.choices[0]
             if choice.finish_reason == "length":  # the trajectory's budget: the endpoint ended it (length)
                 return 0.0
-            result = await loop.run_in_executor(tools, env.step, action_of(choice.message))
-            if result.done:
-                if result.termination == Termination.TURNS:
-                    raise EpisodeEnded(TerminationReason.TURNS)
-                return float(result.reward)
-            messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "content": result.observation}]
+            kept = _kept(choice.message) if schema else None
+            steps = steps_of(kept) if kept is not None else [(None, action_of(choice.message))]
+            answers = []
+            for call, action in steps:
+                if action is None:  # only in the model's own format: a call of no tool there is
+                    answers.append(tool_answer(kept, call, None))
+                    continue
+                result = await loop.run_in_executor(tools, env.step, action)
+                if result.done:
+                    if result.termination == Termination.TURNS:
+                        raise EpisodeEnded(TerminationReason.TURNS)
+                    return float(result.reward)
+                answers.append(tool_answer(kept, call, result.observation) if call is not None
+                               else {"role": "tool", "content": result.observation})
+            messages += [choice.message.model_dump(exclude_none=True), *answers]
 
     return agent
+
+
+def _kept(message: Any) -> dict[str, Any]:
+    """An ``openai`` reply message as the endpoint keeps it: tool-call arguments as objects."""
+    kept = message.model_dump(exclude_none=True)
+    for call in kept.get("tool_calls", ()):
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return kept

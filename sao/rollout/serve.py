@@ -60,7 +60,7 @@ from sao.rollout.chat_endpoint import ChatEndpoint
 from sao.rollout.cpus import keep_process_off
 from sao.rollout.engine import Engine, Generation, SamplingParams
 from sao.rollout.engine_process import TorchEngineProcess
-from sao.rollout.env_agent import environment_agent
+from sao.rollout.env_agent import environment_agent, tool_schema
 from sao.rollout.routing import ROUTER_PATH
 from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from sao.rollout.user_agent import UserAgentRunner
@@ -213,7 +213,8 @@ class RolloutReplica:
             await self._reach_version(min_version)
         env = self._new_env(task)
         spec = self.config.env_options.get(task.env, {}).get("agent")
-        agent = self.agents.agent(spec, tuple(env.config.paths)) if spec else environment_agent(env, task, self._tools)
+        agent = self.agents.agent(spec, tuple(env.config.paths)) if spec else environment_agent(
+            env, task, self._tools, tool_schema(env, self.agents.endpoint.tokens))
         return await self.agents.run(agent, env, task, run_id, trajectory_id, seed, built_in=not spec)
 
     async def rollout_stream(self, requests: list[tuple], min_version: int | None = None):

@@ -300,12 +300,13 @@ def evaluate_agent(
     tasks: Sequence[Task],
     config: EvalConfig,
     env_factory: Callable[[Task], object],
-    agent: str,
+    agent: str | None,
     agent_config,
 ) -> EvalResult:
     """:func:`evaluate_math`'s figures for ``agent``'s episodes on the first ``config.num_tasks`` of
     ``tasks``: one episode of ``agent`` (``module:function``: an agent of one's own, or a verifiers
-    environment's rollout loop) per task, run as a rollout replica runs it. The agent talks to the chat
+    environment's rollout loop; None: the built-in tool loop in a model's own tool-call format,
+    :mod:`sao.rollout.env_agent`) per task, run as a rollout replica runs it. The agent talks to the chat
     endpoint over the torch engine, both in this process (:class:`sao.rollout.user_agent.UserAgentRunner`),
     within the token and turn budgets of ``config``, sampling as ``agent_config`` (the run's
     :class:`sao.rollout.agent.AgentConfig`) says, so an agent that names the run's temperature in its
@@ -314,10 +315,11 @@ def evaluate_agent(
     ``config.batch_size`` episodes run at once; episode ``i`` is seeded with ``config.seed`` and ``i``.
     The engine batches the episodes' calls, so the same seed gives the same samples up to rounding that
     depends on which calls were batched together. An episode's ``tool_calls``: its calls of the policy
-    after its first."""
+    after its first (a reply with several tool calls counts once)."""
     import asyncio
 
     from sao.rollout.chat_endpoint import ChatEndpoint
+    from sao.rollout.env_agent import environment_agent, tool_schema
     from sao.rollout.torch_engine import TorchEngine, TorchEngineConfig
     from sao.rollout.user_agent import UserAgentRunner
 
@@ -336,8 +338,10 @@ def evaluate_agent(
         async def one(index: int, task: Task) -> Episode:
             async with slots:
                 env = env_factory(task)
-                parts = await runner.run(runner.agent(agent, tuple(env.config.paths)), env, task, "evaluation",
-                                         f"evaluation-{index}", config.seed * 1_000_003 + index)
+                played = (runner.agent(agent, tuple(env.config.paths)) if agent else
+                          environment_agent(env, task, steps, tool_schema(env, endpoint.tokens)))
+                parts = await runner.run(played, env, task, "evaluation", f"evaluation-{index}",
+                                         config.seed * 1_000_003 + index, built_in=not agent)
             first = parts[0]
             return Episode(task_id=task.task_id, reward=float(first.reward),
                            termination=Termination(first.termination_reason),
@@ -353,7 +357,8 @@ def evaluate_agent(
             await endpoint.close()
 
     try:
-        return _result(asyncio.run(episodes()), time.monotonic() - start)
+        with ThreadPoolExecutor(config.tool_workers) as steps:  # the built-in loop's environment steps (tools)
+            return _result(asyncio.run(episodes()), time.monotonic() - start)
     finally:
         engine.close()
 

@@ -370,13 +370,20 @@ def _fit(model: PreTrainedModel, train: Sequence[Example], validation: Sequence[
 
 
 def own_example(tokenizer: PreTrainedTokenizerBase, chat: ChatTokens, task: Task, completion: str,
-                system_prompt: str = "") -> Example:
+                system_prompt: str = "", tools: list | None = None) -> Example:
     """A demonstration for a model of one's own, laid out as its rollouts are: the task's prompt
-    through the model's chat template with the generation prompt, then the completion's tokens and the
-    turn's end token as the action (what the engine samples, and where it stops)."""
+    through the model's chat template with the generation prompt (and ``tools``, the ones its rollouts
+    offer: :func:`sao.runs.own_format_tools`), then the completion's tokens and the turn's end token as
+    the action (what the engine samples, and where it stops)."""
     from sao.envs.dataset import task_messages
 
-    ids = prompt_ids(tokenizer, task_messages(task, system_prompt))
+    if tools:  # rendered as the chat endpoint renders a rollout's first request
+        from sao.rollout.chat_endpoint import ChatRendering, normalise_messages
+
+        rendering = ChatRendering(tokenizer)
+        ids = rendering.encode(rendering.render(normalise_messages(task_messages(task, system_prompt)), tools))
+    else:
+        ids = prompt_ids(tokenizer, task_messages(task, system_prompt))
     # The end of the turn: in this project's tool format the stop ids begin with </tool_call>, not it.
     end = chat.im_end_id if chat.supports_tools else chat.stop_token_ids[0]
     action = tokenizer.encode(completion, add_special_tokens=False) + [end]
@@ -384,10 +391,11 @@ def own_example(tokenizer: PreTrainedTokenizerBase, chat: ChatTokens, task: Task
 
 
 def sft_own_model(model_dir: str | Path, demonstrations: Sequence[tuple[Task, str]], out_dir: str | Path,
-                  config: SFTConfig | None = None, *, system_prompt: str = "",
+                  config: SFTConfig | None = None, *, system_prompt: str = "", tools: list | None = None,
                   on_log: Callable[[LogPoint], None] | None = None) -> SFTResult:
     """SFT of the model at ``model_dir`` on ``demonstrations`` ((task, completion) pairs,
-    :func:`sao.data.load_demonstrations`), saved as policy version 0 to ``out_dir``. A seeded tenth of
+    :func:`sao.data.load_demonstrations`), saved as policy version 0 to ``out_dir``; ``system_prompt``
+    and ``tools`` lay the prompts out as the run's rollouts have them (:func:`own_example`). A seeded tenth of
     the demonstrations (at most ``config.validation_tasks``, at least one) is held out for the success
     measure; ``config``'s policy, tokenizer and task settings do not apply."""
     from sao.models.policy import check_model_directory, load_policy
@@ -402,7 +410,7 @@ def sft_own_model(model_dir: str | Path, demonstrations: Sequence[tuple[Task, st
     torch.manual_seed(config.seed)
     model = load_policy(model_dir)
     model.train()
-    examples = [own_example(tokenizer, chat, task, completion, system_prompt) for task, completion in demonstrations]
+    examples = [own_example(tokenizer, chat, task, completion, system_prompt, tools) for task, completion in demonstrations]
     order = list(range(len(examples)))
     random.Random(config.seed).shuffle(order)
     held = max(1, min(config.validation_tasks, len(examples) // 10))

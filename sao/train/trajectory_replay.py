@@ -23,6 +23,10 @@ says what happened:
   reached the agent's ``max_turns``; ``length``: the completion reached ``sampling.max_tokens``, or the
   next observation would not have fitted. ``timeout``, ``cancelled`` and ``error`` are facts about the
   clock or the machine, not the tokens: reported as not checkable (ok None), with reward 0 checked.
+- for an episode of the built-in tool loop in a model's own tool-call format (:mod:`sao.rollout.env_agent`),
+  the prompt and each observation are rendered through the model's chat template as the chat endpoint
+  rendered them (the same tool offered, the replies read back with the same call ids), the environment
+  re-run on the calls;
 - for an episode of an agent of one's own (``env.agent``, :mod:`sao.rollout.user_agent`), the prompt,
   the observations' tokens, the reward and the termination were decided by the agent's code, which is
   not re-run: those checks are reported as not checkable (ok None); the log-probabilities, masks and
@@ -51,6 +55,9 @@ from sao.lake.reader import read_trajectories
 from sao.lake.store import Lake, LakeError
 from sao.models.chat import ChatTokens, observation_ids, prompt_ids
 from sao.models.tokenizer import chat_template_version, load_tokenizer, tokenizer_version
+from sao.rollout.chat_endpoint import ChatRendering, EndpointError, normalise_messages
+from sao.rollout.engine import FinishReason
+from sao.rollout.env_agent import steps_of, tool_answer, tool_schema
 from sao.train.batch import collate
 from sao.train.checkpoint import CheckpointPrunedError, checkpoint_dir, load_checkpoint, policy_dir
 from sao.train.replay import ReplayError, run_checkpoints, torch_settings
@@ -252,6 +259,13 @@ def _simulate(row: Mapping, task: Task, tokenizer, context: ReplayContext, turns
     if takes_trainer_step(task.env):
         options["trainer_step"] = int(row["min_policy_version"])
     env = make_env(task.env, **options)
+    schema = tool_schema(env, ChatTokens.from_tokenizer(tokenizer))
+    if schema is not None:
+        try:
+            return _simulate_own_format(row, task, tokenizer, env, schema, turns)
+        except EndpointError as error:  # the template refuses what it rendered in the rollout
+            raise ReplayError(f"trajectory {row['trajectory_id']}: the chat template cannot render its "
+                              f"conversation now: {error}") from None
     prompt = prompt_ids(tokenizer, env.reset(task))
     prompt_check = Check("prompt", prompt == list(row["prompt_ids"]),
                          "" if prompt == list(row["prompt_ids"]) else "the task's prompt renders to other tokens")
@@ -278,6 +292,86 @@ def _simulate(row: Mapping, task: Task, tokenizer, context: ReplayContext, turns
             ended = result
         else:
             pending = observation_ids(tokenizer, result.observation)
+    return prompt_check, expected, ended, pending, problems
+
+
+class _Unsettled(Exception):  # noqa: N818 - not a failure: what the record alone cannot settle
+    """An episode in a model's own format that split into parts (its template rendered a reply otherwise
+    than it was sampled, or this is a later part): what was checked up to there, and why the reward
+    and the end cannot be re-scored from this part alone."""
+
+    def __init__(self, prompt: Check, expected: dict[int, list[int]] | None, reason: str) -> None:
+        super().__init__(reason)
+        self.prompt, self.expected, self.reason = prompt, expected, reason
+
+
+def _simulate_own_format(row: Mapping, task: Task, tokenizer, env, schema: list, turns: list[_Turn]):
+    """:func:`_simulate` for the built-in tool loop in a model's own tool-call format
+    (:mod:`sao.rollout.env_agent`): the conversation rendered by the chat template as the chat endpoint
+    rendered it (the same tools offered, each reply read back with the same call ids, each result
+    answered as the episode's agent answered it), the observations what the template added. Raises
+    :class:`_Unsettled` for a part of an episode that split."""
+    if row.get("episode_part"):
+        raise _Unsettled(Check("prompt", None, "a later part of a split episode: its prompt is the conversation "
+                                               "at the split"), None,
+                         f"part {row['episode_part']} of episode {row['episode_id']}, which split: its parts are "
+                         "scored together")
+    rendering = ChatRendering(tokenizer)
+    messages = normalise_messages(env.reset(task))
+    text = rendering.render(messages, schema)
+    prompt = rendering.encode(text)
+    prompt_check = Check("prompt", prompt == list(row["prompt_ids"]),
+                         "" if prompt == list(row["prompt_ids"]) else "the task's prompt renders to other tokens")
+    stop_ids = rendering.tokens.stop_token_ids
+    completion, reason = list(row["completion_ids"]), row["termination_reason"]
+    episode = row.get("episode_id") or row["trajectory_id"]
+    expected: dict[int, list[int]] = {}
+    ended = pending = None
+    problems: list[str] = []
+    for number, turn in enumerate(turns):
+        tokens = completion[turn.start:turn.end]
+        last_is_stop = tokens[-1] in stop_ids
+        if turn.observation is None and not (reason in ("stop", "turns") or (reason == "length" and last_is_stop)):
+            break  # the agent did not hand this last action to the environment
+        finish = FinishReason.STOP if last_is_stop else FinishReason.LENGTH
+        reply, _ = rendering.reply(tokens, finish, (), schema, f"{episode}/{number + 1}")
+        before = text + rendering.decode(tokens)
+        answers, result = [], None
+        for call, action in steps_of(reply):
+            if action is None:
+                answers.append(tool_answer(reply, call, None))
+                continue
+            result = env.step(action)
+            if result.done:
+                break
+            answers.append(tool_answer(reply, call, result.observation) if call is not None
+                           else {"role": "tool", "content": result.observation})
+        if result is not None and result.done:
+            if turn.observation is not None:
+                problems.append(f"the environment ends the episode after turn {number} ({result.termination}), "
+                                "yet the trajectory continues")
+            else:
+                ended = result
+            continue
+        following = normalise_messages([*messages, reply, *answers])
+        after = rendering.render(following, schema)
+        added = (rendering.encode_added(following, len(messages) + 1, schema, before, after[len(before):])
+                 if after.startswith(before) else None)
+        if turn.observation is None:
+            if added is None:  # the endpoint split the episode here: the rest is the next part's
+                raise _Unsettled(prompt_check, expected, f"episode {episode} split after turn {number} (the chat "
+                                 "template renders the reply otherwise than it was sampled): its parts are scored "
+                                 "together")
+            pending = added
+            continue
+        if not last_is_stop:
+            problems.append(f"turn {number} ends with token {tokens[-1]}, not a stop id, yet an observation follows")
+        if added is None:
+            problems.append(f"the chat template renders the conversation after turn {number} otherwise than it "
+                            "was sampled, yet the trajectory continues")
+        else:
+            expected[turn.observation] = added
+        messages, text = following, after
     return prompt_check, expected, ended, pending, problems
 
 
@@ -343,12 +437,17 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
         prompt_check, expected, problems, rescored = Check("prompt", None, not_rerun), None, [], recorded
         reward_check, termination_check = Check("reward", None, not_rerun), Check("termination", None, not_rerun)
     else:
-        prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
-        rescored = float(ended.reward) if ended is not None and row["termination_reason"] in ("stop", "turns") else 0.0
-        reward_check = Check("reward", recorded == rescored,
-                             "" if recorded == rescored else f"recorded {recorded}, re-scored {rescored}"
-                             + _code_changed(lake, row))
-        termination_check = _termination_check(row, turns, ended, pending, cfg.rollout.max_turns, stop_ids)
+        try:
+            prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
+        except _Unsettled as split:  # a model's own format whose episode split: re-scored with all its parts
+            prompt_check, expected, problems, rescored = split.prompt, split.expected, [], recorded
+            reward_check, termination_check = Check("reward", None, split.reason), Check("termination", None, split.reason)
+        else:
+            rescored = float(ended.reward) if ended is not None and row["termination_reason"] in ("stop", "turns") else 0.0
+            reward_check = Check("reward", recorded == rescored,
+                                 "" if recorded == rescored else f"recorded {recorded}, re-scored {rescored}"
+                                 + _code_changed(lake, row))
+            termination_check = _termination_check(row, turns, ended, pending, cfg.rollout.max_turns, stop_ids)
     same_tokenizer = (tokenizer_version(tokenizer) == row["tokenizer_version"]
                       and chat_template_version(tokenizer) == row["chat_template_version"])
     num_turns_ok = row["num_turns"] == len(turns) or (

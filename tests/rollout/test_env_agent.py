@@ -15,6 +15,7 @@ from sao.rollout.chat_endpoint import ChatEndpoint
 from sao.rollout.env_agent import environment_agent
 from sao.rollout.torch_engine import TorchEngine
 from sao.rollout.user_agent import UserAgentRunner
+from tests.rollout.test_chat_endpoint import QWEN25_TEMPLATE, QWEN_STYLE
 from tests.test_user_agent import PROMPTS
 
 TASKS = [Task(task_id=f"t{i}", env="math_tool", prompt=p["prompt"], answer=p["answer"], split=Split.TRAIN)
@@ -82,3 +83,189 @@ def test_the_endpoint_path_records_what_the_agent_loop_records(engine, tokenizer
         observations += sum(s.kind == "observation" for s in looped.segments)
     assert end in reasons, reasons
     assert observations > 0 or end != "stop"  # tool calls and their outputs compared too
+
+
+# A model's own tool-call format -------------------------------------------------------------------------
+
+OWN_TASK = Task(task_id="own0", env="dataset", prompt="What is 2 + 3?", answer="5", split=Split.TRAIN)
+OWN_OPTIONS = {"max_tool_calls": 2, "tools": ["examples.tool_use.shop:price"]}
+
+
+def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_STYLE):
+    """One built-in dataset episode of OWN_TASK on a Qwen2.5-style tokenizer (no tool-call tokens of this
+    project) whose engine replies ``replies`` in turn: (records, tokenizer, the tools offered)."""
+    from sao.models.chat import ChatTokens
+    from sao.rollout.env_agent import tool_schema
+    from tests.rollout.test_chat_endpoint import ScriptedEngine, qwen_style_tokenizer
+
+    tokenizer = qwen_style_tokenizer(template)
+    engine = ScriptedEngine(tokenizer, replies)
+    tools = concurrent.futures.ThreadPoolExecutor(2)
+    config = config or AgentConfig(max_tokens=400, max_turns=4)
+
+    async def go():
+        endpoint = ChatEndpoint(engine, tokenizer)
+        runner = UserAgentRunner(endpoint, config, "local")
+        try:
+            env = make_env("dataset", **options)
+            schema = tool_schema(env, ChatTokens.from_tokenizer(tokenizer))
+            records = await runner.run(environment_agent(env, OWN_TASK, tools, schema), env, OWN_TASK, "r", "ep-own",
+                                       7, built_in=True)
+            return records, schema
+        finally:
+            await runner.close()
+            await endpoint.close()
+
+    try:
+        records, schema = asyncio.run(go())
+    finally:
+        tools.shutdown()
+    return records, tokenizer, schema
+
+
+OWN_TEMPLATES = pytest.mark.parametrize("template", [QWEN_STYLE, QWEN25_TEMPLATE], ids=["qwen-parts", "qwen2.5"])
+
+
+@OWN_TEMPLATES
+def test_a_models_own_format_runs_the_built_in_tool_loop_as_one_trajectory(template):
+    """With a tokenizer that lacks this project's tool-call tokens, every request offers the python tool,
+    the template renders it into the prompt, a Hermes call of it runs in the sandbox (the run's own tool
+    functions defined), a call of an unknown tool is answered without a step, and the results come back
+    as the template's tool turns: one trajectory, observations masked, the reply scored."""
+    from sao.rollout.env_agent import python_tool
+
+    unknown = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'
+    run = '<tool_call>\n{"name": "python", "arguments": {"code": "print(price(\'pen\') - 115)"}}\n</tool_call><|im_end|>'
+    (record,), tokenizer, schema = own_format_episode([unknown, run, "5<|im_end|>"], template=template)
+    assert schema == [python_tool(("price",))]
+    assert "Functions defined for the code to call: price." in schema[0]["function"]["description"]
+    prompt = tokenizer.decode(list(record.prompt_ids))
+    assert prompt.startswith("<|im_start|>system\n") and '{"type": "function", "function": {"name": "python"' in prompt
+    assert prompt.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
+    observations = [tokenizer.decode(list(record.completion_ids[s.start:s.end])) for s in record.segments
+                    if s.kind == "observation"]
+    assert observations[0].startswith("\n<|im_start|>user\n<tool_response>\nerror: no tool 'add'")
+    assert observations[1] == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
+    mask = np.asarray(record.action_mask)
+    for segment in record.segments:
+        assert set(mask[segment.start:segment.end]) == {segment.kind == "action"}
+
+
+@OWN_TEMPLATES
+def test_a_models_own_format_is_replayed_as_the_endpoint_rendered_it(template):
+    """Trajectory replay re-runs the environment on the stored replies through the chat template: the
+    prompt, each observation's tokens, the reward and the end it finds are the recorded ones; a tool
+    description that differs now shows as another prompt."""
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns
+
+    run = '<tool_call>\n{"name": "python", "arguments": {"code": "print(2 + 3)"}}\n</tool_call><|im_end|>'
+    (record,), tokenizer, _ = own_format_episode([run, run, "5<|im_end|>"], template=template)
+    row = record.to_row()
+    context = ReplayContext(env_options={"dataset": OWN_OPTIONS})
+    prompt_check, expected, ended, pending, problems = _simulate(row, OWN_TASK, tokenizer, context, _turns(row["segments"]))
+    assert prompt_check.ok and not problems and pending is None
+    observed = {i: list(record.completion_ids[s.start:s.end]) for i, s in enumerate(record.segments)
+                if s.kind == "observation"}
+    assert expected == observed and len(observed) == 2
+    assert (ended.reward, ended.termination) == (1.0, "stop")
+    edited = {**OWN_OPTIONS, "tools": []}  # the description of the python tool changes: another prompt
+    prompt_check, *_ = _simulate(row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": edited}),
+                                 _turns(row["segments"]))
+    assert prompt_check.ok is False
+
+
+def test_a_models_own_format_spends_the_environments_tool_budget():
+    """Three calls against max_tool_calls 2 end the episode with turns, as the built-in format does."""
+    run = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call><|im_end|>'
+    (record,), _, _ = own_format_episode([run] * 3)
+    assert (record.termination_reason, record.reward, record.num_turns) == ("turns", 0.0, 3)
+
+
+def test_a_single_turn_run_of_a_models_own_offers_no_tools():
+    """env.max_tool_calls 0: the prompt renders as before this loop existed (no tools offered)."""
+    (record,), tokenizer, schema = own_format_episode(["5<|im_end|>"], options={"max_tool_calls": 0})
+    assert schema is None and "Tools:" not in tokenizer.decode(list(record.prompt_ids))
+    assert (record.termination_reason, record.reward, record.num_turns) == ("stop", 1.0, 1)
+
+
+@OWN_TEMPLATES
+def test_several_calls_in_one_reply_run_in_order_and_replay(template):
+    """Two python calls in one reply are two environment steps, answered in order (Qwen2.5's template
+    puts both results in one user turn); the replay renders the same observation."""
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns
+
+    two = ('<tool_call>\n{"name": "python", "arguments": {"code": "print(2)"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "python", "arguments": {"code": "print(3)"}}\n</tool_call><|im_end|>')
+    (record,), tokenizer, _ = own_format_episode([two, "5<|im_end|>"], template=template)
+    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 2)
+    (observation,) = [s for s in record.segments if s.kind == "observation"]
+    text = tokenizer.decode(list(record.completion_ids[observation.start:observation.end]))
+    assert text.index("<tool_response>\n2\n</tool_response>") < text.index("<tool_response>\n3\n</tool_response>")
+    row = record.to_row()
+    _, expected, ended, _, problems = _simulate(row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}),
+                                                _turns(row["segments"]))
+    assert not problems and expected == {1: list(record.completion_ids[observation.start:observation.end])}
+    assert ended.reward == 1.0
+
+
+IDS_TEMPLATE = QWEN_STYLE.replace("{{- '<|im_start|>user\n<tool_response>\n' + message.content",
+                                  "{{- '<|im_start|>user\n<tool_response id=' + message.tool_call_id + ' name=' "
+                                  "+ message.name + '>\n' + message.content")
+"""QWEN_STYLE with each tool result naming the call it answers (its id and the function's name), as
+templates such as Mistral's do."""
+
+
+def test_call_ids_are_rendered_again_as_they_were_recorded():
+    """A template that prints each result's call id and function name: the ids derive from the episode
+    and the call's place, so the replay renders the same observation tokens (a refusal's included)."""
+    from sao.rollout.chat_endpoint import call_id
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns
+
+    assert "tool_call_id" in IDS_TEMPLATE  # the replacement took
+    unknown = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'
+    run = '<tool_call>\n{"name": "python", "arguments": {"code": "print(5)"}}\n</tool_call><|im_end|>'
+    (record,), tokenizer, _ = own_format_episode([unknown, run, "5<|im_end|>"], template=IDS_TEMPLATE)
+    observations = [tokenizer.decode(list(record.completion_ids[s.start:s.end])) for s in record.segments
+                    if s.kind == "observation"]
+    assert f"<tool_response id={call_id('ep-own/1', 0)} name=add>" in observations[0]
+    assert f"<tool_response id={call_id('ep-own/2', 0)} name=python>\n5\n" in observations[1]
+    row = record.to_row()
+    prompt_check, expected, ended, _, problems = _simulate(
+        row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
+    assert prompt_check.ok and not problems and ended.reward == 1.0
+    assert expected == {i: list(record.completion_ids[s.start:s.end]) for i, s in enumerate(record.segments)
+                        if s.kind == "observation"}
+
+
+def test_a_split_episode_in_a_models_own_format_is_not_re_scored_part_by_part():
+    """A reply the template renders otherwise than it was sampled (compact JSON) splits the episode; the
+    replay of part 0 checks its prompt and says the reward and the end are settled by the parts
+    together, and the later part's prompt is not the task's."""
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns, _Unsettled
+
+    compact = '<tool_call>\n{"name":"python","arguments":{"code":"print(5)"}}\n</tool_call><|im_end|>'
+    records, tokenizer, _ = own_format_episode([compact, "5<|im_end|>"])
+    assert [r.episode_part for r in records] == [0, 1] and records[0].reward == 1.0
+    for record in records:
+        row = record.to_row()
+        with pytest.raises(_Unsettled, match="split") as unsettled:
+            _simulate(row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}),
+                      _turns(row["segments"]))
+        assert unsettled.value.prompt.ok is (True if record.episode_part == 0 else None)
+
+
+def test_text_after_a_models_own_tool_call_is_logged_and_splits_the_episode(caplog):
+    """An OpenAI message holds text before its calls only: text after a Hermes call is said in the log,
+    and sent back without it, the conversation no longer extends what was sampled (a split)."""
+    after = ('<tool_call>\n{"name": "python", "arguments": {"code": "print(5)"}}\n</tool_call>\nand more'
+             '<|im_end|>')
+    with caplog.at_level("INFO", logger="sao.rollout.chat_endpoint"):
+        records, _, _ = own_format_episode([after, "5<|im_end|>"])
+    assert "text between or after its tool calls is not in its message" in caplog.text
+    assert [r.episode_part for r in records] == [0, 1] and records[0].reward == 1.0

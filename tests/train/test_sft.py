@@ -71,6 +71,22 @@ def test_a_demonstration_for_a_model_of_ones_own_ends_at_the_end_of_its_turn(tok
     assert example.input_ids[-1] == chat.im_end_id and example.action_mask[-1] == 1
 
 
+def test_a_demonstration_for_a_model_that_calls_tools_in_its_own_format_has_its_rollouts_prompt():
+    """With the tools a run of one's own offers (the built-in tool loop in the model's own format), a
+    demonstration's prompt is the one the chat endpoint gave the rollout: the tools written in."""
+    from sao.models.chat import ChatTokens as Tokens
+    from sao.train.sft import own_example
+    from tests.rollout.test_env_agent import OWN_TASK, own_format_episode
+
+    (record,), tokenizer, tools = own_format_episode(["5<|im_end|>"])
+    example = own_example(tokenizer, Tokens.from_tokenizer(tokenizer), OWN_TASK, "5", tools=tools)
+    prompt = list(record.prompt_ids)
+    assert example.input_ids[: len(prompt)] == prompt and example.action_mask[: len(prompt)] == [0] * len(prompt)
+    assert example.input_ids[len(prompt):] == list(record.completion_ids)  # the reply as sampled, its end included
+    plain = own_example(tokenizer, Tokens.from_tokenizer(tokenizer), OWN_TASK, "5")
+    assert len(plain.input_ids) < len(example.input_ids)  # without tools: the prompt of a single-turn run
+
+
 def test_sft_loss_is_the_token_mean_nll_of_action_tokens_only():
     vocab = 5
     input_ids = torch.tensor([[0, 1, 2, 3, 4]])
