@@ -84,9 +84,9 @@ REFUSED = {"stablelm": "attention does not go through Transformers' attention in
            "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks"}
 
 
-def build(architecture: str, vocab: int):
+def build(architecture: str, vocab: int, positions: int = 256):
     common = {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False}
+              "num_key_value_heads": 2, "max_position_embeddings": positions, "tie_word_embeddings": False}
     torch.manual_seed(0)
     others = _others(vocab)
     if architecture in others:
@@ -105,10 +105,11 @@ def build(architecture: str, vocab: int):
     raise ValueError(architecture)
 
 
-def model_directory(root, architecture: str, tokenizer=None):
+def model_directory(root, architecture: str, tokenizer=None, positions: int = 256):
+    """A model of ``architecture`` (``positions`` long at most) and ``tokenizer`` saved under ``root``."""
     tokenizer = tokenizer or train_tokenizer()
     path = root / architecture
-    build(architecture, len(tokenizer)).save_pretrained(path)
+    build(architecture, len(tokenizer), positions).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -252,6 +253,21 @@ def test_a_run_with_a_model_directory_that_is_not_one_is_refused_at_start(tmp_pa
     assert not (tmp_path / "lake").exists()
 
 
+def three_steps(tmp_path, run_id: str, model, max_tool_calls: int = 0, max_tokens: int = 12, max_turns: int = 1):
+    """The config file of a 3-step SAO run of ``model`` on TASKS (written beside it), one replica,
+    staleness 0, no value pretraining."""
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "run_id": run_id, "workdir": str(tmp_path / "runs"), "model": {"path": str(model)},
+        "data": {"train": str(tmp_path / "data.jsonl")},
+        "reward": {"functions": ["sao.rewards:exact_match"]}, "env": {"max_tool_calls": max_tool_calls},
+        "train": {"steps": 3, "batch_size": 4, "max_staleness": 0},
+        "rollout": {"num_replicas": 1, "max_tokens": max_tokens, "max_turns": max_turns, "max_in_flight": 4},
+        "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))
+    return config_file
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3_moe"])
@@ -261,16 +277,7 @@ def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_sess
     from sao.models.policy import load_policy
     from tests._runs import train_and_audit
 
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump({
-        "run_id": f"own-{architecture.replace('_', '-')}", "workdir": str(tmp_path / "runs"),
-        "model": {"path": str(model_directory(tmp_path, architecture))},
-        "data": {"train": str(tmp_path / "data.jsonl")},
-        "reward": {"functions": ["sao.rewards:exact_match"]}, "env": {"max_tool_calls": 0},
-        "train": {"steps": 3, "batch_size": 4, "max_staleness": 0},
-        "rollout": {"num_replicas": 1, "max_tokens": 12, "max_turns": 1, "max_in_flight": 4},
-        "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))
+    config_file = three_steps(tmp_path, f"own-{architecture.replace('_', '-')}", model_directory(tmp_path, architecture))
     config, version_zero, rows = train_and_audit(config_file)
     assert {row["env_name"] for row in rows} == {"dataset"} and all(row["error"] is None for row in rows)
     assert {row["task_id"] for row in rows} <= {t.task_id for t in runs.run_tasks(config, Split.TRAIN)}
@@ -303,23 +310,10 @@ def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, 
     from tests._runs import train_and_audit
     from tests.rollout.test_chat_endpoint import QWEN25_TEMPLATE, qwen_style_tokenizer
 
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
     tokenizer = qwen_style_tokenizer(QWEN25_TEMPLATE)
-    torch.manual_seed(0)
-    model = tmp_path / "qwen2-tools"
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                 tie_word_embeddings=False)).save_pretrained(model)
-    tokenizer.save_pretrained(model)
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump({
-        "run_id": "own-tools", "workdir": str(tmp_path / "runs"), "model": {"path": str(model)},
-        "data": {"train": str(tmp_path / "data.jsonl")},
-        "reward": {"functions": ["sao.rewards:exact_match"]}, "env": {"max_tool_calls": 2},
-        "train": {"steps": 3, "batch_size": 4, "max_staleness": 0},
-        "rollout": {"num_replicas": 1, "max_tokens": 16, "max_turns": 3, "max_in_flight": 4},
-        "value_pretraining": {"samples": 0}, "lake": {"root": str(tmp_path / "lake")}}))
-    config, _, rows = train_and_audit(config_file)
+    model = model_directory(tmp_path, "qwen2", tokenizer, positions=2048)  # the tools' prompt is long
+    config, _, rows = train_and_audit(three_steps(tmp_path, "own-tools", model, max_tool_calls=2, max_tokens=16,
+                                                  max_turns=3))
     assert rows and all(row["error"] is None for row in rows)
     assert all('{"type": "function", "function": {"name": "python"' in tokenizer.decode(row["prompt_ids"])
                for row in rows)

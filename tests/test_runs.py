@@ -305,22 +305,14 @@ def test_a_run_whose_model_calls_tools_in_its_own_format_is_evaluated_on_that_lo
     this project's format."""
     import shutil
 
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     import sao.train.evaluate as evaluate
     from tests.rollout.test_chat_endpoint import qwen_style_tokenizer
+    from tests.test_own_model import model_directory
 
     rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[4:]))
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:4]))
-    tokenizer = qwen_style_tokenizer()
-    torch.manual_seed(0)
-    model = tmp_path / "model"
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                 tie_word_embeddings=False)).save_pretrained(model)
-    tokenizer.save_pretrained(model)
+    model = model_directory(tmp_path, "qwen2", qwen_style_tokenizer(), positions=1024)  # the tools' prompt is long
     settings = RunConfig(run_id="own-tools", workdir=str(tmp_path / "runs"), model={"path": str(model)},
                          data={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
                          env={"max_tool_calls": 2}, eval={"tasks": 4}, rollout={"max_tokens": 24, "max_turns": 3})

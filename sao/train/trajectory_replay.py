@@ -251,50 +251,6 @@ def _segment_checks(row: Mapping, policies: _Policies, expected_observations: Ma
     return checks
 
 
-def _simulate(row: Mapping, task: Task, tokenizer, context: ReplayContext, turns: list[_Turn]):
-    """Re-run the environment on the stored actions: (prompt check, expected observation tokens by
-    segment index, the StepResult that ended the episode or None, the observation that would follow
-    the last turn or None, problems)."""
-    options = dict(context.env_options.get(task.env, {}))
-    if takes_trainer_step(task.env):
-        options["trainer_step"] = int(row["min_policy_version"])
-    env = make_env(task.env, **options)
-    schema = tool_schema(env, ChatTokens.from_tokenizer(tokenizer))
-    if schema is not None:
-        try:
-            return _simulate_own_format(row, task, tokenizer, env, schema, turns)
-        except EndpointError as error:  # the template refuses what it rendered in the rollout
-            raise ReplayError(f"trajectory {row['trajectory_id']}: the chat template cannot render its "
-                              f"conversation now: {error}") from None
-    prompt = prompt_ids(tokenizer, env.reset(task))
-    prompt_check = Check("prompt", prompt == list(row["prompt_ids"]),
-                         "" if prompt == list(row["prompt_ids"]) else "the task's prompt renders to other tokens")
-    stop_ids = ChatTokens.from_tokenizer(tokenizer).stop_token_ids
-    completion, reason = list(row["completion_ids"]), row["termination_reason"]
-    expected: dict[int, list[int]] = {}
-    ended = pending = None
-    problems: list[str] = []
-    for number, turn in enumerate(turns):
-        tokens = completion[turn.start:turn.end]
-        last_is_stop = tokens[-1] in stop_ids
-        if turn.observation is None and not (reason in ("stop", "turns") or (reason == "length" and last_is_stop)):
-            break  # the agent did not hand this last action to the environment
-        result = env.step(tokenizer.decode(tokens, skip_special_tokens=False))
-        if turn.observation is not None:
-            if not last_is_stop:
-                problems.append(f"turn {number} ends with token {tokens[-1]}, not a stop id, yet an observation follows")
-            if result.done:
-                problems.append(f"the environment ends the episode after turn {number} ({result.termination}), "
-                                "yet the trajectory continues")
-            else:
-                expected[turn.observation] = observation_ids(tokenizer, result.observation)
-        elif result.done:
-            ended = result
-        else:
-            pending = observation_ids(tokenizer, result.observation)
-    return prompt_check, expected, ended, pending, problems
-
-
 class _Unsettled(Exception):  # noqa: N818 - not a failure: what the record alone cannot settle
     """An episode in a model's own format that split into parts (its template rendered a reply otherwise
     than it was sampled, or this is a later part): what was checked up to there, and why the reward
@@ -305,26 +261,92 @@ class _Unsettled(Exception):  # noqa: N818 - not a failure: what the record alon
         self.prompt, self.expected, self.reason = prompt, expected, reason
 
 
-def _simulate_own_format(row: Mapping, task: Task, tokenizer, env, schema: list, turns: list[_Turn]):
-    """:func:`_simulate` for the built-in tool loop in a model's own tool-call format
-    (:mod:`sao.rollout.env_agent`): the conversation rendered by the chat template as the chat endpoint
-    rendered it (the same tools offered, each reply read back with the same call ids, each result
-    answered as the episode's agent answered it), the observations what the template added. Raises
-    :class:`_Unsettled` for a part of an episode that split."""
-    if row.get("episode_part"):
-        raise _Unsettled(Check("prompt", None, "a later part of a split episode: its prompt is the conversation "
-                                               "at the split"), None,
-                         f"part {row['episode_part']} of episode {row['episode_id']}, which split: its parts are "
-                         "scored together")
-    rendering = ChatRendering(tokenizer)
-    messages = normalise_messages(env.reset(task))
-    text = rendering.render(messages, schema)
-    prompt = rendering.encode(text)
+class _ThisFormat:
+    """The environment's episode in this project's chat format: a turn's text is the action, and an
+    observation is the tool's output in the format's fixed layout (:func:`sao.models.chat.observation_ids`)."""
+
+    def __init__(self, tokenizer, env) -> None:
+        self.tokenizer, self.env = tokenizer, env
+
+    def prompt(self, task: Task) -> list[int]:
+        return prompt_ids(self.tokenizer, self.env.reset(task))
+
+    def turn(self, number: int, tokens: list[int], last_is_stop: bool):
+        """(the result that ended the episode, or None; else the observation's ids)."""
+        result = self.env.step(self.tokenizer.decode(tokens, skip_special_tokens=False))
+        return (result, None) if result.done else (None, observation_ids(self.tokenizer, result.observation))
+
+
+class _OwnFormat:
+    """The built-in tool loop in a model's own tool-call format (:mod:`sao.rollout.env_agent`), rendered
+    by the chat template as the chat endpoint rendered it: the same tools offered, each reply read back
+    with the same call ids, each result answered as the episode's agent answered it; an observation is
+    what the template added (None where it renders a reply otherwise than it was sampled: the episode
+    split there)."""
+
+    def __init__(self, row: Mapping, tokenizer, env, schema: list) -> None:
+        self.row, self.env, self.schema = row, env, schema
+        self.rendering = ChatRendering(tokenizer)
+        self.episode = row.get("episode_id") or row["trajectory_id"]
+
+    def prompt(self, task: Task) -> list[int]:
+        if self.row.get("episode_part"):
+            raise _Unsettled(Check("prompt", None, "a later part of a split episode: its prompt is the conversation "
+                                                   "at the split"), None,
+                             f"part {self.row['episode_part']} of episode {self.episode}, which split: its parts "
+                             "are scored together")
+        self.messages = normalise_messages(self.env.reset(task))
+        self.text = self.rendering.render(self.messages, self.schema)
+        return self.rendering.encode(self.text)
+
+    def turn(self, number: int, tokens: list[int], last_is_stop: bool):
+        rendering = self.rendering
+        finish = FinishReason.STOP if last_is_stop else FinishReason.LENGTH
+        reply, _ = rendering.reply(tokens, finish, (), self.schema, f"{self.episode}/{number + 1}")
+        before = self.text + rendering.decode(tokens)
+        answers = []
+        for call, action in steps_of(reply):
+            if action is None:
+                answers.append(tool_answer(reply, call, None))
+                continue
+            result = self.env.step(action)
+            if result.done:
+                return result, None
+            answers.append(tool_answer(reply, call, result.observation) if call is not None
+                           else {"role": "tool", "content": result.observation})
+        following = normalise_messages([*self.messages, reply, *answers])
+        after = rendering.render(following, self.schema)
+        if not after.startswith(before):
+            return None, None
+        added = rendering.encode_added(following, len(self.messages) + 1, self.schema, before, after[len(before):])
+        self.messages, self.text = following, after
+        return None, added
+
+
+def _simulate(row: Mapping, task: Task, tokenizer, context: ReplayContext, turns: list[_Turn]):
+    """Re-run the environment on the stored actions: (prompt check, expected observation tokens by
+    segment index, the StepResult that ended the episode or None, the observation that would follow
+    the last turn or None, problems). Raises :class:`_Unsettled` for a part of a split episode."""
+    options = dict(context.env_options.get(task.env, {}))
+    if takes_trainer_step(task.env):
+        options["trainer_step"] = int(row["min_policy_version"])
+    env = make_env(task.env, **options)
+    schema = tool_schema(env, ChatTokens.from_tokenizer(tokenizer))
+    episode = _ThisFormat(tokenizer, env) if schema is None else _OwnFormat(row, tokenizer, env, schema)
+    try:
+        return _replayed(row, task, episode, ChatTokens.from_tokenizer(tokenizer).stop_token_ids, turns)
+    except EndpointError as error:  # the template refuses what it rendered in the rollout
+        raise ReplayError(f"trajectory {row['trajectory_id']}: the chat template cannot render its "
+                          f"conversation now: {error}") from None
+
+
+def _replayed(row: Mapping, task: Task, episode: _ThisFormat | _OwnFormat, stop_ids: Sequence[int],
+              turns: list[_Turn]):
+    """:func:`_simulate`'s findings, the episode re-run turn by turn in its format."""
+    prompt = episode.prompt(task)
     prompt_check = Check("prompt", prompt == list(row["prompt_ids"]),
                          "" if prompt == list(row["prompt_ids"]) else "the task's prompt renders to other tokens")
-    stop_ids = rendering.tokens.stop_token_ids
     completion, reason = list(row["completion_ids"]), row["termination_reason"]
-    episode = row.get("episode_id") or row["trajectory_id"]
     expected: dict[int, list[int]] = {}
     ended = pending = None
     problems: list[str] = []
@@ -333,45 +355,26 @@ def _simulate_own_format(row: Mapping, task: Task, tokenizer, env, schema: list,
         last_is_stop = tokens[-1] in stop_ids
         if turn.observation is None and not (reason in ("stop", "turns") or (reason == "length" and last_is_stop)):
             break  # the agent did not hand this last action to the environment
-        finish = FinishReason.STOP if last_is_stop else FinishReason.LENGTH
-        reply, _ = rendering.reply(tokens, finish, (), schema, f"{episode}/{number + 1}")
-        before = text + rendering.decode(tokens)
-        answers, result = [], None
-        for call, action in steps_of(reply):
-            if action is None:
-                answers.append(tool_answer(reply, call, None))
-                continue
-            result = env.step(action)
-            if result.done:
-                break
-            answers.append(tool_answer(reply, call, result.observation) if call is not None
-                           else {"role": "tool", "content": result.observation})
-        if result is not None and result.done:
-            if turn.observation is not None:
+        result, added = episode.turn(number, tokens, last_is_stop)
+        if turn.observation is not None:
+            if not last_is_stop:
+                problems.append(f"turn {number} ends with token {tokens[-1]}, not a stop id, yet an observation follows")
+            if result is not None:
                 problems.append(f"the environment ends the episode after turn {number} ({result.termination}), "
                                 "yet the trajectory continues")
+            elif added is None:
+                problems.append(f"the chat template renders the conversation after turn {number} otherwise than "
+                                "it was sampled, yet the trajectory continues")
             else:
-                ended = result
-            continue
-        following = normalise_messages([*messages, reply, *answers])
-        after = rendering.render(following, schema)
-        added = (rendering.encode_added(following, len(messages) + 1, schema, before, after[len(before):])
-                 if after.startswith(before) else None)
-        if turn.observation is None:
-            if added is None:  # the endpoint split the episode here: the rest is the next part's
-                raise _Unsettled(prompt_check, expected, f"episode {episode} split after turn {number} (the chat "
-                                 "template renders the reply otherwise than it was sampled): its parts are scored "
-                                 "together")
-            pending = added
-            continue
-        if not last_is_stop:
-            problems.append(f"turn {number} ends with token {tokens[-1]}, not a stop id, yet an observation follows")
-        if added is None:
-            problems.append(f"the chat template renders the conversation after turn {number} otherwise than it "
-                            "was sampled, yet the trajectory continues")
+                expected[turn.observation] = added
+        elif result is not None:
+            ended = result
+        elif added is None:  # the endpoint split the episode here: the rest is the next part's
+            raise _Unsettled(prompt_check, expected, f"episode {row.get('episode_id')} split after turn {number} "
+                             "(the chat template renders the reply otherwise than it was sampled): its parts are "
+                             "scored together")
         else:
-            expected[turn.observation] = added
-        messages, text = following, after
+            pending = added
     return prompt_check, expected, ended, pending, problems
 
 
