@@ -31,7 +31,7 @@ from sao.envs.sandbox import SandboxConfig
 from sao.models.chat import IM_END, Message, ToolCall, parse_action
 from sao.rewards import RewardImportError, RewardSet, call_arguments, resolve_function
 
-__all__ = ["ENV_NAME", "DatasetEnv", "DatasetEnvConfig", "task_messages", "tool_prelude"]
+__all__ = ["ENV_NAME", "DatasetEnv", "DatasetEnvConfig", "task_messages", "tool_prelude", "tool_signatures"]
 
 ENV_NAME = "dataset"
 
@@ -113,6 +113,25 @@ def tool_prelude(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> str:
                     raise RewardImportError(f"tool function {spec!r}: no source to run in the sandbox ({error})") from None
             _PRELUDES[key] = "\n\n".join(sources)
         return _PRELUDES[key]
+
+
+_SIGNATURES: dict[tuple, tuple[str, ...]] = {}
+
+
+def tool_signatures(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Each of the user's tool functions as a line a model can call it from: its name and signature,
+    then the first paragraph of its docstring (``price(item: str) -> int: The price of one item in
+    cents.``); imported once per process, errors as :func:`tool_prelude`'s."""
+    key = (tools, paths)
+    with _REWARD_LOCK:
+        if key not in _SIGNATURES:
+            lines = []
+            for spec in tools:
+                function, _ = resolve_function(spec, paths, what="tool function")
+                doc = " ".join((inspect.getdoc(function) or "").split("\n\n")[0].split())
+                lines.append(f"{function.__name__}{inspect.signature(function)}" + (f": {doc}" if doc else ""))
+            _SIGNATURES[key] = tuple(lines)
+        return _SIGNATURES[key]
 
 
 def task_messages(task: Task, system_prompt: str = "") -> list[Message]:

@@ -36,8 +36,8 @@ from typing import Any
 
 from sao.envs.base import Environment, Task, Termination
 from sao.envs.dataset import ENV_NAME as DATASET
+from sao.envs.dataset import tool_signatures
 from sao.models.chat import IM_END, TOOL_CALL_END, TOOL_CALL_START, ChatTokens
-from sao.rewards import split_spec
 from sao.rollout.chat_endpoint import MODEL_NAME
 from sao.rollout.user_agent import AgentFunction, EpisodeEnded
 from schemas.vocabulary import TerminationReason
@@ -56,11 +56,11 @@ def action_of(message: Any) -> str:
 
 def python_tool(functions: tuple[str, ...] = ()) -> dict[str, Any]:
     """The sandboxed Python tool as a chat template's tool definition (OpenAI's function format); the
-    names of the run's own tool functions (``env.tools``), defined before the code, are in its
-    description."""
+    run's own tool functions (``env.tools``), defined before the code, are in its description, one
+    line each (:func:`sao.envs.dataset.tool_signatures`)."""
     description = "Run Python code in a sandbox; the result is what the code prints."
     if functions:
-        description += f" Functions defined for the code to call: {', '.join(functions)}."
+        description += " Functions defined for the code to call: " + "; ".join(functions)
     return {"type": "function", "function": {"name": "python", "description": description, "parameters": {
         "type": "object", "properties": {"code": {"type": "string", "description": "the Python code to run"}},
         "required": ["code"]}}}
@@ -76,7 +76,7 @@ def tool_schema(env: Environment, tokens: ChatTokens) -> list[dict[str, Any]] | 
     config = getattr(env, "config", None)
     if tokens.supports_tools or getattr(env, "name", None) != DATASET or getattr(config, "max_tool_calls", 0) <= 0:
         return None
-    return [python_tool(tuple(split_spec(spec, "tool function")[1] for spec in getattr(config, "tools", ())))]
+    return [python_tool(tool_signatures(tuple(config.tools), tuple(config.paths)))]
 
 
 def steps_of(message: dict[str, Any]) -> list[tuple[str | None, str | None]]:

@@ -114,3 +114,19 @@ def test_an_unusable_tool_function_is_refused(spec, message):
 
     with pytest.raises(RewardImportError, match=message):
         make_env("dataset", tools=[spec])
+
+
+def convert(amount: float, currency: str = "EUR") -> float:
+    """Convert ``amount`` dollars
+    into ``currency``.
+
+    Raises KeyError for a currency it does not know (not in the line a model sees)."""
+    return amount * {"EUR": 0.9}[currency]
+
+
+def test_a_tool_function_is_described_by_its_signature_and_its_docstring_s_first_paragraph():
+    from sao.envs.dataset import tool_signatures
+
+    assert tool_signatures(("tests.envs.test_dataset:convert", "tests.envs.test_dataset:lookup")) == (
+        "convert(amount: float, currency: str = 'EUR') -> float: Convert ``amount`` dollars into ``currency``.",
+        "lookup(key)")  # no docstring: the signature alone

@@ -137,8 +137,8 @@ def test_a_models_own_format_runs_the_built_in_tool_loop_as_one_trajectory(templ
     unknown = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'
     run = '<tool_call>\n{"name": "python", "arguments": {"code": "print(price(\'pen\') - 115)"}}\n</tool_call><|im_end|>'
     (record,), tokenizer, schema = own_format_episode([unknown, run, "5<|im_end|>"], template=template)
-    assert schema == [python_tool(("price",))]
-    assert "Functions defined for the code to call: price." in schema[0]["function"]["description"]
+    assert schema == [python_tool(("price(item: str) -> int: The price of one ``item`` in cents; a KeyError for an "
+                                   "item the shop does not sell.",))]  # how to call it: signature and docstring
     prompt = tokenizer.decode(list(record.prompt_ids))
     assert prompt.startswith("<|im_start|>system\n") and '{"type": "function", "function": {"name": "python"' in prompt
     assert prompt.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
