@@ -226,11 +226,17 @@ def test_hermes_tool_calls(text, expected):
 
 def test_renders_hermes_calls_tells_a_template_that_renders_tool_calls_from_one_that_does_not():
     from sao.models.chat import renders_hermes_calls
-    from tests.rollout.test_chat_endpoint import QWEN25_TEMPLATE, QWEN_STYLE, qwen_style_tokenizer
+    from tests.rollout.test_chat_endpoint import (
+        QWEN3_TEMPLATE,
+        QWEN25_TEMPLATE,
+        QWEN_STYLE,
+        qwen_style_tokenizer,
+    )
     from tests.test_own_model import CHATML
 
     assert renders_hermes_calls(qwen_style_tokenizer(QWEN_STYLE))
     assert renders_hermes_calls(qwen_style_tokenizer(QWEN25_TEMPLATE))
+    assert renders_hermes_calls(qwen_style_tokenizer(QWEN3_TEMPLATE))
     assert not renders_hermes_calls(qwen_style_tokenizer(CHATML))  # calls dropped: the content only
     refusing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
     assert not renders_hermes_calls(qwen_style_tokenizer(refusing))

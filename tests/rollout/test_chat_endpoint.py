@@ -5,6 +5,7 @@ import asyncio
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -299,64 +300,13 @@ QWEN_STYLE = (  # the parts of Qwen2.5's chat template that render tools, calls 
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
 
 
-QWEN25_TEMPLATE = (
-    '{%- if tools %}\n'
-    "    {{- '<|im_start|>system\\n' }}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n"
-    '    {%- else %}\n'
-    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
-    '    {%- endif %}\n'
-    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
-    '    {%- for tool in tools %}\n'
-    '        {{- "\\n" }}\n'
-    '        {{- tool | tojson }}\n'
-    '    {%- endfor %}\n'
-    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
-    '{%- else %}\n'
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
-    '    {%- else %}\n'
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
-    '    {%- endif %}\n'
-    '{%- endif %}\n'
-    '{%- for message in messages %}\n'
-    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n'
-    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    '    {%- elif message.role == "assistant" %}\n'
-    "        {{- '<|im_start|>' + message.role }}\n"
-    '        {%- if message.content %}\n'
-    "            {{- '\\n' + message.content }}\n"
-    '        {%- endif %}\n'
-    '        {%- for tool_call in message.tool_calls %}\n'
-    '            {%- if tool_call.function is defined %}\n'
-    '                {%- set tool_call = tool_call.function %}\n'
-    '            {%- endif %}\n'
-    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
-    '            {{- tool_call.name }}\n'
-    '            {{- \'", "arguments": \' }}\n'
-    '            {{- tool_call.arguments | tojson }}\n'
-    "            {{- '}\\n</tool_call>' }}\n"
-    '        {%- endfor %}\n'
-    "        {{- '<|im_end|>\\n' }}\n"
-    '    {%- elif message.role == "tool" %}\n'
-    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
-    "            {{- '<|im_start|>user' }}\n"
-    '        {%- endif %}\n'
-    "        {{- '\\n<tool_response>\\n' }}\n"
-    '        {{- message.content }}\n'
-    "        {{- '\\n</tool_response>' }}\n"
-    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
-    "            {{- '<|im_end|>\\n' }}\n"
-    '        {%- endif %}\n'
-    '    {%- endif %}\n'
-    '{%- endfor %}\n'
-    '{%- if add_generation_prompt %}\n'
-    "    {{- '<|im_start|>assistant\\n' }}\n"
-    '{%- endif %}\n'
-)
+TEMPLATES = Path(__file__).parent / "chat_templates"
+QWEN25_TEMPLATE = (TEMPLATES / "qwen2_5.jinja").read_text()
 """Qwen2.5-Instruct's chat template as published with the model (its default system prompt, tools in
 the system turn, consecutive tool results in one user turn)."""
+QWEN3_TEMPLATE = (TEMPLATES / "qwen3.jinja").read_text()
+"""Qwen3's chat template as published with the model (no default system prompt, a reply's ``<think>``
+part kept in the turns after the last user message, arguments given as text written verbatim)."""
 
 
 def qwen_style_tokenizer(chat_template: str = QWEN_STYLE):

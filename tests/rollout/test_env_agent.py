@@ -15,7 +15,7 @@ from sao.rollout.chat_endpoint import ChatEndpoint
 from sao.rollout.env_agent import environment_agent
 from sao.rollout.torch_engine import TorchEngine
 from sao.rollout.user_agent import UserAgentRunner
-from tests.rollout.test_chat_endpoint import QWEN25_TEMPLATE, QWEN_STYLE
+from tests.rollout.test_chat_endpoint import QWEN3_TEMPLATE, QWEN25_TEMPLATE, QWEN_STYLE
 from tests.test_user_agent import PROMPTS
 
 TASKS = [Task(task_id=f"t{i}", env="math_tool", prompt=p["prompt"], answer=p["answer"], split=Split.TRAIN)
@@ -123,7 +123,8 @@ def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_
     return records, tokenizer, schema
 
 
-OWN_TEMPLATES = pytest.mark.parametrize("template", [QWEN_STYLE, QWEN25_TEMPLATE], ids=["qwen-parts", "qwen2.5"])
+OWN_TEMPLATES = pytest.mark.parametrize("template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE],
+                                        ids=["qwen-parts", "qwen2.5", "qwen3"])
 
 
 @OWN_TEMPLATES
@@ -269,3 +270,22 @@ def test_text_after_a_models_own_tool_call_is_logged_and_splits_the_episode(capl
         records, _, _ = own_format_episode([after, "5<|im_end|>"])
     assert "text between or after its tool calls is not in its message" in caplog.text
     assert [r.episode_part for r in records] == [0, 1] and records[0].reward == 1.0
+
+
+def test_a_reply_that_thinks_before_its_call_is_one_trajectory_with_qwen3s_template():
+    """Qwen3 writes its reasoning in <think> before a call; its template renders that part again in the
+    turns after the last user message, so the episode stays one trajectory, and the replay agrees."""
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns
+
+    think = ('<think>\nI should add them with the tool.\n</think>\n\n<tool_call>\n{"name": "python", "arguments": '
+             '{"code": "print(2 + 3)"}}\n</tool_call><|im_end|>')
+    (record,), tokenizer, _ = own_format_episode([think, "<think>\nIt printed 5.\n</think>\n\n5<|im_end|>"],
+                                                  template=QWEN3_TEMPLATE)
+    assert [s.kind for s in record.segments] == ["action", "observation", "action"]
+    row = record.to_row()
+    prompt_check, expected, ended, _, problems = _simulate(
+        row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
+    assert prompt_check.ok and not problems and list(expected) == [1]
+    assert ended.termination == "stop" and ended.reward == record.reward == 0.0  # the reply with its thinking
+    # is what the reward functions score: exact_match finds more than "5" there
