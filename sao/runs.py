@@ -594,8 +594,9 @@ def evaluate(config: RunConfig, version: int) -> Evaluation:
     settings = EvalConfig(num_tasks=config.eval.tasks, seed=config.eval_seed, max_tokens=config.rollout.max_tokens,
                           max_turns=config.rollout.max_turns)
     agent = options.get("dataset", {}).get("agent")
-    if agent or own_format_tools(config, tokenizer) is not None:  # an agent of one's own, a verifiers environment, or the built-in tool loop in the
-        # model's own tool-call format: its episodes as a rollout runs them, on the chat endpoint
+    # An agent of one's own, a verifiers environment, or the built-in tool loop in the model's own tool-call
+    # format: its episodes as a rollout runs them, on the chat endpoint.
+    if agent or own_format_tools(config, tokenizer) is not None:
         result = evaluate_agent(load_policy(path), tokenizer, tasks, settings, environment, agent or None,
                                 config.agent())
     else:

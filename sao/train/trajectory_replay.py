@@ -293,8 +293,8 @@ class _OwnFormat:
         if self.row.get("episode_part"):
             raise _Unsettled(Check("prompt", None, "a later part of a split episode: its prompt is the conversation "
                                                    "at the split"), None,
-                             f"part {self.row['episode_part']} of episode {self.episode}, which split: its parts "
-                             "are scored together")
+                             f"part {self.row['episode_part']} of episode {self.episode}, which split: the reward "
+                             "and the end are the whole episode's, which no one part replays")
         self.messages = normalise_messages(self.env.reset(task))
         self.text = self.rendering.render(self.messages, self.schema)
         return self.rendering.encode(self.text)
@@ -371,8 +371,8 @@ def _replayed(row: Mapping, task: Task, episode: _ThisFormat | _OwnFormat, stop_
             ended = result
         elif added is None:  # the endpoint split the episode here: the rest is the next part's
             raise _Unsettled(prompt_check, expected, f"episode {row.get('episode_id')} split after turn {number} "
-                             "(the chat template renders the reply otherwise than it was sampled): its parts are "
-                             "scored together")
+                             "(the chat template renders the reply otherwise than it was sampled): the reward and "
+                             "the end are the whole episode's, which no one part replays")
         else:
             pending = added
     return prompt_check, expected, ended, pending, problems
@@ -442,7 +442,7 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
     else:
         try:
             prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
-        except _Unsettled as split:  # a model's own format whose episode split: re-scored with all its parts
+        except _Unsettled as split:  # a model's own format whose episode split: not decided by this part
             prompt_check, expected, problems, rescored = split.prompt, split.expected, [], recorded
             reward_check, termination_check = Check("reward", None, split.reason), Check("termination", None, split.reason)
         else:
