@@ -134,7 +134,7 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
     if config.model.path is not None:
         from sao.models.policy import check_model_directory
 
-        check_model_directory(config.model.path, need_tools=needs_tool_tokens(config), own_format=config.own_tasks)
+        check_model_directory(config.model.path, need_tools=runs_tool_loop(config), own_format=config.own_tasks)
     if config.sft.data is not None:
         from sao.data import load_demonstrations
 
@@ -169,7 +169,7 @@ def _check_answers(config: RunConfig, tasks: list[Task]) -> None:
                         "reward function of your own")
 
 
-def needs_tool_tokens(config: RunConfig) -> bool:
+def runs_tool_loop(config: RunConfig) -> bool:
     """Whether the policy must call the built-in loop's Python tool: the built-in math_tool task (with
     this project's tool-call tokens), or tasks of one's own with ``env.max_tool_calls`` > 0 (with those
     tokens, or in the model's own format when its chat template renders Hermes calls:
@@ -615,7 +615,7 @@ def own_format_tools(config: RunConfig, tokenizer) -> list | None:
     its own tool-call format (:func:`sao.rollout.env_agent.tool_schema`: tasks of one's own that allow
     tool calls, a tokenizer without this project's tool-call tokens); None otherwise. ``tokenizer``:
     the policy's."""
-    if config.model.path is None or not needs_tool_tokens(config) or not config.own_tasks:
+    if config.model.path is None or not runs_tool_loop(config) or not config.own_tasks:
         return None
     from sao.envs import make_env
     from sao.models.chat import ChatTokens

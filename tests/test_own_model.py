@@ -125,7 +125,7 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     path = model_directory(tmp_path, "llama")
     check_model_directory(path)
     with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*Hermes format.*env.max_tool_calls: 0"):
-        check_model_directory(path, need_tools=True)
+        check_model_directory(path, need_tools=True, own_format=True)
     with pytest.raises(ModelDirectoryError, match="no such folder"):
         check_model_directory(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
@@ -142,9 +142,10 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     from tests.rollout.test_chat_endpoint import qwen_style_tokenizer
 
     hermes = model_directory(tmp_path / "hermes", "qwen2", qwen_style_tokenizer())  # renders Hermes tool calls
-    assert not ChatTokens.from_tokenizer(check_model_directory(hermes, need_tools=True)).supports_tools
+    accepted = check_model_directory(hermes, need_tools=True, own_format=True)  # tasks of one's own
+    assert not ChatTokens.from_tokenizer(accepted).supports_tools
     with pytest.raises(ModelDirectoryError, match="the built-in math_tool task is written in: give your tasks"):
-        check_model_directory(hermes, need_tools=True, own_format=False)  # math_tool: this project's format
+        check_model_directory(hermes, need_tools=True)  # math_tool: this project's format
     untemplated = model_directory(tmp_path / "untemplated", "qwen2", train_tokenizer(chat_template=None))
     with pytest.raises(ModelDirectoryError, match="has no chat template"):
         check_model_directory(untemplated)
@@ -240,6 +241,21 @@ def test_routing_is_recorded_for_known_routers_and_said_not_to_be_for_others(tmp
     assert note.startswith("routing is not recorded: qwen2_moe is a mixture-of-experts model")
 
 
+def test_the_built_in_math_tool_task_refuses_a_model_that_calls_tools_in_its_own_format(tmp_path):
+    """math_tool's answers are this project's <answer> tags: a Hermes-rendering model of one's own is
+    refused there at start, and accepted on tasks of its own."""
+    from sao import runs
+    from sao.config import RunConfig
+    from tests.rollout.test_chat_endpoint import qwen_style_tokenizer
+
+    model = model_directory(tmp_path, "qwen2", qwen_style_tokenizer())
+    with pytest.raises(ModelDirectoryError, match="the built-in math_tool task is written in"):
+        runs.prepare_inputs(RunConfig(run_id="m", workdir=str(tmp_path / "runs"), model={"path": str(model)}))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    runs.prepare_inputs(RunConfig(run_id="o", workdir=str(tmp_path / "runs"), model={"path": str(model)},
+                                  data={"train": str(tmp_path / "data.jsonl")}, env={"max_tool_calls": 2}))
+
+
 def test_a_run_with_a_model_directory_that_is_not_one_is_refused_at_start(tmp_path):
     from typer.testing import CliRunner
 
@@ -303,8 +319,10 @@ def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_sess
 def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, ray_session):
     """A model of one's own with Qwen2.5's published chat template (Hermes tool calls, none of this
     project's tool tokens) on tasks that allow tool calls: the replicas offer the python tool in every
-    prompt, 3 SAO steps train through Serve, the lake and Ray Train, the lake's audit passes, and a
-    stored trajectory replays (prompt, observations, reward and end re-rendered through the template)."""
+    prompt, 3 SAO steps train through Serve, the lake and Ray Train, the lake's audit passes, and stored
+    trajectories replay (the prompt re-rendered through the template, the reward and the end re-scored).
+    The random model writes no call a template would parse: the calls are tested in
+    tests/rollout/test_env_agent.py."""
     from sao.lake.store import Lake
     from sao.train.trajectory_replay import replay_trajectory
     from tests._runs import train_and_audit

@@ -177,10 +177,10 @@ def test_only_the_built_in_tool_loop_needs_the_projects_tool_tokens(tmp_path):
     # model's own template: a model without this project's tool tokens was refused for them before.
     base = RunConfig(run_id="r", workdir=str(tmp_path))
     own = base.with_values({"data.train": "tasks.jsonl"})
-    assert runs.needs_tool_tokens(base)  # the built-in math_tool task calls the Python tool
-    assert runs.needs_tool_tokens(own) and not runs.needs_tool_tokens(own.with_values({"env.max_tool_calls": 0}))
-    assert not runs.needs_tool_tokens(own.with_values({"env.agent": "my_agent:run"}))
-    assert not runs.needs_tool_tokens(base.with_values({"env.verifiers": {"id": "some-env"}}))
+    assert runs.runs_tool_loop(base)  # the built-in math_tool task calls the Python tool
+    assert runs.runs_tool_loop(own) and not runs.runs_tool_loop(own.with_values({"env.max_tool_calls": 0}))
+    assert not runs.runs_tool_loop(own.with_values({"env.agent": "my_agent:run"}))
+    assert not runs.runs_tool_loop(base.with_values({"env.verifiers": {"id": "some-env"}}))
 
 
 def test_the_evaluation_gives_each_episode_the_budgets_of_a_rollout(tmp_path, monkeypatch):

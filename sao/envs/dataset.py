@@ -129,7 +129,11 @@ def tool_signatures(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> tupl
             for spec in tools:
                 function, _ = resolve_function(spec, paths, what="tool function")
                 doc = " ".join((inspect.getdoc(function) or "").split("\n\n")[0].split())
-                lines.append(f"{function.__name__}{inspect.signature(function)}" + (f": {doc}" if doc else ""))
+                try:  # annotations as written, not as strings (a module with `from __future__ import annotations`)
+                    signature = inspect.signature(function, eval_str=True)
+                except Exception:  # noqa: BLE001 - an annotation that does not evaluate: as written
+                    signature = inspect.signature(function)
+                lines.append(f"{function.__name__}{signature}" + (f": {doc}" if doc else ""))
             _SIGNATURES[key] = tuple(lines)
         return _SIGNATURES[key]
 

@@ -71,6 +71,7 @@ __all__ = [
     "hermes_tool_calls",
     "observation_ids",
     "observation_text",
+    "outside_tool_calls",
     "parse_action",
     "parse_chat",
     "prompt_ids",
@@ -143,7 +144,8 @@ class ChatTokens:
 
     @property
     def supports_tools(self) -> bool:
-        """Whether actions can call the Python tool (the tokenizer has this format's tokens)."""
+        """Whether actions can call the Python tool in this project's format (the tokenizer has its
+        tokens; a model of one's own may call it in its own format: :func:`renders_hermes_calls`)."""
         return self.tool_call_end_id is not None
 
     @property
@@ -247,12 +249,13 @@ def hermes_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
 
 
 def renders_hermes_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the tokenizer's chat template takes ``tools`` and renders an assistant's tool call in the
-    Hermes format that :func:`hermes_tool_calls` reads back, and the tool's result after it: a
-    model whose template does (Qwen2.5, Qwen3, Hermes and others) can run the built-in tool loop in
-    its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing."""
-    code = "print(6 * 7)"
-    tool = {"type": "function", "function": {"name": "python", "description": "Run Python code.", "parameters": {
+    """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt and
+    renders an assistant's tool call in the Hermes format that :func:`hermes_tool_calls` reads back,
+    and the tool's result after it: a model whose template does (Qwen2.5, Qwen3, Hermes and others)
+    can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe
+    conversation; loads nothing."""
+    code, described = "print(6 * 7)", "Run Python code in the probe."
+    tool = {"type": "function", "function": {"name": "python", "description": described, "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
     messages = [{"role": "user", "content": "What is 6 * 7?"},
                 {"role": "assistant", "content": "", "tool_calls": [
@@ -267,8 +270,13 @@ def renders_hermes_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     for block in _TOOL_CALL.finditer(text):
         parsed = hermes_tool_calls(block.group(0))
         if parsed is not None and parsed[1] == [{"name": "python", "arguments": {"code": code}}]:
-            return "42" in text[block.end():]
+            return described in text[:block.start()] and "42" in text[block.end():]
     return False
+
+
+def outside_tool_calls(text: str) -> str:
+    """``text`` without its ``<tool_call>...</tool_call>`` blocks."""
+    return _TOOL_CALL.sub("", text)
 
 
 def parse_action(text: str) -> ToolCall | FinalAnswer | Reply:

@@ -281,7 +281,7 @@ class ModelDirectoryError(ValueError):
 
 
 def check_model_directory(path: str | Path, *, need_tools: bool = False,
-                          own_format: bool = True) -> PreTrainedTokenizerBase:
+                          own_format: bool = False) -> PreTrainedTokenizerBase:
     """Check a Hugging Face model directory of the user's before anything starts: ``config.json``,
     weights, a fast tokenizer with a chat template and a token that ends a turn; with ``need_tools``
     (the built-in tool loop runs), this project's tool-call tokens or, with ``own_format`` (tasks of
@@ -330,8 +330,8 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False,
             f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
             "(<tool_call>, <answer>, ...), and its chat template does not render tool calls in the Hermes format "
             "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>, as Qwen2.5's and Qwen3's do), so actions "
-            "cannot call the Python tool: set env.max_tool_calls: 0 (single-turn) and give the tasks in data.train, "
-            "or call tools from an agent of your own (env.agent)")
+            "cannot call the Python tool: set env.max_tool_calls: 0 (single-turn), or call tools from an agent of "
+            "your own (env.agent)")
     return tokenizer
 
 

@@ -58,7 +58,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import re
 import secrets
 import time
 import uuid
@@ -75,6 +74,7 @@ from sao.models.chat import (
     ChatTokens,
     Message,
     hermes_tool_calls,
+    outside_tool_calls,
     without_turn_end,
 )
 from sao.rollout.agent import AgentConfig, _Trace
@@ -89,7 +89,6 @@ MODEL_NAME = "policy"
 """The model name the endpoint reports (any name a client sends is accepted: there is one policy)."""
 
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
-_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_START) + ".*?" + re.escape(TOOL_CALL_END), re.DOTALL)
 _FINISHED_KEPT = 4096  # ended episodes remembered, to tell "ended" from "unknown" in a refusal
 
 
@@ -353,11 +352,12 @@ class ChatRendering:
 
     Args:
         tokenizer: the policy's tokenizer (its chat template renders requests).
+        tokens: its :class:`~sao.models.chat.ChatTokens`, when the caller has them (else read from it).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tokens: ChatTokens | None = None) -> None:
         self.tokenizer = tokenizer
-        self.tokens = ChatTokens.from_tokenizer(tokenizer)
+        self.tokens = tokens or ChatTokens.from_tokenizer(tokenizer)
 
     def render(self, messages: Sequence[Message], tools: list | None) -> str:
         """The chat template's text of ``messages`` and the assistant's generation prompt."""
@@ -421,7 +421,7 @@ class ChatRendering:
             text = without_turn_end(text, ids, ends, self.tokenizer)
             parsed = hermes_tool_calls(text) if tools and not self.tokens.supports_tools else None
             if parsed is not None:
-                if _CALL_BLOCK.sub("", text[text.index(TOOL_CALL_START):]).strip():
+                if outside_tool_calls(text[text.index(TOOL_CALL_START):]).strip():
                     log.info("reply %s: text between or after its tool calls is not in its message (an OpenAI "
                              "message holds text before its calls only); sent back, the episode splits there", key)
                 return _calling(*parsed, key)

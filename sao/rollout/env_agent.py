@@ -21,7 +21,10 @@ offers the one tool :func:`python_tool` (``python``, argument ``code``; the temp
 the prompt), each ``python`` call of a reply is one environment step (several calls in a reply run in
 order), and each result goes back as a ``tool`` message answering its call's id, rendered by the
 template. A call of another name, or without a ``code`` string, is answered by a ``tool`` message
-saying so (:func:`tool_answer`) and is no environment step; the episode goes on within its budgets.
+saying so (:func:`tool_answer`) and is no environment step; the episode goes on within its budgets
+(:func:`answer_reply`). The environment's conversation, which the reward functions get as
+``messages``, holds each call as this project's format writes one (``<tool_call>code</tool_call>``,
+an assistant message per call, without the reply's text before its calls).
 This runs in the ``dataset`` environment (tasks of one's own); the built-in math_tool task asks for
 this project's format.
 Trajectory replay renders such an episode again the same way.
@@ -34,7 +37,7 @@ import concurrent.futures
 import json
 from typing import Any
 
-from sao.envs.base import Environment, Task, Termination
+from sao.envs.base import Environment, StepResult, Task, Termination
 from sao.envs.dataset import ENV_NAME as DATASET
 from sao.envs.dataset import tool_signatures
 from sao.models.chat import IM_END, TOOL_CALL_END, TOOL_CALL_START, ChatTokens
@@ -42,7 +45,7 @@ from sao.rollout.chat_endpoint import MODEL_NAME
 from sao.rollout.user_agent import AgentFunction, EpisodeEnded
 from schemas.vocabulary import TerminationReason
 
-__all__ = ["action_of", "environment_agent", "python_tool", "steps_of", "tool_answer", "tool_schema"]
+__all__ = ["action_of", "answer_reply", "environment_agent", "python_tool", "steps_of", "tool_answer", "tool_schema"]
 
 
 def action_of(message: Any) -> str:
@@ -109,6 +112,23 @@ def tool_answer(message: dict[str, Any], call_id: str, output: str | None) -> di
     return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
 
 
+def answer_reply(env: Environment, message: dict[str, Any]) -> tuple[StepResult | None, list[dict[str, Any]]]:
+    """Step ``env`` on a reply in a model's own format (``message``, as the endpoint keeps it): each
+    of its calls in order (:func:`steps_of`), until one ends the episode. Returns (the result that
+    ended it, or None; the ``tool`` messages that answer the calls, :func:`tool_answer`). A reply
+    without calls is a final reply, which ends an episode of the ``dataset`` environment."""
+    answers: list[dict[str, Any]] = []
+    for call, action in steps_of(message):
+        if action is None:
+            answers.append(tool_answer(message, call, None))
+            continue
+        result = env.step(action)
+        if result.done:
+            return result, answers
+        answers.append(tool_answer(message, call, result.observation))
+    return None, answers
+
+
 def environment_agent(env: Environment, task: Task, tools: concurrent.futures.Executor,
                       schema: list[dict[str, Any]] | None = None) -> AgentFunction:
     """The agent of one episode of ``env`` on ``task``; environment steps run on ``tools``. ``schema``:
@@ -124,20 +144,15 @@ def environment_agent(env: Environment, task: Task, tools: concurrent.futures.Ex
             choice = reply.choices[0]
             if choice.finish_reason == "length":  # the trajectory's budget: the endpoint ended it (length)
                 return 0.0
-            kept = _kept(choice.message) if schema else None
-            steps = steps_of(kept) if kept is not None else [(None, action_of(choice.message))]
-            answers = []
-            for call, action in steps:
-                if action is None:  # only in the model's own format: a call of no tool there is
-                    answers.append(tool_answer(kept, call, None))
-                    continue
-                result = await loop.run_in_executor(tools, env.step, action)
-                if result.done:
-                    if result.termination == Termination.TURNS:
-                        raise EpisodeEnded(TerminationReason.TURNS)
-                    return float(result.reward)
-                answers.append(tool_answer(kept, call, result.observation) if call is not None
-                               else {"role": "tool", "content": result.observation})
+            if schema:  # the model's own format: each call a step, each answered
+                ended, answers = await loop.run_in_executor(tools, answer_reply, env, _kept(choice.message))
+            else:
+                result = await loop.run_in_executor(tools, env.step, action_of(choice.message))
+                ended, answers = (result, []) if result.done else (None, [{"role": "tool", "content": result.observation}])
+            if ended is not None:
+                if ended.termination == Termination.TURNS:
+                    raise EpisodeEnded(TerminationReason.TURNS)
+                return float(ended.reward)
             messages += [choice.message.model_dump(exclude_none=True), *answers]
 
     return agent

@@ -380,7 +380,7 @@ def own_example(tokenizer: PreTrainedTokenizerBase, chat: ChatTokens, task: Task
     if tools:  # rendered as the chat endpoint renders a rollout's first request
         from sao.rollout.chat_endpoint import ChatRendering, normalise_messages
 
-        rendering = ChatRendering(tokenizer)
+        rendering = ChatRendering(tokenizer, chat)
         ids = rendering.encode(rendering.render(normalise_messages(task_messages(task, system_prompt)), tools))
     else:
         ids = prompt_ids(tokenizer, task_messages(task, system_prompt))

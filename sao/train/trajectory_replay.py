@@ -26,7 +26,9 @@ says what happened:
 - for an episode of the built-in tool loop in a model's own tool-call format (:mod:`sao.rollout.env_agent`),
   the prompt and each observation are rendered through the model's chat template as the chat endpoint
   rendered them (the same tool offered, the replies read back with the same call ids), the environment
-  re-run on the calls;
+  re-run on the calls; an episode that split into parts there (a reply the template renders otherwise
+  than it was sampled) has its reward and end reported as not checkable (ok None) in each part's
+  replay: they are the whole episode's;
 - for an episode of an agent of one's own (``env.agent``, :mod:`sao.rollout.user_agent`), the prompt,
   the observations' tokens, the reward and the termination were decided by the agent's code, which is
   not re-run: those checks are reported as not checkable (ok None); the log-probabilities, masks and
@@ -57,7 +59,7 @@ from sao.models.chat import ChatTokens, observation_ids, prompt_ids
 from sao.models.tokenizer import chat_template_version, load_tokenizer, tokenizer_version
 from sao.rollout.chat_endpoint import ChatRendering, EndpointError, normalise_messages
 from sao.rollout.engine import FinishReason
-from sao.rollout.env_agent import steps_of, tool_answer, tool_schema
+from sao.rollout.env_agent import answer_reply, tool_schema
 from sao.train.batch import collate
 from sao.train.checkpoint import CheckpointPrunedError, checkpoint_dir, load_checkpoint, policy_dir
 from sao.train.replay import ReplayError, run_checkpoints, torch_settings
@@ -256,9 +258,10 @@ class _Unsettled(Exception):  # noqa: N818 - not a failure: what the record alon
     than it was sampled, or this is a later part): what was checked up to there, and why the reward
     and the end cannot be re-scored from this part alone."""
 
-    def __init__(self, prompt: Check, expected: dict[int, list[int]] | None, reason: str) -> None:
+    def __init__(self, prompt: Check, expected: dict[int, list[int]] | None, reason: str,
+                 problems: list[str] | None = None) -> None:
         super().__init__(reason)
-        self.prompt, self.expected, self.reason = prompt, expected, reason
+        self.prompt, self.expected, self.reason, self.problems = prompt, expected, reason, problems or []
 
 
 class _ThisFormat:
@@ -304,16 +307,9 @@ class _OwnFormat:
         finish = FinishReason.STOP if last_is_stop else FinishReason.LENGTH
         reply, _ = rendering.reply(tokens, finish, (), self.schema, f"{self.episode}/{number + 1}")
         before = self.text + rendering.decode(tokens)
-        answers = []
-        for call, action in steps_of(reply):
-            if action is None:
-                answers.append(tool_answer(reply, call, None))
-                continue
-            result = self.env.step(action)
-            if result.done:
-                return result, None
-            answers.append(tool_answer(reply, call, result.observation) if call is not None
-                           else {"role": "tool", "content": result.observation})
+        ended, answers = answer_reply(self.env, reply)
+        if ended is not None:
+            return ended, None
         following = normalise_messages([*self.messages, reply, *answers])
         after = rendering.render(following, self.schema)
         if not after.startswith(before):
@@ -372,7 +368,7 @@ def _replayed(row: Mapping, task: Task, episode: _ThisFormat | _OwnFormat, stop_
         elif added is None:  # the endpoint split the episode here: the rest is the next part's
             raise _Unsettled(prompt_check, expected, f"episode {row.get('episode_id')} split after turn {number} "
                              "(the chat template renders the reply otherwise than it was sampled): the reward and "
-                             "the end are the whole episode's, which no one part replays")
+                             "the end are the whole episode's, which no one part replays", problems)
         else:
             pending = added
     return prompt_check, expected, ended, pending, problems
@@ -443,7 +439,7 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
         try:
             prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
         except _Unsettled as split:  # a model's own format whose episode split: not decided by this part
-            prompt_check, expected, problems, rescored = split.prompt, split.expected, [], recorded
+            prompt_check, expected, problems, rescored = split.prompt, split.expected, split.problems, recorded
             reward_check, termination_check = Check("reward", None, split.reason), Check("termination", None, split.reason)
         else:
             rescored = float(ended.reward) if ended is not None and row["termination_reason"] in ("stop", "turns") else 0.0

@@ -130,3 +130,17 @@ def test_a_tool_function_is_described_by_its_signature_and_its_docstring_s_first
     assert tool_signatures(("tests.envs.test_dataset:convert", "tests.envs.test_dataset:lookup")) == (
         "convert(amount: float, currency: str = 'EUR') -> float: Convert ``amount`` dollars into ``currency``.",
         "lookup(key)")  # no docstring: the signature alone
+
+
+def test_a_tool_functions_annotations_are_described_as_written_under_postponed_evaluation(tmp_path, monkeypatch):
+    """A module with ``from __future__ import annotations`` keeps its annotations as strings: the line
+    says ``item: str``, not ``item: 'str'``."""
+    import sys
+
+    from sao.envs.dataset import tool_signatures
+
+    (tmp_path / "postponed_tools.py").write_text(
+        "from __future__ import annotations\n\ndef price(item: str) -> int:\n    return 1\n")
+    monkeypatch.delitem(sys.modules, "postponed_tools", raising=False)
+    assert tool_signatures(("postponed_tools:price",), (str(tmp_path),)) == ("price(item: str) -> int",)
+    monkeypatch.delitem(sys.modules, "postponed_tools", raising=False)

@@ -238,5 +238,7 @@ def test_renders_hermes_calls_tells_a_template_that_renders_tool_calls_from_one_
     assert renders_hermes_calls(qwen_style_tokenizer(QWEN25_TEMPLATE))
     assert renders_hermes_calls(qwen_style_tokenizer(QWEN3_TEMPLATE))
     assert not renders_hermes_calls(qwen_style_tokenizer(CHATML))  # calls dropped: the content only
+    toolless = QWEN_STYLE.replace("{{ tool | tojson }}", "")  # renders calls back, never says what tools there are
+    assert "tojson }}{% endfor %}" not in toolless and not renders_hermes_calls(qwen_style_tokenizer(toolless))
     refusing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
     assert not renders_hermes_calls(qwen_style_tokenizer(refusing))

@@ -91,14 +91,15 @@ OWN_TASK = Task(task_id="own0", env="dataset", prompt="What is 2 + 3?", answer="
 OWN_OPTIONS = {"max_tool_calls": 2, "tools": ["examples.tool_use.shop:price"]}
 
 
-def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_STYLE):
-    """One built-in dataset episode of OWN_TASK on a Qwen2.5-style tokenizer (no tool-call tokens of this
-    project) whose engine replies ``replies`` in turn: (records, tokenizer, the tools offered)."""
+def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_STYLE, tokenizer=None):
+    """One built-in dataset episode of OWN_TASK on a Qwen2.5-style tokenizer with ``template`` (no
+    tool-call tokens of this project; or ``tokenizer``) whose engine replies ``replies`` in turn:
+    (records, tokenizer, the tools offered)."""
     from sao.models.chat import ChatTokens
     from sao.rollout.env_agent import tool_schema
     from tests.rollout.test_chat_endpoint import ScriptedEngine, qwen_style_tokenizer
 
-    tokenizer = qwen_style_tokenizer(template)
+    tokenizer = tokenizer or qwen_style_tokenizer(template)
     engine = ScriptedEngine(tokenizer, replies)
     tools = concurrent.futures.ThreadPoolExecutor(2)
     config = config or AgentConfig(max_tokens=400, max_turns=4)

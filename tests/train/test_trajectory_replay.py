@@ -276,3 +276,29 @@ def test_a_reward_mismatch_names_the_code_of_ones_own_that_changed_since(swapped
     changed = replay_trajectory(lake, copy["trajectory_id"], run_id=cfg.run_id).check("reward")
     assert changed.ok is False and changed.detail.startswith(f"recorded {copy['reward']}, re-scored {row['reward']}")
     assert f"the code of one's own it was scored with has changed since: graders ({module}): changed" in changed.detail
+
+
+def test_a_split_episode_in_a_models_own_format_replays_with_its_reward_and_end_not_checkable(tmp_path):
+    """An episode of the built-in tool loop in a model's own format that split (a call the template
+    renders otherwise than it was sampled): each part's replay says its reward and end are the whole
+    episode's (ok None, with the reason), and part 0's prompt and actions check as usual."""
+    from sao.models.tokenizer import load_tokenizer
+    from tests.rollout.test_chat_endpoint import qwen_style_tokenizer
+    from tests.rollout.test_env_agent import OWN_OPTIONS, OWN_TASK, own_format_episode
+    from tests.test_own_model import model_directory
+
+    model = model_directory(tmp_path, "qwen2", qwen_style_tokenizer(), positions=1024)
+    compact = '<tool_call>\n{"name":"python","arguments":{"code":"print(5)"}}\n</tool_call><|im_end|>'
+    records, _, _ = own_format_episode([compact, "5<|im_end|>"], tokenizer=load_tokenizer(model))  # as a replica
+    cfg = make_config(tmp_path, model, total_steps=1, rollout=ReplayContext(
+        tasks_path=str(write_tasks(tmp_path / "tasks.jsonl", [OWN_TASK])), env_options={"dataset": OWN_OPTIONS},
+        max_turns=4))
+    prepare_run(cfg)
+    lake = Lake.open(cfg.lake)
+    write(lake, [dataclasses.replace(record, run_id=cfg.run_id) for record in records])
+    for record in records:
+        report = replay_trajectory(lake, record.trajectory_id)
+        reward, termination = report.check("reward"), report.check("termination")
+        assert reward.ok is None and termination.ok is None and "split" in reward.detail, report
+        assert report.check("actions").ok and report.check("segments").ok and report.check("tokenizer").ok
+        assert report.check("prompt").ok is (True if record.episode_part == 0 else None), report.checks
