@@ -401,13 +401,14 @@ def _termination_check(row: Mapping, turns: list[_Turn], ended, pending, max_tur
     return Check("termination", None, f"a {reason} end is decided by the clock or the machine, not the tokens")
 
 
-def _code_changed(lake: Lake, row: Mapping) -> str:
-    """Why a re-score may differ, when it can be told: the code of one's own the run ran with when it
+def _code_changed(lake: Lake, row: Mapping, what: str = "scored with") -> str:
+    """Why a re-score (or a re-rendered prompt: a tool function's docstring describes it to a model of
+    one's own) may differ, when it can be told: the code of one's own the run ran with when it
     generated ``row`` (``runs.code``) and which of its modules differ now."""
     from sao.user_code import changed_since, recorded_code
 
     changed = changed_since(recorded_code(lake, row["run_id"], row["timings"]["created_at"]))
-    return f" (the code of one's own it was scored with has changed since: {'; '.join(changed)})" if changed else ""
+    return f" (the code of one's own it was {what} has changed since: {'; '.join(changed)})" if changed else ""
 
 
 def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = None,
@@ -442,6 +443,9 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
             prompt_check, expected, problems, rescored = split.prompt, split.expected, split.problems, recorded
             reward_check, termination_check = Check("reward", None, split.reason), Check("termination", None, split.reason)
         else:
+            if prompt_check.ok is False:
+                prompt_check = dataclasses.replace(prompt_check, detail=prompt_check.detail
+                                                   + _code_changed(lake, row, "prompted with"))
             rescored = float(ended.reward) if ended is not None and row["termination_reason"] in ("stop", "turns") else 0.0
             reward_check = Check("reward", recorded == rescored,
                                  "" if recorded == rescored else f"recorded {recorded}, re-scored {rescored}"

@@ -276,6 +276,11 @@ def test_a_reward_mismatch_names_the_code_of_ones_own_that_changed_since(swapped
     changed = replay_trajectory(lake, copy["trajectory_id"], run_id=cfg.run_id).check("reward")
     assert changed.ok is False and changed.detail.startswith(f"recorded {copy['reward']}, re-scored {row['reward']}")
     assert f"the code of one's own it was scored with has changed since: graders ({module}): changed" in changed.detail
+    reprompted = {**copy, "trajectory_id": source.trajectory_id + "-reprompted", "reward": row["reward"],
+                  "prompt_ids": [*row["prompt_ids"][:-1], row["prompt_ids"][-1] + 1]}  # another prompt now
+    write(lake, [reprompted])
+    prompt = replay_trajectory(lake, reprompted["trajectory_id"], run_id=cfg.run_id).check("prompt")
+    assert prompt.ok is False and "the code of one's own it was prompted with has changed since: graders" in prompt.detail
 
 
 def test_a_split_episode_in_a_models_own_format_replays_with_its_reward_and_end_not_checkable(tmp_path):
