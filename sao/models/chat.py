@@ -68,6 +68,7 @@ __all__ = [
     "ToolCall",
     "action_text",
     "generation_end_ids",
+    "hermes_calls_problem",
     "hermes_tool_calls",
     "observation_ids",
     "observation_text",
@@ -253,7 +254,13 @@ def renders_hermes_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     renders an assistant's tool call in the Hermes format that :func:`hermes_tool_calls` reads back,
     and the tool's result after it: a model whose template does (Qwen2.5, Qwen3, Hermes and others)
     can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe
-    conversation; loads nothing."""
+    conversation; loads nothing. Why not: :func:`hermes_calls_problem`."""
+    return hermes_calls_problem(tokenizer) is None
+
+
+def hermes_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """What keeps the tokenizer's chat template from the built-in tool loop in the model's own format
+    (:func:`renders_hermes_calls`), in words; None when nothing does."""
     code, described = "print(6 * 7)", "Run Python code in the probe."
     tool = {"type": "function", "function": {"name": "python", "description": described, "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
@@ -263,15 +270,20 @@ def renders_hermes_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
                 {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": "42"}]
     try:
         text = tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that refuses tools or tool messages: it does not render them
-        return False
+    except Exception as error:  # noqa: BLE001 - whatever the template raises, said as it said it
+        return f"it fails on a conversation with a tool call and its result ({type(error).__name__}: {error})"
     if not isinstance(text, str):
-        return False
+        return "it does not render such a conversation as text"
     for block in _TOOL_CALL.finditer(text):
         parsed = hermes_tool_calls(block.group(0))
         if parsed is not None and parsed[1] == [{"name": "python", "arguments": {"code": code}}]:
-            return described in text[:block.start()] and "42" in text[block.end():]
-    return False
+            if described not in text[:block.start()]:
+                return "it does not write the tools it is given into the prompt"
+            if "42" not in text[block.end():]:
+                return "it does not render a tool's result after the call"
+            return None
+    return ('it does not render tool calls in the Hermes format (<tool_call>{"name": ..., "arguments": ...}'
+            "</tool_call>, as Qwen2.5's and Qwen3's do)")
 
 
 def outside_tool_calls(text: str) -> str:

@@ -33,7 +33,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from sao.models.chat import ChatTokens, renders_hermes_calls
+from sao.models.chat import ChatTokens, hermes_calls_problem
 from sao.models.tokenizer import chat_template_version, save_tokenizer, tokenizer_version
 
 __all__ = [
@@ -325,13 +325,13 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False,
             "(<tool_call>, <answer>, ...) that the built-in math_tool task is written in: give your tasks in "
             "data.train (a model whose chat template renders Hermes tool calls calls the tool in its own format "
             "there), or set env.max_tool_calls: 0 with them for single-turn")
-    if need_tools and not tokens.supports_tools and not renders_hermes_calls(tokenizer):
+    problem = hermes_calls_problem(tokenizer) if need_tools and not tokens.supports_tools else None
+    if problem is not None:
         raise ModelDirectoryError(
             f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
-            "(<tool_call>, <answer>, ...), and its chat template does not render tool calls in the Hermes format "
-            "(<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>, as Qwen2.5's and Qwen3's do), so actions "
-            "cannot call the Python tool: set env.max_tool_calls: 0 (single-turn), or call tools from an agent of "
-            "your own (env.agent)")
+            f"(<tool_call>, <answer>, ...), and its chat template cannot call tools in its own format: {problem}; "
+            "so actions cannot call the Python tool: set env.max_tool_calls: 0 (single-turn), or call tools from "
+            "an agent of your own (env.agent)")
     return tokenizer
 
 

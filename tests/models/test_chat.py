@@ -242,3 +242,20 @@ def test_renders_hermes_calls_tells_a_template_that_renders_tool_calls_from_one_
     assert "tojson }}{% endfor %}" not in toolless and not renders_hermes_calls(qwen_style_tokenizer(toolless))
     refusing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
     assert not renders_hermes_calls(qwen_style_tokenizer(refusing))
+
+
+def test_what_keeps_a_template_from_the_tool_loop_is_said_in_words():
+    from sao.models.chat import hermes_calls_problem
+    from tests.rollout.test_chat_endpoint import QWEN_STYLE, qwen_style_tokenizer
+    from tests.test_own_model import CHATML
+
+    assert hermes_calls_problem(qwen_style_tokenizer(QWEN_STYLE)) is None
+    assert "does not render tool calls in the Hermes format" in hermes_calls_problem(qwen_style_tokenizer(CHATML))
+    toolless = QWEN_STYLE.replace("{{ tool | tojson }}", "")
+    assert hermes_calls_problem(qwen_style_tokenizer(toolless)) == "it does not write the tools it is given into the prompt"
+    resultless = QWEN_STYLE.replace("<tool_response>\n' + message.content + '", "<tool_response>\n' + '")
+    assert resultless != QWEN_STYLE
+    assert hermes_calls_problem(qwen_style_tokenizer(resultless)) == "it does not render a tool's result after the call"
+    refusing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
+    problem = hermes_calls_problem(qwen_style_tokenizer(refusing))
+    assert problem.startswith("it fails on a conversation with a tool call and its result (") and "no tools" in problem
