@@ -287,9 +287,9 @@ class _OwnFormat:
     what the template added (None where it renders a reply otherwise than it was sampled: the episode
     split there)."""
 
-    def __init__(self, row: Mapping, tokenizer, env, schema: list) -> None:
+    def __init__(self, row: Mapping, tokenizer, env, schema: list, chat: ChatTokens) -> None:
         self.row, self.env, self.schema = row, env, schema
-        self.rendering = ChatRendering(tokenizer)
+        self.rendering = ChatRendering(tokenizer, chat)
         self.episode = row.get("episode_id") or row["trajectory_id"]
 
     def prompt(self, task: Task) -> list[int]:
@@ -319,7 +319,8 @@ class _OwnFormat:
         return None, added
 
 
-def _simulate(row: Mapping, task: Task, tokenizer, context: ReplayContext, turns: list[_Turn]):
+def _simulate(row: Mapping, task: Task, tokenizer, context: ReplayContext, turns: list[_Turn],
+              chat: ChatTokens | None = None):
     """Re-run the environment on the stored actions: (prompt check, expected observation tokens by
     segment index, the StepResult that ended the episode or None, the observation that would follow
     the last turn or None, problems). Raises :class:`_Unsettled` for a part of a split episode."""
@@ -327,10 +328,11 @@ def _simulate(row: Mapping, task: Task, tokenizer, context: ReplayContext, turns
     if takes_trainer_step(task.env):
         options["trainer_step"] = int(row["min_policy_version"])
     env = make_env(task.env, **options)
-    schema = tool_schema(env, ChatTokens.from_tokenizer(tokenizer))
-    episode = _ThisFormat(tokenizer, env) if schema is None else _OwnFormat(row, tokenizer, env, schema)
+    chat = chat or ChatTokens.from_tokenizer(tokenizer)
+    schema = tool_schema(env, chat)
+    episode = _ThisFormat(tokenizer, env) if schema is None else _OwnFormat(row, tokenizer, env, schema, chat)
     try:
-        return _replayed(row, task, episode, ChatTokens.from_tokenizer(tokenizer).stop_token_ids, turns)
+        return _replayed(row, task, episode, chat.stop_token_ids, turns)
     except EndpointError as error:  # the template refuses what it rendered in the rollout
         raise ReplayError(f"trajectory {row['trajectory_id']}: the chat template cannot render its "
                           f"conversation now: {error}") from None
@@ -429,7 +431,8 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
     tokenizer = load_tokenizer(policy_dir(first.parent, min(versions)))
     task = _resolve_task(row["task_id"], cfg.rollout, tasks_path)
     turns = _turns(row["segments"])
-    stop_ids = ChatTokens.from_tokenizer(tokenizer).stop_token_ids
+    chat = ChatTokens.from_tokenizer(tokenizer)
+    stop_ids = chat.stop_token_ids
     recorded = float(row["reward"])
     agent = cfg.rollout.env_options.get(task.env, {}).get("agent")
     if agent:  # an agent of one's own: its code decided the prompt, observations, reward and end
@@ -438,7 +441,8 @@ def replay_trajectory(lake: Lake, trajectory_id: str, *, run_id: str | None = No
         reward_check, termination_check = Check("reward", None, not_rerun), Check("termination", None, not_rerun)
     else:
         try:
-            prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns)
+            prompt_check, expected, ended, pending, problems = _simulate(row, task, tokenizer, cfg.rollout, turns,
+                                                                         chat)
         except _Unsettled as split:  # a model's own format whose episode split: not decided by this part
             prompt_check, expected, problems, rescored = split.prompt, split.expected, split.problems, recorded
             reward_check, termination_check = Check("reward", None, split.reason), Check("termination", None, split.reason)
