@@ -85,13 +85,14 @@ def _corrupt(record: TrajectoryRecord, how: str, draw: st.DrawFn) -> TrajectoryR
     t = draw(st.integers(0, max(n - 1, 0)))
     segments = list(record.segments)
     i = draw(st.integers(0, len(segments) - 1)) if segments else 0
-    if how == "mask_flip" and n:
+    # A column an earlier corruption resized ("length") is indexed within its own size.
+    if how == "mask_flip" and np.size(record.action_mask):
         mask = record.action_mask.copy()
-        mask[t] = ~mask[t]
+        mask[t % mask.size] = ~mask[t % mask.size]
         return dataclasses.replace(record, action_mask=mask)
-    if how == "logprob" and n:
+    if how == "logprob" and np.size(record.logprobs):
         values = record.logprobs.copy()
-        values[t] = draw(st.sampled_from([float("nan"), float("inf"), 0.5, -0.0, -3.0, 0.0]))
+        values[t % values.size] = draw(st.sampled_from([float("nan"), float("inf"), 0.5, -0.0, -3.0, 0.0]))
         return dataclasses.replace(record, logprobs=values)
     if how == "segment_shift" and segments:
         s = segments[i]
