@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 import textwrap
 import threading
 from typing import Any
@@ -118,10 +119,15 @@ def tool_prelude(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> str:
 _SIGNATURES: dict[tuple, tuple[str, ...]] = {}
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+
+
 def tool_signatures(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Each of the user's tool functions as a line a model can call it from: its name and signature,
     then the first paragraph of its docstring (``price(item: str) -> int: The price of one item in
-    cents.``); imported once per process, errors as :func:`tool_prelude`'s."""
+    cents.``); a default whose ``repr`` holds a memory address (``<object object at 0x...>``) is written
+    without it, so every process describes the tool alike (the description is in every prompt, and a
+    replay renders it again). Imported once per process, errors as :func:`tool_prelude`'s."""
     key = (tools, paths)
     with _REWARD_LOCK:
         if key not in _SIGNATURES:
@@ -133,7 +139,8 @@ def tool_signatures(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> tupl
                     signature = inspect.signature(function, eval_str=True)
                 except Exception:  # noqa: BLE001 - an annotation that does not evaluate: as written
                     signature = inspect.signature(function)
-                lines.append(f"{function.__name__}{signature}" + (f": {doc}" if doc else ""))
+                described = _ADDRESS.sub(">", str(signature))  # a default's address: alike in every process
+                lines.append(f"{function.__name__}{described}" + (f": {doc}" if doc else ""))
             _SIGNATURES[key] = tuple(lines)
         return _SIGNATURES[key]
 

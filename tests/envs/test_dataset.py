@@ -132,6 +132,24 @@ def test_a_tool_function_is_described_by_its_signature_and_its_docstring_s_first
         "lookup(key)")  # no docstring: the signature alone
 
 
+_SENTINEL = object()
+
+
+def marked(key, default=_SENTINEL):
+    """Look ``key`` up."""
+    return key
+
+
+def test_a_default_with_a_memory_address_is_described_alike_in_every_process():
+    """The tool's description is in every prompt: a default's repr like ``<object object at 0x...>`` would
+    make it differ between replicas (and from a replay's)."""
+    from sao.envs.dataset import tool_signatures
+
+    assert " at 0x" in repr(_SENTINEL)
+    assert tool_signatures(("tests.envs.test_dataset:marked",)) == (
+        "marked(key, default=<object object>): Look ``key`` up.",)
+
+
 def test_a_tool_functions_annotations_are_described_as_written_under_postponed_evaluation(tmp_path, monkeypatch):
     """A module with ``from __future__ import annotations`` keeps its annotations as strings: the line
     says ``item: str``, not ``item: 'str'``."""
