@@ -172,7 +172,7 @@ def _check_answers(config: RunConfig, tasks: list[Task]) -> None:
 def runs_tool_loop(config: RunConfig) -> bool:
     """Whether the policy must call the built-in loop's Python tool: the built-in math_tool task (with
     this project's tool-call tokens), or tasks of one's own with ``env.max_tool_calls`` > 0 (with those
-    tokens, or in the model's own format when its chat template renders Hermes calls:
+    tokens, or in the model's own format when its chat template renders calls in a layout the loop reads:
     :func:`sao.models.policy.check_model_directory`). An agent of one's own or a verifiers environment
     calls tools through the chat endpoint and the model's own chat template instead."""
     if played_by_agent(config):

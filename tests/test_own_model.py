@@ -124,7 +124,7 @@ def test_the_plain_chat_format_of_a_foreign_tokenizer():
 def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     path = model_directory(tmp_path, "llama")
     check_model_directory(path)
-    with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*Hermes format.*env.max_tool_calls: 0"):
+    with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*Hermes JSON.*or XML.*env.max_tool_calls: 0"):
         check_model_directory(path, need_tools=True, own_format=True)
     with pytest.raises(ModelDirectoryError, match="no such folder"):
         check_model_directory(tmp_path / "missing")
@@ -146,6 +146,15 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     assert not ChatTokens.from_tokenizer(accepted).supports_tools
     with pytest.raises(ModelDirectoryError, match="the built-in math_tool task is written in: give your tasks"):
         check_model_directory(hermes, need_tools=True)  # math_tool: this project's format
+    from tests.rollout.test_chat_endpoint import TEMPLATES
+
+    xml = model_directory(tmp_path / "xml", "qwen2", qwen_style_tokenizer((TEMPLATES / "qwen3_5.jinja").read_text()))
+    check_model_directory(xml, need_tools=True, own_format=True)  # Qwen3.5's XML calls
+    nemotron = (TEMPLATES / "nemotron_3_nano.jinja").read_text()
+    nemotron = model_directory(tmp_path / "nemotron", "qwen2", qwen_style_tokenizer(nemotron))
+    with pytest.raises(ModelDirectoryError, match="cannot call tools in its own format: it renders the assistant's "
+                       "reply otherwise than after the generation prompt"):
+        check_model_directory(nemotron, need_tools=True, own_format=True)
     untemplated = model_directory(tmp_path / "untemplated", "qwen2", train_tokenizer(chat_template=None))
     with pytest.raises(ModelDirectoryError, match="has no chat template"):
         check_model_directory(untemplated)

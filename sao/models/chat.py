@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -68,16 +70,16 @@ __all__ = [
     "ToolCall",
     "action_text",
     "generation_end_ids",
-    "hermes_calls_problem",
-    "hermes_tool_calls",
     "observation_ids",
     "observation_text",
     "outside_tool_calls",
     "parse_action",
     "parse_chat",
     "prompt_ids",
-    "renders_hermes_calls",
+    "renders_tool_calls",
+    "template_tool_calls",
     "tool_call_message",
+    "tool_calls_problem",
     "without_turn_end",
 ]
 
@@ -146,7 +148,7 @@ class ChatTokens:
     @property
     def supports_tools(self) -> bool:
         """Whether actions can call the Python tool in this project's format (the tokenizer has its
-        tokens; a model of one's own may call it in its own format: :func:`renders_hermes_calls`)."""
+        tokens; a model of one's own may call it in its own format: :func:`renders_tool_calls`)."""
         return self.tool_call_end_id is not None
 
     @property
@@ -226,41 +228,131 @@ def without_turn_end(text: str, ids: Sequence[int], ends: Collection[int],
     return text
 
 
-def hermes_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
-    """The tool calls of a reply in the Hermes format, the one the chat templates of Qwen2.5, Qwen3 and
-    other models render a call in: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
-    (JSON between the tags, whitespace around it) after optional text. Returns the text before the
-    first block (the newlines that end it stripped: templates put one between the text and the first
-    call) and the calls as ``{"name", "arguments"}``; None when the text holds no block, or a block is
-    not such JSON (the reply is then plain text, as vLLM's ``hermes`` tool parser leaves it)."""
-    blocks = _TOOL_CALL.findall(text)
+def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None,
+                        ) -> tuple[str, list[dict[str, Any]]] | None:
+    """The tool calls of a reply in a layout that models' own chat templates render calls in, each call a
+    ``<tool_call>...</tool_call>`` block after optional text, holding either
+
+    - **Hermes JSON**, as the templates of Qwen2.5, Qwen3, Hermes and others write it:
+      ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (whitespace around the JSON); or
+    - **XML**, as the templates of Qwen3.5 and later, Qwen3-Coder and Nemotron 3 write it:
+      ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``, with a
+      newline after each opening tag and before ``</parameter>`` (whitespace between the elements; a
+      value ends at the ``</parameter>`` that the next parameter or ``</function>`` follows, so code
+      that prints the tag stays in the value). A value is text; it takes the type the offered tool's
+      schema gives its parameter (``tools``, OpenAI's function format), much as vLLM's ``qwen3_coder``
+      parser converts it: a JSON number for integer or number, ``true`` / ``false`` (or the ``True`` /
+      ``False`` a template writes) for boolean, ``null`` (or ``None``) for null, JSON for object or
+      array; it stays text where it does not convert or no schema says.
+
+    Only blocks that begin as a call of either layout count (``<tool_call>`` named in a reply's
+    reasoning is text). Returns the text before the first call (the newlines that end it stripped:
+    templates put them between the text and the first call) and the calls as ``{"name", "arguments"}``;
+    None when the text holds no call, or a block is not a whole call (the reply is then plain text, as
+    vLLM's parsers leave it)."""
+    blocks = list(_TEMPLATE_CALL.finditer(text))
     if not blocks:
         return None
     calls = []
     for block in blocks:
+        body = block.group(1)
+        call = _hermes_call(body) if body.lstrip().startswith("{") else _xml_call(body, tools)
+        if call is None:
+            return None
+        calls.append(call)
+    return text[: blocks[0].start()].rstrip("\n"), calls
+
+
+def _hermes_call(block: str) -> dict[str, Any] | None:
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]
+            and isinstance(call.get("arguments", {}), dict)):
+        return None
+    return {"name": call["name"], "arguments": call.get("arguments", {})}
+
+
+_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=))(.*?)" + re.escape(TOOL_CALL_END),
+                            re.DOTALL)
+_FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>\n?(.*?)\n?</parameter>\s*(?=<parameter=|\Z)", re.DOTALL)
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
+def _xml_call(block: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any] | None:
+    function = _FUNCTION.fullmatch(block)
+    if function is None:
+        return None
+    name, body = function.group(1), function.group(2)
+    schema = _parameter_schema(name, tools)
+    arguments: dict[str, Any] = {}
+    position = 0
+    for parameter in _PARAMETER.finditer(body):
+        if parameter.start() != position:  # text between the parameters: not this layout
+            return None
+        position = parameter.end()
+        arguments[parameter.group(1)] = _typed(parameter.group(2), schema.get(parameter.group(1)))
+    if body[position:].strip():
+        return None
+    return {"name": name, "arguments": arguments}
+
+
+def _parameter_schema(name: str, tools: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any]:
+    """The ``properties`` of the offered tool ``name``'s parameters ({} when it is not offered)."""
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and function.get("name") == name:
+            parameters = function.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+            return properties if isinstance(properties, Mapping) else {}
+    return {}
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """An XML parameter's text as the type ``schema`` gives it (text when it is a string, unknown, or
+    the text does not convert)."""
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    kinds = [k for k in (kind if isinstance(kind, list) else [kind]) if isinstance(k, str)]
+    if not kinds or "string" in kinds:
+        return value
+    word = value.strip()
+    if "null" in kinds and word in ("null", "None"):
+        return None
+    if "boolean" in kinds and word in ("true", "false", "True", "False"):
+        return word.lower() == "true"
+    number = _JSON_NUMBER.fullmatch(word)
+    if number is not None and ("integer" in kinds or "number" in kinds):
+        if not number.group(1) and not number.group(2):
+            return int(word)
+        if "number" in kinds and math.isfinite(float(word)):  # 1e999 is no finite JSON number
+            return float(word)
+    wanted = tuple(python for kind, python in (("object", dict), ("array", list)) if kind in kinds)
+    if wanted:
         try:
-            call = json.loads(block)
+            parsed = json.loads(word)
         except ValueError:
-            return None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]
-                and isinstance(call.get("arguments", {}), dict)):
-            return None
-        calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
-    return text[: text.index(TOOL_CALL_START)].rstrip("\n"), calls
+            return value
+        if isinstance(parsed, wanted):
+            return parsed
+    return value
 
 
-def renders_hermes_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
+def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt and
-    renders an assistant's tool call in the Hermes format that :func:`hermes_tool_calls` reads back,
-    and the tool's result after it: a model whose template does (Qwen2.5, Qwen3, Hermes and others)
-    can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe
-    conversation; loads nothing. Why not: :func:`hermes_calls_problem`."""
-    return hermes_calls_problem(tokenizer) is None
+    renders an assistant's tool call in a layout that :func:`template_tool_calls` reads back (Hermes
+    JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later), and the tool's result
+    after it, with the reply rendered as it follows the generation prompt it was sampled after (Nemotron
+    3's opens a thinking block there that its rendering of a reply drops: every episode would split): a
+    model whose template does can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing. Why not:
+    :func:`tool_calls_problem`."""
+    return tool_calls_problem(tokenizer) is None
 
 
-def hermes_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
+def tool_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """What keeps the tokenizer's chat template from the built-in tool loop in the model's own format
-    (:func:`renders_hermes_calls`), in words; None when nothing does."""
+    (:func:`renders_tool_calls`), in words; None when nothing does."""
     code, described = "print(6 * 7)", "Run Python code in the probe."
     tool = {"type": "function", "function": {"name": "python", "description": described, "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
@@ -270,20 +362,28 @@ def hermes_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
                 {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": "42"}]
     try:
         text = tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages[:1], tools=[tool], add_generation_prompt=True, tokenize=False)
     except Exception as error:  # noqa: BLE001 - whatever the template raises, said as it said it
         return f"it fails on a conversation with a tool call and its result ({type(error).__name__}: {error})"
-    if not isinstance(text, str):
+    if not isinstance(text, str) or not isinstance(prompt, str):
         return "it does not render such a conversation as text"
-    for block in _TOOL_CALL.finditer(text):
-        parsed = hermes_tool_calls(block.group(0))
+    for block in _TEMPLATE_CALL.finditer(text):
+        parsed = template_tool_calls(block.group(0), [tool])
         if parsed is not None and parsed[1] == [{"name": "python", "arguments": {"code": code}}]:
             if described not in text[:block.start()]:
                 return "it does not write the tools it is given into the prompt"
             if "42" not in text[block.end():]:
                 return "it does not render a tool's result after the call"
+            if not text.startswith(prompt):  # the reply, rendered, does not follow the prompt it was sampled after
+                at = max(0, len(os.path.commonprefix([prompt, text])) - 20)
+                return (f"it renders the assistant's reply otherwise than after the generation prompt it is sampled "
+                        f"after: where the prompt ends {prompt[at:]!r}, the conversation has {text[at:at + 40]!r} "
+                        "(a thinking block the prompt opens and the rendering drops, say), so every episode would "
+                        "split at its first call")
             return None
-    return ('it does not render tool calls in the Hermes format (<tool_call>{"name": ..., "arguments": ...}'
-            "</tool_call>, as Qwen2.5's and Qwen3's do)")
+    return ('it does not render tool calls in a layout the loop reads: Hermes JSON (<tool_call>{"name": ..., '
+            '"arguments": ...}</tool_call>, as Qwen2.5\'s and Qwen3\'s templates do) or XML (<tool_call>'
+            "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does)")
 
 
 def outside_tool_calls(text: str) -> str:

@@ -33,7 +33,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from sao.models.chat import ChatTokens, hermes_calls_problem
+from sao.models.chat import ChatTokens, tool_calls_problem
 from sao.models.tokenizer import chat_template_version, save_tokenizer, tokenizer_version
 
 __all__ = [
@@ -286,7 +286,7 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False,
     weights, a fast tokenizer with a chat template and a token that ends a turn; with ``need_tools``
     (the built-in tool loop runs), this project's tool-call tokens or, with ``own_format`` (tasks of
     one's own: the built-in math_tool task asks for this project's format), a chat template that
-    renders tool calls in the Hermes format (:func:`sao.models.chat.renders_hermes_calls`: the loop
+    renders tool calls in a layout the loop reads (:func:`sao.models.chat.renders_tool_calls`: the loop
     then runs in the model's own format, :mod:`sao.rollout.env_agent`). Returns the tokenizer. Loads no
     weights.
 
@@ -323,9 +323,9 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False,
         raise ModelDirectoryError(
             f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
             "(<tool_call>, <answer>, ...) that the built-in math_tool task is written in: give your tasks in "
-            "data.train (a model whose chat template renders Hermes tool calls calls the tool in its own format "
+            "data.train (a model whose chat template renders Hermes or XML tool calls calls the tool in its own format "
             "there), or set env.max_tool_calls: 0 with them for single-turn")
-    problem = hermes_calls_problem(tokenizer) if need_tools and not tokens.supports_tools else None
+    problem = tool_calls_problem(tokenizer) if need_tools and not tokens.supports_tools else None
     if problem is not None:
         raise ModelDirectoryError(
             f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "

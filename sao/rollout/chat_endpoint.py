@@ -43,12 +43,15 @@ nothing: the episode goes on.
 **Replies.** A standard ``chat.completion``: the assistant's text, and with the built-in chat format
 (:mod:`sao.models.chat`), a tool call ``<tool_call>code</tool_call>`` as a ``python`` function call
 whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a model's own format and
-``tools`` in the request, the calls of a reply in the Hermes format (Qwen2.5, Qwen3 and others:
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>``; :func:`sao.models.chat.hermes_tool_calls`)
-as its ``tool_calls``, the text before them as its content (a call's id is derived from the episode
-and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for.
-Sent back, such a reply extends the record when the template renders it as it was sampled (the
-template's own layout of a call: JSON as ``tojson`` writes it); otherwise the episode splits there.
+``tools`` in the request, the calls of a reply in the Hermes JSON layout (Qwen2.5, Qwen3 and others:
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>``) or the XML one (Qwen3.5 and later,
+Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``;
+:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the offered tool's
+schema) as its ``tool_calls``, the text before them as its content (a call's id is derived from the
+episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
+back, such a reply extends the record when the template renders it as it was sampled (the template's
+own layout of a call: JSON as ``tojson`` writes it, or its XML lines); otherwise the episode splits
+there.
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ from sao.models.chat import (
     TOOL_CALL_START,
     ChatTokens,
     Message,
-    hermes_tool_calls,
     outside_tool_calls,
+    template_tool_calls,
     without_turn_end,
 )
 from sao.rollout.agent import AgentConfig, _Trace
@@ -409,8 +412,9 @@ class ChatRendering:
               tools: list | None, key: str) -> tuple[Message, str]:
         """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
         chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
-        and ``tools`` in the request, Hermes-format calls in a reply that stopped are its tool calls
-        (:func:`sao.models.chat.hermes_tool_calls`), with ids from ``key`` (:func:`call_id`)."""
+        and ``tools`` in the request, the calls in a reply that stopped, in the Hermes JSON or the XML
+        layout, are its tool calls (:func:`sao.models.chat.template_tool_calls`; an XML call's arguments
+        typed by the offered tool's schema), with ids from ``key`` (:func:`call_id`)."""
         text = self.decode(ids)
         last = ids[-1] if ids else None
         head, opened, code = text.rpartition(TOOL_CALL_START)
@@ -419,9 +423,9 @@ class ChatRendering:
         ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
         if finish is FinishReason.STOP and last not in stop_ids:
             text = without_turn_end(text, ids, ends, self.tokenizer)
-            parsed = hermes_tool_calls(text) if tools and not self.tokens.supports_tools else None
+            parsed = template_tool_calls(text, tools) if tools and not self.tokens.supports_tools else None
             if parsed is not None:
-                if outside_tool_calls(text[text.index(TOOL_CALL_START):]).strip():
+                if outside_tool_calls(text[len(parsed[0]):]).strip():
                     log.info("reply %s: text between or after its tool calls is not in its message (an OpenAI "
                              "message holds text before its calls only); sent back, the episode splits there", key)
                 return _calling(*parsed, key)

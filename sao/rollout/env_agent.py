@@ -15,9 +15,9 @@ the same ends (the environment's ``stop`` and ``turns``; the endpoint's ``length
 
 **A model's own tool-call format.** A policy whose tokenizer lacks this project's tool-call tokens
 (a model of one's own) calls the sandboxed Python tool in its own format, when its chat template
-renders tool calls in the Hermes format (:func:`sao.models.chat.renders_hermes_calls`: Qwen2.5, Qwen3,
-Hermes and others) and the environment allows tool calls (``max_tool_calls`` > 0): every request
-offers the one tool :func:`python_tool` (``python``, argument ``code``; the template writes it into
+renders tool calls in a layout the loop reads (:func:`sao.models.chat.renders_tool_calls`: Hermes JSON,
+as Qwen2.5, Qwen3 and others write it; XML, as Qwen3.5 and later do) and the
+environment allows tool calls (``max_tool_calls`` > 0): every request offers the one tool :func:`python_tool` (``python``, argument ``code``; the template writes it into
 the prompt), each ``python`` call of a reply is one environment step (several calls in a reply run in
 order), and each result goes back as a ``tool`` message answering its call's id, rendered by the
 template. A call of another name, or without a ``code`` string, is answered by a ``tool`` message
@@ -87,7 +87,7 @@ def steps_of(message: dict[str, Any]) -> list[tuple[str | None, str | None]]:
     ``python`` call with a ``code`` string, in order (the action as the built-in format writes it); a
     call of another name or without code: ``(call id, None)``, answered without a step
     (:func:`tool_answer`); a reply without calls: ``[(None, its content and IM_END)]``, a final reply (a
-    ``<tool_call>`` the reply holds as text, not a Hermes call, is not run). ``message``: the assistant
+    ``<tool_call>`` the reply holds as text, not a call in a layout the loop reads, is not run). ``message``: the assistant
     message as the endpoint keeps it (arguments as objects)."""
     calls = message.get("tool_calls") or []
     if not calls:

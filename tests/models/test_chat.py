@@ -207,6 +207,18 @@ def test_a_policy_directory_keeps_the_models_end_ids(tmp_path):
     assert ChatTokens.from_tokenizer(load_tokenizer(tmp_path / "v1")).stop_token_ids == (0, 1, 2, 3)
 
 
+TYPED = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "b": {"type": "boolean"}, "o": {"type": "object"},
+    "a": {"type": "array"}, "s": {"type": "string"}, "z": {"type": ["integer", "null"]}}}}}]
+"""A tool whose parameters have every JSON type, for the XML layout's typed values."""
+
+
+def xml_call(name, **arguments):
+    """A call in the XML layout, as Qwen3.5's template renders it."""
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
 @pytest.mark.parametrize("text, expected", [
     ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
      ("", [{"name": "add", "arguments": {"a": 2, "b": 3}}])),
@@ -217,45 +229,123 @@ def test_a_policy_directory_keeps_the_models_end_ids(tmp_path):
     ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', None),  # not JSON: plain text
     ('<tool_call>{"arguments": {}}</tool_call>', None),  # no name
     ('<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>', None),  # arguments not an object
-], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text"])
-def test_hermes_tool_calls(text, expected):
-    from sao.models.chat import hermes_tool_calls
+    ("Running it.\n\n" + xml_call("python", code="x = 2\nprint(x * 3)\n"),  # a value's own last newline kept
+     ("Running it.", [{"name": "python", "arguments": {"code": "x = 2\nprint(x * 3)\n"}}])),
+    (xml_call("now") + "\n" + xml_call("f", s="5", n="5"),  # no schema given: values stay text
+     ("", [{"name": "now", "arguments": {}}, {"name": "f", "arguments": {"s": "5", "n": "5"}}])),
+    ('<tool_call>\n{"name": "now"}\n</tool_call>\n' + xml_call("f", s="x"),  # each block read in its layout
+     ("", [{"name": "now", "arguments": {}}, {"name": "f", "arguments": {"s": "x"}}])),
+    ("<tool_call>\n<function=f>\nnote <parameter=s>\nx\n</parameter>\n</function>\n</tool_call>", None),  # text
+    ("<tool_call>\n<function=f>\n<parameter=s>\nx\n</parameter>\n</tool_call>", None),  # </function> missing
+    ("<tool_call>\nprint(1)\n</tool_call>", None),  # neither layout: this project's own call, as text
+], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text", "xml",
+        "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither"])
+def test_template_tool_calls(text, expected):
+    from sao.models.chat import template_tool_calls
 
-    assert hermes_tool_calls(text) == expected
+    assert template_tool_calls(text) == expected
 
 
-def test_renders_hermes_calls_tells_a_template_that_renders_tool_calls_from_one_that_does_not():
-    from sao.models.chat import renders_hermes_calls
+def test_an_xml_calls_values_take_the_types_the_tools_schema_gives():
+    """As vLLM's qwen3_coder parser converts them: a value that does not convert stays text."""
+    from sao.models.chat import template_tool_calls
+
+    text = xml_call("f", n="5", x="2.5", b="True", o='{"k": [1]}', a="[1, 2]", s="007", z="null")
+    assert template_tool_calls(text, TYPED)[1] == [{"name": "f", "arguments": {
+        "n": 5, "x": 2.5, "b": True, "o": {"k": [1]}, "a": [1, 2], "s": "007", "z": None}}]
+    arguments = template_tool_calls(text, TYPED)[1][0]["arguments"]
+    assert type(arguments["n"]) is int and type(arguments["x"]) is float
+    text = xml_call("f", n="five", x="inf", b="yes", o="[1]", a="{", z="2", s="")
+    assert template_tool_calls(text, TYPED)[1][0]["arguments"] == {
+        "n": "five", "x": "inf", "b": "yes", "o": "[1]", "a": "{", "z": 2, "s": ""}
+    text = xml_call("f", n="2.0", x="1e999", b=" false ", z="None")  # not JSON integers; not finite; spaces
+    assert template_tool_calls(text, TYPED)[1][0]["arguments"] == {"n": "2.0", "x": "1e999", "b": False, "z": None}
+    text = xml_call("f", n="007", x="+5")  # forms JSON has no number for
+    assert template_tool_calls(text, TYPED)[1][0]["arguments"] == {"n": "007", "x": "+5"}
+    assert template_tool_calls(xml_call("g", n="5"), TYPED)[1][0]["arguments"] == {"n": "5"}  # not offered
+
+
+def test_an_xml_value_that_holds_the_closing_tag_is_kept_whole():
+    """Code that prints ``</parameter>`` or ``</function>``: the value ends at the tag that the next
+    parameter or the function's end follows."""
+    from sao.models.chat import template_tool_calls
+
+    code = 'print("</parameter>")\nprint("</function>")'
+    assert template_tool_calls(xml_call("python", code=code, s="x"))[1] == [
+        {"name": "python", "arguments": {"code": code, "s": "x"}}]
+
+
+def test_a_tool_call_named_in_a_replys_reasoning_is_text():
+    """A model that thinks about the format writes ``<tool_call></tool_call>`` or a lone ``<tool_call>``
+    before its call: only blocks that begin as a call of either layout count."""
+    from sao.models.chat import template_tool_calls
+
+    call = xml_call("python", code="print(1)")
+    for thought in ("I answer in <tool_call></tool_call> tags.\n</think>\n\n", "A <tool_call> it is.\n</think>\n\n"):
+        assert template_tool_calls(thought + call) == (thought.rstrip("\n"), [
+            {"name": "python", "arguments": {"code": "print(1)"}}])
+
+
+def test_typed_xml_values_render_back_as_they_were_sampled_with_qwen35s_template():
+    """What the endpoint's record relies on: the values parsed by the schema, rendered by the template,
+    are the sampled text again (``True`` as the template writes a boolean, numbers as JSON writes them)."""
+    from sao.models.chat import template_tool_calls
+    from tests.rollout.test_chat_endpoint import TEMPLATES, qwen_style_tokenizer
+
+    tokenizer = qwen_style_tokenizer((TEMPLATES / "qwen3_5_nothink.jinja").read_text())
+    sampled = xml_call("f", n="5", x="2.5", b="True", a="[1, 2]", s="007")
+    content, parsed = template_tool_calls(sampled, TYPED)
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": content, "tool_calls": [
+        {"id": "c0", "type": "function", "function": call} for call in parsed]}]
+    prompt = tokenizer.apply_chat_template(messages[:1], tools=TYPED, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=TYPED, tokenize=False)
+    assert text == prompt + sampled + "<|im_end|>\n"
+
+
+QWEN35_TEMPLATES = ("qwen3_5.jinja", "qwen3_5_nothink.jinja")
+"""Qwen3.5's chat templates as TRL ships them (thinking on, and off): tool calls in the XML layout."""
+
+
+def test_renders_tool_calls_tells_a_template_that_renders_tool_calls_from_one_that_does_not():
+    from sao.models.chat import renders_tool_calls
     from tests.rollout.test_chat_endpoint import (
         QWEN3_TEMPLATE,
         QWEN25_TEMPLATE,
         QWEN_STYLE,
+        TEMPLATES,
         qwen_style_tokenizer,
     )
     from tests.test_own_model import CHATML
 
-    assert renders_hermes_calls(qwen_style_tokenizer(QWEN_STYLE))
-    assert renders_hermes_calls(qwen_style_tokenizer(QWEN25_TEMPLATE))
-    assert renders_hermes_calls(qwen_style_tokenizer(QWEN3_TEMPLATE))
-    assert not renders_hermes_calls(qwen_style_tokenizer(CHATML))  # calls dropped: the content only
+    assert renders_tool_calls(qwen_style_tokenizer(QWEN_STYLE))
+    assert renders_tool_calls(qwen_style_tokenizer(QWEN25_TEMPLATE))
+    assert renders_tool_calls(qwen_style_tokenizer(QWEN3_TEMPLATE))
+    for name in QWEN35_TEMPLATES:  # the XML layout
+        assert renders_tool_calls(qwen_style_tokenizer((TEMPLATES / name).read_text()))
+    assert not renders_tool_calls(qwen_style_tokenizer(CHATML))  # calls dropped: the content only
     toolless = QWEN_STYLE.replace("{{ tool | tojson }}", "")  # renders calls back, never says what tools there are
-    assert "tojson }}{% endfor %}" not in toolless and not renders_hermes_calls(qwen_style_tokenizer(toolless))
+    assert "tojson }}{% endfor %}" not in toolless and not renders_tool_calls(qwen_style_tokenizer(toolless))
     refusing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
-    assert not renders_hermes_calls(qwen_style_tokenizer(refusing))
+    assert not renders_tool_calls(qwen_style_tokenizer(refusing))
 
 
 def test_what_keeps_a_template_from_the_tool_loop_is_said_in_words():
-    from sao.models.chat import hermes_calls_problem
-    from tests.rollout.test_chat_endpoint import QWEN_STYLE, qwen_style_tokenizer
+    from sao.models.chat import tool_calls_problem
+    from tests.rollout.test_chat_endpoint import QWEN_STYLE, TEMPLATES, qwen_style_tokenizer
     from tests.test_own_model import CHATML
 
-    assert hermes_calls_problem(qwen_style_tokenizer(QWEN_STYLE)) is None
-    assert "does not render tool calls in the Hermes format" in hermes_calls_problem(qwen_style_tokenizer(CHATML))
+    assert tool_calls_problem(qwen_style_tokenizer(QWEN_STYLE)) is None
+    assert "does not render tool calls in a layout the loop reads" in tool_calls_problem(qwen_style_tokenizer(CHATML))
     toolless = QWEN_STYLE.replace("{{ tool | tojson }}", "")
-    assert hermes_calls_problem(qwen_style_tokenizer(toolless)) == "it does not write the tools it is given into the prompt"
+    assert tool_calls_problem(qwen_style_tokenizer(toolless)) == "it does not write the tools it is given into the prompt"
     resultless = QWEN_STYLE.replace("<tool_response>\n' + message.content + '", "<tool_response>\n' + '")
     assert resultless != QWEN_STYLE
-    assert hermes_calls_problem(qwen_style_tokenizer(resultless)) == "it does not render a tool's result after the call"
+    assert tool_calls_problem(qwen_style_tokenizer(resultless)) == "it does not render a tool's result after the call"
     refusing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
-    problem = hermes_calls_problem(qwen_style_tokenizer(refusing))
+    problem = tool_calls_problem(qwen_style_tokenizer(refusing))
     assert problem.startswith("it fails on a conversation with a tool call and its result (") and "no tools" in problem
+    # Nemotron 3 opens a thinking block in its generation prompt and renders a reply without it: each
+    # episode would split at its first call.
+    problem = tool_calls_problem(qwen_style_tokenizer((TEMPLATES / "nemotron_3_nano.jinja").read_text()))
+    assert problem.startswith("it renders the assistant's reply otherwise than after the generation prompt")
+    assert r"assistant\n<think>\n'" in problem and r"<think></think>\n<tool_call>" in problem

@@ -312,7 +312,8 @@ part kept in the turns after the last user message, arguments given as text writ
 def qwen_style_tokenizer(chat_template: str = QWEN_STYLE):
     """A byte-level BPE tokenizer with Qwen2.5's turn and tool-call tokens and ``chat_template`` (the
     parts of Qwen2.5's that matter here, or the whole: :data:`QWEN25_TEMPLATE`), none of this project's
-    answer tokens (so the model's own format: its tool calls are Hermes JSON)."""
+    answer tokens (so the model's own format: its tool calls are in the template's layout, Hermes JSON for
+    Qwen2.5's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -348,6 +349,36 @@ class ScriptedEngine:
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+
+
+def test_a_models_own_xml_tool_calls_reach_the_agent_typed_by_the_tools_schema():
+    """With Qwen3.5's template, a reply's call in the XML layout is an OpenAI tool call whose arguments
+    take the types of the offered tool's schema (numbers here); sent back with the tool's result, the
+    template renders it as sampled: one trajectory."""
+    from tests.models.test_chat import xml_call
+
+    tokenizer = qwen_style_tokenizer((TEMPLATES / "qwen3_5_nothink.jinja").read_text())
+    call = xml_call("add", a="2", b="3.5") + "<|im_end|>"
+    engine = ScriptedEngine(tokenizer, [call, "The sum is 5.5.<|im_end|>"])
+    seen = []
+
+    async def agent(client, task):
+        messages = list(task["messages"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+        message = reply.choices[0].message
+        seen.append((reply.choices[0].finish_reason, message.tool_calls))
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5.5"}]
+        await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+        return 1.0
+
+    (record,), _ = episode(engine, tokenizer, agent)
+    ((finish, tool_calls),) = seen
+    assert finish == "tool_calls" and tool_calls[0].function.name == "add"
+    arguments = json.loads(tool_calls[0].function.arguments)
+    assert arguments == {"a": 2, "b": 3.5} and type(arguments["a"]) is int
+    assert [s.kind for s in record.segments] == ["action", "observation", "action"]
+    assert tokenizer.decode(list(record.completion_ids[:record.segments[0].end])) == call
 
 
 def test_a_models_own_hermes_tool_calls_reach_the_agent_as_tool_calls_and_extend_the_record():

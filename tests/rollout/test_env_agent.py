@@ -4,6 +4,7 @@ versions, rewards and ends."""
 
 import asyncio
 import concurrent.futures
+import json
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from sao.rollout.chat_endpoint import ChatEndpoint
 from sao.rollout.env_agent import environment_agent
 from sao.rollout.torch_engine import TorchEngine
 from sao.rollout.user_agent import UserAgentRunner
-from tests.rollout.test_chat_endpoint import QWEN3_TEMPLATE, QWEN25_TEMPLATE, QWEN_STYLE
+from tests.models.test_chat import xml_call
+from tests.rollout.test_chat_endpoint import QWEN3_TEMPLATE, QWEN25_TEMPLATE, QWEN_STYLE, TEMPLATES
 from tests.test_user_agent import PROMPTS
 
 TASKS = [Task(task_id=f"t{i}", env="math_tool", prompt=p["prompt"], answer=p["answer"], split=Split.TRAIN)
@@ -124,31 +126,53 @@ def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_
     return records, tokenizer, schema
 
 
-OWN_TEMPLATES = pytest.mark.parametrize("template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE],
-                                        ids=["qwen-parts", "qwen2.5", "qwen3"])
+QWEN35_TEMPLATE = (TEMPLATES / "qwen3_5.jinja").read_text()
+"""Qwen3.5's chat template as TRL ships it (thinking on: the generation prompt opens ``<think>``); tool calls
+in the XML layout."""
+QWEN35_NOTHINK_TEMPLATE = (TEMPLATES / "qwen3_5_nothink.jinja").read_text()
+"""The same with thinking off (the generation prompt holds an empty ``<think>`` block)."""
+XML_TEMPLATES = (QWEN35_TEMPLATE, QWEN35_NOTHINK_TEMPLATE)
+
+OWN_TEMPLATES = pytest.mark.parametrize(
+    "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE],
+    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5"])
+
+
+def calls(template, *called):
+    """A reply that makes the calls ``called`` ((name, arguments) each) in ``template``'s layout, as its
+    model samples them (Hermes JSON, or XML for Qwen3.5's), then ends its turn."""
+    if template in XML_TEMPLATES:
+        return "\n".join(xml_call(name, **arguments) for name, arguments in called) + "<|im_end|>"
+    return "\n".join(f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+                     for name, arguments in called) + "<|im_end|>"
+
+
+def python(code):
+    return ("python", {"code": code})
 
 
 @OWN_TEMPLATES
 def test_a_models_own_format_runs_the_built_in_tool_loop_as_one_trajectory(template):
     """With a tokenizer that lacks this project's tool-call tokens, every request offers the python tool,
-    the template renders it into the prompt, a Hermes call of it runs in the sandbox (the run's own tool
+    the template renders it into the prompt, a call of it in the template's layout runs in the sandbox (the run's own tool
     functions defined), a call of an unknown tool is answered without a step, and the results come back
     as the template's tool turns: one trajectory, observations masked, the reply scored."""
     from sao.rollout.env_agent import python_tool
 
-    unknown = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'
-    run = '<tool_call>\n{"name": "python", "arguments": {"code": "print(price(\'pen\') - 115)"}}\n</tool_call><|im_end|>'
+    unknown, run = calls(template, ("add", {"a": 2})), calls(template, python("print(price('pen') - 115)"))
     (record,), tokenizer, schema = own_format_episode([unknown, run, "5<|im_end|>"], template=template)
     assert schema == [python_tool(("price(item: str) -> int: The price of one ``item`` in cents; a KeyError for an "
                                    "item the shop does not sell.",))]  # how to call it: signature and docstring
     prompt = tokenizer.decode(list(record.prompt_ids))
     assert prompt.startswith("<|im_start|>system\n") and '{"type": "function", "function": {"name": "python"' in prompt
-    assert prompt.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n" in prompt
     assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
     observations = [tokenizer.decode(list(record.completion_ids[s.start:s.end])) for s in record.segments
                     if s.kind == "observation"]
     assert observations[0].startswith("\n<|im_start|>user\n<tool_response>\nerror: no tool 'add'")
-    assert observations[1] == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert observations[1].startswith("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                                      "<|im_start|>assistant\n")
+    assert prompt.endswith(observations[1][observations[1].index("<|im_start|>assistant"):])  # generation prompt
     assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
     mask = np.asarray(record.action_mask)
     for segment in record.segments:
@@ -163,7 +187,7 @@ def test_a_models_own_format_is_replayed_as_the_endpoint_rendered_it(template):
     from sao.train.run_config import ReplayContext
     from sao.train.trajectory_replay import _simulate, _turns
 
-    run = '<tool_call>\n{"name": "python", "arguments": {"code": "print(2 + 3)"}}\n</tool_call><|im_end|>'
+    run = calls(template, python("print(2 + 3)"))
     (record,), tokenizer, _ = own_format_episode([run, run, "5<|im_end|>"], template=template)
     row = record.to_row()
     context = ReplayContext(env_options={"dataset": OWN_OPTIONS})
@@ -179,10 +203,10 @@ def test_a_models_own_format_is_replayed_as_the_endpoint_rendered_it(template):
     assert prompt_check.ok is False
 
 
-def test_a_models_own_format_spends_the_environments_tool_budget():
+@OWN_TEMPLATES
+def test_a_models_own_format_spends_the_environments_tool_budget(template):
     """Three calls against max_tool_calls 2 end the episode with turns, as the built-in format does."""
-    run = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call><|im_end|>'
-    (record,), _, _ = own_format_episode([run] * 3)
+    (record,), _, _ = own_format_episode([calls(template, python("print(1)"))] * 3, template=template)
     assert (record.termination_reason, record.reward, record.num_turns) == ("turns", 0.0, 3)
 
 
@@ -200,8 +224,7 @@ def test_several_calls_in_one_reply_run_in_order_and_replay(template):
     from sao.train.run_config import ReplayContext
     from sao.train.trajectory_replay import _simulate, _turns
 
-    two = ('<tool_call>\n{"name": "python", "arguments": {"code": "print(2)"}}\n</tool_call>\n'
-           '<tool_call>\n{"name": "python", "arguments": {"code": "print(3)"}}\n</tool_call><|im_end|>')
+    two = calls(template, python("print(2)"), python("print(3)"))
     (record,), tokenizer, _ = own_format_episode([two, "5<|im_end|>"], template=template)
     assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 2)
     (observation,) = [s for s in record.segments if s.kind == "observation"]
@@ -290,3 +313,22 @@ def test_a_reply_that_thinks_before_its_call_is_one_trajectory_with_qwen3s_templ
     assert prompt_check.ok and not problems and list(expected) == [1]
     assert ended.termination == "stop" and ended.reward == record.reward == 0.0  # the reply with its thinking
     # is what the reward functions score: exact_match finds more than "5" there
+
+
+def test_a_reply_that_thinks_before_its_xml_call_is_one_trajectory_with_qwen35s_template():
+    """Qwen3.5's generation prompt opens <think>; the reply closes it, then calls in the XML layout. The
+    template renders that reasoning again after the last user message, so the episode stays one
+    trajectory, and the replay agrees."""
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns
+
+    think = "I should add them with the tool.\n</think>\n\n" + calls(QWEN35_TEMPLATE, python("print(2 + 3)"))
+    (record,), tokenizer, _ = own_format_episode([think, "It printed 5.\n</think>\n\n5<|im_end|>"],
+                                                  template=QWEN35_TEMPLATE)
+    assert tokenizer.decode(list(record.prompt_ids)).endswith("<|im_start|>assistant\n<think>\n")
+    assert [s.kind for s in record.segments] == ["action", "observation", "action"]
+    row = record.to_row()
+    prompt_check, expected, ended, _, problems = _simulate(
+        row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
+    assert prompt_check.ok and not problems and list(expected) == [1]
+    assert ended.termination == "stop" and ended.reward == record.reward
