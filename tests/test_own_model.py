@@ -75,13 +75,22 @@ def _others(vocab: int) -> dict:
             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
             **(moe | {"num_key_value_heads": 4}))),
         "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(num_local_experts=4, head_dim=8, **moe)),
+        # refused: layers that mix tokens by a recurrence or a convolution (each reports the attention
+        # interface, so only this check stops them; measured: RecurrentGemma's samples under concurrent
+        # requests had log-probabilities 0.07-0.13 off the model's, LFM2's failed)
+        "recurrent_gemma": lambda: transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
+            lru_width=32, block_types=["recurrent", "attention"], **gqa)),
+        "lfm2": lambda: transformers.Lfm2ForCausalLM(transformers.Lfm2Config(layer_types=["conv", "full_attention"],
+                                                                            **gqa)),
     }
 
 
 REFUSED = {"stablelm": "attention does not go through Transformers' attention interface",
            "falcon": "attention does not go through Transformers' attention interface",
            "bloom": "attention does not go through Transformers' attention interface",
-           "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks"}
+           "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks",
+           "recurrent_gemma": "mixes tokens in RecurrentGemmaRecurrentBlock layers",
+           "lfm2": "mixes tokens in Lfm2ShortConv layers"}
 
 
 def build(architecture: str, vocab: int, positions: int = 256):
@@ -348,3 +357,33 @@ def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, 
     for row in rows[:4]:
         report = replay_trajectory(lake, row["trajectory_id"], run_id=config.run_id)
         assert report.ok and report.check("prompt").ok, report
+
+
+@pytest.mark.parametrize(("model_type", "mixer"), [
+    ("qwen3_5", "Qwen3_5GatedDeltaNet"), ("qwen3_next", "Qwen3NextGatedDeltaNet"),
+    ("nemotron_h", "NemotronHMamba2Mixer"), ("jamba", "JambaMambaMixer"), ("mamba", "MambaMixer"),
+])
+def test_a_hybrid_or_recurrent_model_is_refused_naming_the_layers_that_mix_tokens(model_type, mixer):
+    """Built on the meta device from Transformers' default config (nothing computed): the reason names
+    the layer class, not the attention interface these models also lack."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sao.rollout.torch_engine import engine_support
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type).get_text_config())
+    assert engine_support(model).startswith(f"{type(model).__name__} mixes tokens in {mixer} layers")
+    assert engine_support(build("qwen2", 300)) is None  # attention only
+
+
+def test_an_audio_towers_convolutions_are_not_the_text_decoders_token_mixing():
+    """Phi-4-multimodal's causal LM holds an audio encoder with Conv1d layers; its text decoder is
+    attention only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sao.rollout.torch_engine import engine_support
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("phi4_multimodal"))
+    assert any(isinstance(m, torch.nn.Conv1d) for m in model.modules())
+    assert "mixes tokens" not in (engine_support(model) or "")

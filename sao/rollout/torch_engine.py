@@ -42,10 +42,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import random
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import transformers
@@ -613,14 +615,51 @@ class TorchEngine(FutureEngine):
         self._rows = rows[:n]
 
 
+_MIXER_KINDS = ("linear", "mamba", "conv", "recurrent", "ssm", "rwkv", "hybrid", "delta")
+"""Words of a config's layer kinds (``layer_types``, ``block_types``, ``layers_block_type``) that name a
+layer mixing tokens otherwise than by attention (``linear_attention``, ``mamba``, ``conv``, ...)."""
+
+
+_OTHER_TOWERS = re.compile(r"audio|vision|visual|speech|image", re.IGNORECASE)
+"""Module paths of a multimodal model's encoders (Phi-4-multimodal's and Gemma 3n's audio towers hold
+convolutions), which the text decoder's token mixing does not include."""
+
+
+def _sequence_mixers(model: torch.nn.Module, text: Any) -> list[str]:
+    """The layers of ``model``'s text decoder that mix tokens otherwise than by attention: the classes
+    that hold a ``Conv1d`` outside an audio or vision tower (Mamba, Gated DeltaNet, short-convolution
+    and RG-LRU layers in Transformers each convolve over the sequence), else the config's layer kinds
+    that say so (:data:`_MIXER_KINDS`: MiniMax's ``linear_attention``)."""
+    modules = dict(model.named_modules())
+    found = [type(modules[path.rpartition(".")[0]]).__name__ for path, module in modules.items()
+             if isinstance(module, torch.nn.Conv1d) and not _OTHER_TOWERS.search(path)]
+    if not found:
+        for key in ("layer_types", "block_types", "layers_block_type"):
+            kinds = getattr(text, key, None) or ()
+            found += [repr(kind) for kind in kinds
+                      if isinstance(kind, str) and any(word in kind.lower() for word in _MIXER_KINDS)]
+    return list(dict.fromkeys(found))
+
+
 def engine_support(model: torch.nn.Module) -> str | None:
     """Why the torch engine cannot run a causal LM, or None when it can (a model built on the meta
     device answers as well: nothing is computed). The engine replaces the attention function through Transformers' attention interface and keeps its
     own KV cache with one head size for keys and values; it cannot run a model whose attention does not
     go through that interface (StableLM, Falcon, Bloom in Transformers 5), whose keys and values differ
-    in size (DeepSeek's multi-head latent attention), or that adds attention sinks (GPT-OSS)."""
+    in size (DeepSeek's multi-head latent attention), that adds attention sinks (GPT-OSS), or that mixes
+    tokens in layers other than attention: a convolution or a recurrence over the sequence (Mamba, Gated
+    DeltaNet, short convolutions: Qwen3.5, Qwen3-Next, Nemotron-H, Jamba, LFM2, RecurrentGemma), whose
+    state of its own the engine does not keep (it packs the running requests into one sequence and caches
+    keys and values only). Such a model that reports the attention interface as well (RecurrentGemma,
+    LFM2) would otherwise run: measured, its log-probabilities under concurrent requests were off by up
+    to 0.13 from the model's own."""
     name = type(model).__name__
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    mixers = _sequence_mixers(model, text)
+    if mixers:
+        return (f"{name} mixes tokens in {', '.join(mixers)} layers (a convolution or a recurrence over the "
+                "sequence, with a state of its own), which the engine does not keep: it packs requests into one "
+                "sequence and caches attention's keys and values only")
     if not getattr(model, "_supports_attention_backend", False):
         return (f"{name}'s attention does not go through Transformers' attention interface "
                 f"(transformers {transformers.__version__}), so the engine cannot put its KV cache in")
