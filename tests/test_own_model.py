@@ -64,6 +64,13 @@ def _others(vocab: int) -> dict:
         "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **small)),
         "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **moe)),
         "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=4, **moe)),
+        "llama4_text": lambda: transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+            num_local_experts=4, head_dim=8, intermediate_size_mlp=64, attention_chunk_size=128,
+            **(moe | {"num_experts_per_tok": 1}))),  # both layers with RoPE (a no-RoPE layer every 4th)
+        # refused: a no-RoPE layer with attention temperature tuning, as every Llama 4 checkpoint has
+        "llama4_nope": lambda: transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+            num_local_experts=4, head_dim=8, intermediate_size_mlp=64, attention_chunk_size=128,
+            no_rope_layers=[1, 0], **(moe | {"num_experts_per_tok": 1}))),
         # refused: attention outside the interface, latent attention, attention sinks
         "stablelm": lambda: transformers.StableLmForCausalLM(transformers.StableLmConfig(**gqa)),
         "falcon": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(vocab_size=vocab, hidden_size=32,
@@ -90,7 +97,8 @@ REFUSED = {"stablelm": "attention does not go through Transformers' attention in
            "bloom": "attention does not go through Transformers' attention interface",
            "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks",
            "recurrent_gemma": "mixes tokens in RecurrentGemmaRecurrentBlock layers",
-           "lfm2": "mixes tokens in Lfm2ShortConv layers"}
+           "lfm2": "mixes tokens in Lfm2ShortConv layers",
+           "llama4_nope": "scales the queries of its layers without RoPE by a position it takes from the cache"}
 
 
 def build(architecture: str, vocab: int, positions: int = 256):
@@ -238,7 +246,7 @@ def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_starts
         check_model_directory(model_directory(tmp_path, architecture))
 
 
-def test_a_sliding_attention_window_bounds_a_request():
+def test_a_sliding_window_or_an_attention_chunk_bounds_a_request():
     from sao.rollout.engine import SamplingParams
     from sao.rollout.torch_engine import attention_window, check_request
 
@@ -246,8 +254,10 @@ def test_a_sliding_attention_window_bounds_a_request():
     assert attention_window(transformers.Qwen2Config(sliding_window=64)) is None  # use_sliding_window: false
     assert attention_window(transformers.Gemma2Config(sliding_window=64)) == 64  # per-layer types, some slide
     assert attention_window(transformers.LlamaConfig()) is None
+    assert attention_window(transformers.Llama4TextConfig(attention_chunk_size=32)) == 32  # chunked layers
+    assert attention_window(transformers.Llama4TextConfig(attention_chunk_size=32, layer_types=["full_attention"] * 48)) is None
     assert check_request([1] * 40, SamplingParams(max_tokens=24), 300, 256, window=64) == [1] * 40
-    with pytest.raises(ValueError, match="sliding attention window \\(64\\)"):
+    with pytest.raises(ValueError, match="attention window \\(64 tokens: a sliding window or an attention chunk\\)"):
         check_request([1] * 41, SamplingParams(max_tokens=24), 300, 256, window=64)
 
 

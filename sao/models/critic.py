@@ -225,12 +225,14 @@ def load_critic(path: str | Path) -> Critic:
             raise FileNotFoundError(f"load_critic: {path} has no {name} (not written by save_critic)")
     config = CriticConfig(**json.loads((path / _CONFIG_FILE).read_text()))
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    from sao.models.policy import is_mixture_of_experts
+    from sao.models.policy import sets_experts_implementation
 
     options = {"attn_implementation": "sdpa"}
-    if is_mixture_of_experts(AutoConfig.from_pretrained(str(path))):
-        options["experts_implementation"] = "grouped_mm"  # a dense model refuses the option
+    backbone_config = AutoConfig.from_pretrained(str(path))
+    if sets_experts_implementation(MODEL_MAPPING.get(type(backbone_config), None), backbone_config):
+        options["experts_implementation"] = "grouped_mm"
     backbone = AutoModel.from_pretrained(str(path), **options)
     state = load_file(str(path / _HEAD_FILE))
     head = nn.Linear(backbone.config.hidden_size, 1, dtype=state["weight"].dtype)

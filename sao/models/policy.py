@@ -49,6 +49,7 @@ __all__ = [
     "routing_note",
     "load_policy",
     "read_policy_metadata",
+    "sets_experts_implementation",
     "save_policy",
 ]
 
@@ -264,11 +265,19 @@ def load_policy(
     if attn_implementation == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
         attn_implementation = "eager"  # an architecture without an sdpa path (the engine sets its own anyway)
     options: dict[str, Any] = {"dtype": _DTYPES[dtype], "attn_implementation": attn_implementation}
-    if is_mixture_of_experts(config):
-        options["experts_implementation"] = experts_implementation  # a dense model refuses the option
+    if sets_experts_implementation(model_class, config):
+        options["experts_implementation"] = experts_implementation
     model = AutoModelForCausalLM.from_pretrained(str(path), **options)
     model.eval()
     return model
+
+
+def sets_experts_implementation(model_class: type | None, config: Any) -> bool:
+    """Whether a model of ``model_class`` built from ``config`` takes an ``experts_implementation``: a
+    mixture-of-experts model whose experts Transformers can dispatch (a dense model refuses the option,
+    and so does an MoE model whose experts are written out, such as Llama 4's)."""
+    can_set = getattr(model_class, "_can_set_experts_implementation", None)  # Transformers 5's own test
+    return is_mixture_of_experts(config) and can_set is not None and bool(can_set())
 
 
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")

@@ -120,8 +120,8 @@ class TorchEngineConfig:
 def check_request(prompt_ids: Sequence[int], sampling: SamplingParams, vocab_size: int,
                   max_positions: int | None, window: int | None = None) -> list[int]:
     """The prompt as a list of ints, or ``ValueError`` naming what is wrong with the request.
-    ``window``: the model's sliding attention window (:func:`attention_window`), which the engine's
-    attention does not apply: a longer sequence is refused rather than attended to differently."""
+    ``window``: the model's sliding attention window or attention chunk (:func:`attention_window`), which
+    the engine's attention does not apply: a longer sequence is refused rather than attended to differently."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
@@ -135,22 +135,27 @@ def check_request(prompt_ids: Sequence[int], sampling: SamplingParams, vocab_siz
         )
     if window is not None and len(prompt) + sampling.max_tokens > window:
         raise ValueError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's sliding "
-            f"attention window ({window}), which the torch engine does not apply"
+            f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's attention "
+            f"window ({window} tokens: a sliding window or an attention chunk), which the torch engine does not apply"
         )
     return prompt
 
 
 def attention_window(config: object) -> int | None:
-    """The sliding attention window of a Hugging Face model config, or None when every layer attends
-    to the whole sequence (``layer_types`` says which layers slide; without it, ``sliding_window`` set
-    and not switched off by ``use_sliding_window: false``, as Mistral's)."""
+    """The most tokens a Hugging Face model config's layers attend over, or None when every layer attends
+    to the whole sequence: its sliding attention window (``layer_types`` says which layers slide; without
+    it, ``sliding_window`` set and not switched off by ``use_sliding_window: false``, as Mistral's), or its
+    attention chunk (Llama 4's ``chunked_attention`` layers attend within chunks of
+    ``attention_chunk_size``), whichever is smaller. Up to that length every layer attends as causal
+    attention over the whole sequence does, which is what the engine computes."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(text, "sliding_window", None)
     layer_types = getattr(text, "layer_types", None)
-    if layer_types:
-        return window if "sliding_attention" in layer_types else None
-    return window if window and getattr(text, "use_sliding_window", True) else None
+    if not layer_types:
+        return window if window and getattr(text, "use_sliding_window", True) else None
+    spans = [window if "sliding_attention" in layer_types else None,
+             getattr(text, "attention_chunk_size", None) if "chunked_attention" in layer_types else None]
+    return min((span for span in spans if span), default=None)
 
 
 @dataclasses.dataclass
@@ -256,7 +261,9 @@ class TorchEngine(FutureEngine):
         self._chunk = None if self.config.decode_kernel and self._kv.dtype == torch.float32 else self.config.attention_chunk
         self._lengths = torch.zeros(slots, dtype=torch.long)
         self._slot_ids = torch.arange(slots)
-        self._next_logits = torch.zeros(slots, model.config.vocab_size)
+        config = model.config  # a multimodal model's sizes are its text model's
+        self._text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._next_logits = torch.zeros(slots, self._text.vocab_size)
         self._reordered = True  # whether the running rows were checked for length order since they changed
         # Routing record: (slots, columns, MoE layers, top_k) uint8 expert ids, laid out like the KV cache.
         routers = moe_routers(model)
@@ -307,8 +314,8 @@ class TorchEngine(FutureEngine):
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                request_id: str | None = None) -> concurrent.futures.Future[Generation]:
         """Queue a request; the future resolves with its :class:`Generation`."""
-        prompt = check_request(prompt_ids, sampling, self.model.config.vocab_size,
-                               getattr(self.model.config, "max_position_embeddings", None), self._window)
+        prompt = check_request(prompt_ids, sampling, self._text.vocab_size,
+                               getattr(self._text, "max_position_embeddings", None), self._window)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is closed")
@@ -620,6 +627,18 @@ _MIXER_KINDS = ("linear", "mamba", "conv", "recurrent", "ssm", "rwkv", "hybrid",
 layer mixing tokens otherwise than by attention (``linear_attention``, ``mamba``, ``conv``, ...)."""
 
 
+_REFUSED_TYPES = {
+    "doge": "adds an attention mask of its own, computed from the values (dynamic mask attention), which the "
+            "engine's attention does not apply",
+    "hrm_text": "runs each layer more than once per token (its reasoning cycles), each run with a cache slot "
+                "of its own beyond the layers the engine's cache holds",
+    "moshi": "failed every generation in the engine (a matrix shape error in its forward)",
+}
+"""Model types the structural checks above let through that the engine cannot run, found by running every
+causal LM type of Transformers through it (``tests/rollout/test_engine_architectures.py``; the reasons as
+measured with Transformers 5.20: Doge's samples had log-probabilities up to 0.19 off the model's, and
+every generation of the other two failed)."""
+
 _OTHER_TOWERS = re.compile(r"audio|vision|visual|speech|image", re.IGNORECASE)
 """Module paths of a multimodal model's encoders (Phi-4-multimodal's and Gemma 3n's audio towers hold
 convolutions), which the text decoder's token mixing does not include."""
@@ -667,4 +686,13 @@ def engine_support(model: torch.nn.Module) -> str | None:
         return f"{name} uses multi-head latent attention (keys and values of different sizes)"
     if any(parameter.endswith(".sinks") for parameter, _ in model.named_parameters()):
         return f"{name} adds learned attention sinks, which the engine's attention does not apply"
-    return None
+    if getattr(text, "attn_temperature_tuning", False) and 0 in list(getattr(text, "no_rope_layers", None) or [])[
+            : text.num_hidden_layers]:
+        return (f"{name} scales the queries of its layers without RoPE by a position it takes from the cache's "
+                "length, not from each request's position (Llama 4's attention temperature tuning), which the "
+                "engine's packed requests do not give")
+    if any(hasattr(module, "create_position_ids_from_input_ids") for module in model.modules()):
+        return (f"{name} numbers its positions from after its padding id (RoBERTa's embeddings), not from 0 as "
+                "the engine gives them")
+    refused = _REFUSED_TYPES.get(getattr(text, "model_type", None))
+    return f"{name} {refused}" if refused else None
