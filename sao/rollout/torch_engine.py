@@ -671,7 +671,11 @@ def engine_support(model: torch.nn.Module) -> str | None:
     state of its own the engine does not keep (it packs the running requests into one sequence and caches
     keys and values only). Such a model that reports the attention interface as well (RecurrentGemma,
     LFM2) would otherwise run: measured, its log-probabilities under concurrent requests were off by up
-    to 0.13 from the model's own."""
+    to 0.13 from the model's own. Nor can it run a model whose layers without RoPE scale their queries by
+    a position taken from the cache's length (Llama 4's attention temperature tuning), whose embeddings
+    number positions from after the padding id (the RoBERTa family), or one of :data:`_REFUSED_TYPES`.
+    ``tests/rollout/test_engine_architectures.py`` holds every causal LM type of Transformers that it can
+    build small to this: refused here, or sampled as the model computes."""
     name = type(model).__name__
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mixers = _sequence_mixers(model, text)
