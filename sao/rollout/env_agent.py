@@ -16,11 +16,11 @@ the same ends (the environment's ``stop`` and ``turns``; the endpoint's ``length
 **A model's own tool-call format.** A policy whose tokenizer lacks this project's tool-call tokens
 (a model of one's own) calls the sandboxed Python tool in its own format, when its chat template
 renders tool calls in a layout the loop reads (:func:`sao.models.chat.renders_tool_calls`: Hermes JSON,
-as Qwen2.5, Qwen3 and others write it; XML, as Qwen3.5 and later do) and the
-environment allows tool calls (``max_tool_calls`` > 0): every request offers the one tool :func:`python_tool` (``python``, argument ``code``; the template writes it into
-the prompt), each ``python`` call of a reply is one environment step (several calls in a reply run in
-order), and each result goes back as a ``tool`` message answering its call's id, rendered by the
-template. A call of another name, or without a ``code`` string, is answered by a ``tool`` message
+as Qwen2.5, Qwen3 and others write it; XML, as Qwen3.5 and later do) and the environment allows tool
+calls (``max_tool_calls`` > 0): every request offers the one tool :func:`python_tool` (``python``,
+argument ``code``; the template writes it into the prompt), each ``python`` call of a reply is one
+environment step (several calls in a reply run in order), and each result goes back as a ``tool``
+message answering its call's id, rendered by the template. A call of another name, or without a ``code`` string, is answered by a ``tool`` message
 saying so (:func:`tool_answer`) and is no environment step; the episode goes on within its budgets
 (:func:`answer_reply`). The environment's conversation, which the reward functions get as
 ``messages``, holds each call as this project's format writes one (``<tool_call>code</tool_call>``,
@@ -87,8 +87,8 @@ def steps_of(message: dict[str, Any]) -> list[tuple[str | None, str | None]]:
     ``python`` call with a ``code`` string, in order (the action as the built-in format writes it); a
     call of another name or without code: ``(call id, None)``, answered without a step
     (:func:`tool_answer`); a reply without calls: ``[(None, its content and IM_END)]``, a final reply (a
-    ``<tool_call>`` the reply holds as text, not a call in a layout the loop reads, is not run). ``message``: the assistant
-    message as the endpoint keeps it (arguments as objects)."""
+    ``<tool_call>`` the reply holds as text, not a call in a layout the loop reads, is not run).
+    ``message``: the assistant message as the endpoint keeps it (arguments as objects)."""
     calls = message.get("tool_calls") or []
     if not calls:
         return [(None, (message.get("content") or "") + IM_END)]

@@ -56,6 +56,15 @@ def _built(config):
     return model, reference
 
 
+def _or_skipped(build, *args):
+    """``(build(*args), None)``, or ``(None, why not)`` where it raises: a default config that the generic
+    sizes do not fit, or that builds on the meta device only."""
+    try:
+        return build(*args), None
+    except Exception as error:  # noqa: BLE001 - whatever the config or the model's constructor raises
+        return None, f"{type(error).__name__}: {error}"[:200]
+
+
 def _sweep():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -64,11 +73,11 @@ def _sweep():
 
     results = {}
     for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        try:
-            config, meta = _small_config(model_type)
-        except Exception as error:  # noqa: BLE001 - a default config the generic sizes do not fit
-            results[model_type] = ("skipped", f"{type(error).__name__}: {error}"[:200])
+        small, why_not = _or_skipped(_small_config, model_type)
+        if why_not:
+            results[model_type] = ("skipped", why_not)
             continue
+        config, meta = small
         refused = engine_support(meta)
         if refused:
             results[model_type] = ("refused", refused)
@@ -77,11 +86,11 @@ def _sweep():
         if size > MAX_PARAMETERS:
             results[model_type] = ("skipped", f"{size:,} parameters after the generic sizes")
             continue
-        try:
-            model, reference = _built(config)
-        except Exception as error:  # noqa: BLE001 - a config that builds on the meta device only
-            results[model_type] = ("skipped", f"{type(error).__name__}: {error}"[:200])
+        built, why_not = _or_skipped(_built, config)
+        if why_not:
+            results[model_type] = ("skipped", why_not)
             continue
+        model, reference = built
         engine = TorchEngine(model)
         try:
             futures = [engine.submit(prompt, SamplingParams(max_tokens=6, seed=seed)) for seed, prompt in enumerate(PROMPTS)]
