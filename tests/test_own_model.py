@@ -141,7 +141,7 @@ def test_the_plain_chat_format_of_a_foreign_tokenizer():
 def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     path = model_directory(tmp_path, "llama")
     check_model_directory(path)
-    with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*Hermes JSON.*or XML.*env.max_tool_calls: 0"):
+    with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*Hermes JSON.*XML.*bare JSON.*env.max_tool_calls: 0"):
         check_model_directory(path, need_tools=True, own_format=True)
     with pytest.raises(ModelDirectoryError, match="no such folder"):
         check_model_directory(tmp_path / "missing")
@@ -167,6 +167,10 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
 
     xml = model_directory(tmp_path / "xml", "qwen2", qwen_style_tokenizer((TEMPLATES / "qwen3_5.jinja").read_text()))
     check_model_directory(xml, need_tools=True, own_format=True)  # Qwen3.5's XML calls
+    from tests.rollout.test_chat_endpoint import llama_style_tokenizer
+
+    llama32 = model_directory(tmp_path / "llama32", "llama", llama_style_tokenizer())
+    check_model_directory(llama32, need_tools=True, own_format=True)  # Llama 3.2's bare JSON calls
     nemotron = (TEMPLATES / "nemotron_3_nano.jinja").read_text()
     nemotron = model_directory(tmp_path / "nemotron", "qwen2", qwen_style_tokenizer(nemotron))
     with pytest.raises(ModelDirectoryError, match="cannot call tools in its own format: it renders the assistant's "
@@ -344,25 +348,33 @@ def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_sess
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, ray_session):
-    """A model of one's own with Qwen2.5's published chat template (Hermes tool calls, none of this
-    project's tool tokens) on tasks that allow tool calls: the replicas offer the python tool in every
-    prompt, 3 SAO steps train through Serve, the lake and Ray Train, the lake's audit passes, and stored
-    trajectories replay (the prompt re-rendered through the template, the reward and the end re-scored).
-    The random model writes no call a template would parse: the calls are tested in
-    tests/rollout/test_env_agent.py."""
+@pytest.mark.parametrize("architecture, template", [("qwen2", "qwen2.5"), ("llama", "llama3.2")])
+def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, ray_session, architecture, template):
+    """A model of one's own with a published chat template (Qwen2.5's: Hermes tool calls; Llama 3.2's:
+    one bare JSON call a reply, the date read from the clock), none of this project's tool tokens, on
+    tasks that allow tool calls: the replicas offer the python tool in every prompt, 3 SAO steps train
+    through Serve, the lake and Ray Train, the lake's audit passes, and stored trajectories replay (the
+    prompt re-rendered through the template, the reward and the end re-scored). The random model writes
+    no call a template would parse: the calls are tested in tests/rollout/test_env_agent.py."""
     from sao.lake.store import Lake
+    from sao.models.chat import TEMPLATE_CLOCK
     from sao.train.trajectory_replay import replay_trajectory
     from tests._runs import train_and_audit
-    from tests.rollout.test_chat_endpoint import QWEN25_TEMPLATE, qwen_style_tokenizer
+    from tests.rollout.test_chat_endpoint import (
+        QWEN25_TEMPLATE,
+        llama_style_tokenizer,
+        qwen_style_tokenizer,
+    )
 
-    tokenizer = qwen_style_tokenizer(QWEN25_TEMPLATE)
-    model = model_directory(tmp_path, "qwen2", tokenizer, positions=2048)  # the tools' prompt is long
+    tokenizer = qwen_style_tokenizer(QWEN25_TEMPLATE) if template == "qwen2.5" else llama_style_tokenizer()
+    model = model_directory(tmp_path, architecture, tokenizer, positions=2048)  # the tools' prompt is long
     config, _, rows = train_and_audit(three_steps(tmp_path, "own-tools", model, max_tool_calls=2, max_tokens=16,
                                                   max_turns=3))
     assert rows and all(row["error"] is None for row in rows)
-    assert all('{"type": "function", "function": {"name": "python"' in tokenizer.decode(row["prompt_ids"])
-               for row in rows)
+    prompts = [tokenizer.decode(row["prompt_ids"]) for row in rows]
+    assert all('"name": "python"' in prompt and "Run Python code in a sandbox" in prompt for prompt in prompts)
+    if template == "llama3.2":
+        assert all(f"Today Date: {TEMPLATE_CLOCK:%d %b %Y}\n" in prompt for prompt in prompts)
     lake = Lake.open(config.lake.root)
     for row in rows[:4]:
         report = replay_trajectory(lake, row["trajectory_id"], run_id=config.run_id)

@@ -28,11 +28,12 @@ Tool output is encoded with special tokens split into ordinary text, so a progra
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -68,7 +69,9 @@ __all__ = [
     "Message",
     "Reply",
     "ToolCall",
+    "TEMPLATE_CLOCK",
     "action_text",
+    "apply_template",
     "generation_end_ids",
     "observation_ids",
     "observation_text",
@@ -84,6 +87,24 @@ __all__ = [
 ]
 
 Message = dict[str, Any]  # a Hugging Face chat message: {"role", "content", optional "tool_calls"}
+
+TEMPLATE_CLOCK = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+"""The time a chat template is told when it reads the clock (``strftime_now``, as the templates of
+Llama 3.2 and later do for the "Today Date" of their system turn): fixed, so that a conversation
+renders the same tokens on any day. A multi-turn episode that runs past midnight does not split, a
+resumed run renders its prompts as it began them, evaluation renders the same held-out prompts every
+day, and ``sao replay --trajectory`` re-renders the stored prompt. Stored trajectories were rendered
+with it: changing it makes their replays report another prompt."""
+
+
+def _template_strftime(format: str) -> str:
+    return TEMPLATE_CLOCK.strftime(format)
+
+
+def apply_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], **options: Any) -> Any:
+    """``tokenizer.apply_chat_template(messages, **options)`` with the template's clock at
+    :data:`TEMPLATE_CLOCK`: every rendering of a conversation in this project goes through here."""
+    return tokenizer.apply_chat_template(list(messages), strftime_now=_template_strftime, **options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +251,12 @@ def without_turn_end(text: str, ids: Sequence[int], ends: Collection[int],
 
 def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None,
                         ) -> tuple[str, list[dict[str, Any]]] | None:
-    """The tool calls of a reply in a layout that models' own chat templates render calls in, each call a
-    ``<tool_call>...</tool_call>`` block after optional text, holding either
+    """The tool calls of a reply in a layout that models' own chat templates render calls in: either one
+    **bare JSON** call that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates
+    of Llama 3.1, 3.2 and 3.3 write one (``"arguments"`` is read as well, as vLLM's ``llama3_json``
+    parser reads it; no other key, and nothing but whitespace around it; those templates render one
+    call a reply), or calls that are each a ``<tool_call>...</tool_call>`` block after optional text,
+    holding either
 
     - **Hermes JSON**, as the templates of Qwen2.5, Qwen3, Hermes and others write it:
       ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (whitespace around the JSON); or
@@ -252,7 +277,8 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     vLLM's parsers leave it)."""
     blocks = list(_TEMPLATE_CALL.finditer(text))
     if not blocks:
-        return None
+        call = _json_call(text)
+        return ("", [call]) if call is not None else None
     calls = []
     for block in blocks:
         body = block.group(1)
@@ -272,6 +298,23 @@ def _hermes_call(block: str) -> dict[str, Any] | None:
             and isinstance(call.get("arguments", {}), dict)):
         return None
     return {"name": call["name"], "arguments": call.get("arguments", {})}
+
+
+def _json_call(text: str) -> dict[str, Any] | None:
+    """``text`` as one bare JSON call (:func:`template_tool_calls`), else None."""
+    body = text.strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]):
+        return None
+    keys = set(call) - {"name"}
+    if len(keys) != 1 or not keys <= {"parameters", "arguments"} or not isinstance(call[keys.pop()], dict):
+        return None
+    return {"name": call["name"], "arguments": call.get("parameters", call.get("arguments"))}
 
 
 _TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=))(.*?)" + re.escape(TOOL_CALL_END),
@@ -342,7 +385,8 @@ def _typed(value: str, schema: Any) -> Any:
 def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt and
     renders an assistant's tool call in a layout that :func:`template_tool_calls` reads back (Hermes
-    JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later), and the tool's result
+    JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later; one bare JSON call: Llama 3.1 to
+    3.3), and the tool's result
     after it, with the reply rendered as it follows the generation prompt it was sampled after (Nemotron
     3's opens a thinking block there that its rendering of a reply drops: every episode would split): a
     model whose template does can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing. Why not:
@@ -361,33 +405,55 @@ def tool_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
                     {"id": "call_0", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
                 {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": "42"}]
     try:
-        text = tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True, tokenize=False)
-        prompt = tokenizer.apply_chat_template(messages[:1], tools=[tool], add_generation_prompt=True, tokenize=False)
+        text = apply_template(tokenizer, messages, tools=[tool], add_generation_prompt=True, tokenize=False)
+        prompt = apply_template(tokenizer, messages[:1], tools=[tool], add_generation_prompt=True, tokenize=False)
     except Exception as error:  # noqa: BLE001 - whatever the template raises, said as it said it
         return f"it fails on a conversation with a tool call and its result ({type(error).__name__}: {error})"
     if not isinstance(text, str) or not isinstance(prompt, str):
         return "it does not render such a conversation as text"
-    for block in _TEMPLATE_CALL.finditer(text):
-        parsed = template_tool_calls(block.group(0), [tool])
-        if parsed is not None and parsed[1] == [{"name": "python", "arguments": {"code": code}}]:
-            if described not in text[:block.start()]:
-                return "it does not write the tools it is given into the prompt"
-            if "42" not in text[block.end():]:
-                return "it does not render a tool's result after the call"
-            if not text.startswith(prompt):  # the reply, rendered, does not follow the prompt it was sampled after
-                at = max(0, len(os.path.commonprefix([prompt, text])) - 20)
-                return (f"it renders the assistant's reply otherwise than after the generation prompt it is sampled "
-                        f"after: where the prompt ends {prompt[at:]!r}, the conversation has {text[at:at + 40]!r} "
-                        "(a thinking block the prompt opens and the rendering drops, say), so every episode would "
-                        "split at its first call")
-            return None
+    for start, end in _rendered_calls(text, {"name": "python", "arguments": {"code": code}}, [tool]):
+        if described not in text[:start]:
+            return "it does not write the tools it is given into the prompt"
+        if "42" not in text[end:]:
+            return "it does not render a tool's result after the call"
+        if not text.startswith(prompt):  # the reply, rendered, does not follow the prompt it was sampled after
+            at = max(0, len(os.path.commonprefix([prompt, text])) - 20)
+            return (f"it renders the assistant's reply otherwise than after the generation prompt it is sampled "
+                    f"after: where the prompt ends {prompt[at:]!r}, the conversation has {text[at:at + 40]!r} "
+                    "(a thinking block the prompt opens and the rendering drops, say), so every episode would "
+                    "split at its first call")
+        return None
     return ('it does not render tool calls in a layout the loop reads: Hermes JSON (<tool_call>{"name": ..., '
-            '"arguments": ...}</tool_call>, as Qwen2.5\'s and Qwen3\'s templates do) or XML (<tool_call>'
-            "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does)")
+            '"arguments": ...}</tool_call>, as Qwen2.5\'s and Qwen3\'s templates do), XML (<tool_call>'
+            "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does) or a bare "
+            'JSON call ({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s do)')
+
+
+_JSON_CALL_START = re.compile(r'\{\s*"name"\s*:')
+
+
+def _rendered_calls(text: str, call: dict[str, Any], tools: list[dict[str, Any]]) -> Iterator[tuple[int, int]]:
+    """Where a chat template's ``text`` renders ``call`` in a layout :func:`template_tool_calls` reads:
+    (start, end) of each ``<tool_call>`` block, then of each bare JSON call, that reads back as it."""
+    for block in _TEMPLATE_CALL.finditer(text):
+        parsed = template_tool_calls(block.group(0), tools)
+        if parsed is not None and parsed[1] == [call]:
+            yield block.span()
+    decoder = json.JSONDecoder()
+    for found in _JSON_CALL_START.finditer(text):
+        try:
+            _, end = decoder.raw_decode(text, found.start())
+        except ValueError:
+            continue
+        if _json_call(text[found.start():end]) == call:
+            yield found.start(), end
 
 
 def outside_tool_calls(text: str) -> str:
-    """``text`` without its ``<tool_call>...</tool_call>`` blocks."""
+    """``text`` without its ``<tool_call>...</tool_call>`` blocks; "" for a reply that is one bare JSON
+    call (:func:`template_tool_calls`)."""
+    if _json_call(text) is not None:
+        return ""
     return _TOOL_CALL.sub("", text)
 
 
@@ -448,7 +514,7 @@ def observation_ids(tokenizer: PreTrainedTokenizerBase, tool_output: str) -> lis
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
     """The chat template's rendering of ``messages`` plus the assistant generation prompt, as ids."""
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = apply_template(tokenizer, messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     return [int(i) for i in ids]
 
 

@@ -44,14 +44,17 @@ nothing: the episode goes on.
 (:mod:`sao.models.chat`), a tool call ``<tool_call>code</tool_call>`` as a ``python`` function call
 whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a model's own format and
 ``tools`` in the request, the calls of a reply in the Hermes JSON layout (Qwen2.5, Qwen3 and others:
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>``) or the XML one (Qwen3.5 and later,
-Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``;
-:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the offered tool's
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), the XML one (Qwen3.5 and later,
+Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``) or a reply that is one bare
+JSON call (Llama 3.1 to 3.3: ``{"name": ..., "parameters": ...}``)
+(:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the offered tool's
 schema) as its ``tool_calls``, the text before them as its content (a call's id is derived from the
 episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
 back, such a reply extends the record when the template renders it as it was sampled (the template's
 own layout of a call: JSON as ``tojson`` writes it, or its XML lines); otherwise the episode splits
-there.
+there. Every rendering tells a template that reads the clock the same fixed time
+(:data:`sao.models.chat.TEMPLATE_CLOCK`: Llama 3.2's writes the date into its system turn), so an
+episode does not split at midnight.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from sao.models.chat import (
     TOOL_CALL_START,
     ChatTokens,
     Message,
+    apply_template,
     outside_tool_calls,
     template_tool_calls,
     without_turn_end,
@@ -347,6 +351,11 @@ def _calling(content: str, calls: list[dict[str, Any]], key: str) -> tuple[Messa
         {"id": call_id(key, k), "type": "function", "function": call} for k, call in enumerate(calls)]}, "tool_calls"
 
 
+_MARK = "\ue000"
+"""Marks where a message's content is in a rendering (:meth:`ChatRendering.encode_added`): a character of
+Unicode's private use area, which a template writes as it is, in JSON strings too."""
+
+
 class ChatRendering:
     """What the chat endpoint does with a tokenizer alone: a conversation rendered by the chat template
     and tokenised, what an agent added encoded as observations, a reply read back as an assistant
@@ -365,8 +374,7 @@ class ChatRendering:
     def render(self, messages: Sequence[Message], tools: list | None) -> str:
         """The chat template's text of ``messages`` and the assistant's generation prompt."""
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
-                                                      tokenize=False)
+            return apply_template(self.tokenizer, messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as error:  # the template refused the conversation (a role, a missing field)
             raise _bad(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from None
 
@@ -379,31 +387,35 @@ class ChatRendering:
         (``before`` is the rendering up to them): the template's own parts with their special tokens,
         each added message's content as plain text (a tool result that prints ``<|im_end|>`` cannot
         forge a turn boundary), as the built-in loop encodes observations. Where the contents are is
-        found by rendering the messages again with a marker for each; a template that does not render a
-        content verbatim gets the whole text encoded as it is."""
+        found by rendering the messages again with a marker for each. A content is found as it is, or
+        as the JSON string a template writes it as (Llama 3's writes every tool result with ``tojson``:
+        the plain text is then the escaped content, without the quotes); a template that renders a
+        content otherwise gets the whole text encoded as it is."""
         contents = [str(m.get("content") or "") for m in messages[kept:]]
-        marked = [*messages[:kept], *({**m, "content": f"\x00{k}\x00"} for k, m in enumerate(messages[kept:]))]
+        marked = [*messages[:kept], *({**m, "content": f"{_MARK}{k}{_MARK}"} for k, m in enumerate(messages[kept:]))]
         around = self.render(marked, tools)
         if not around.startswith(before):
             return self.encode(text)
-        parts = around[len(before):].split("\x00")  # template, index, template, index, ..., template
-        rebuilt, pieces = "", []
-        for k, part in enumerate(parts):
-            if k % 2 == 0:
-                rebuilt += part
-                pieces.append((part, False))
-            elif part.isdigit() and int(part) < len(contents):
-                rebuilt += contents[int(part)]
-                pieces.append((contents[int(part)], True))
-            else:
-                return self.encode(text)
-        if rebuilt != text:
+        parts = around[len(before):].split(_MARK)  # template, index, template, index, ..., template
+        if len(parts) % 2 == 0 or not all(p.isdigit() and int(p) < len(contents) for p in parts[1::2]):
             return self.encode(text)
-        ids: list[int] = []
-        for piece, plain in pieces:
-            if piece:
-                ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=plain)
-        return [int(i) for i in ids]
+        for escaped in (False, True):
+            pieces = []
+            for k, part in enumerate(parts):
+                if k % 2 == 0:
+                    pieces.append((part, False))
+                    continue
+                content = contents[int(part)]
+                if escaped and parts[k - 1].endswith('"') and parts[k + 1].startswith('"'):  # inside a JSON string
+                    content = json.dumps(content, ensure_ascii=False)[1:-1]
+                pieces.append((content, True))
+            if "".join(piece for piece, _ in pieces) == text:
+                ids: list[int] = []
+                for piece, plain in pieces:
+                    if piece:
+                        ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=plain)
+                return [int(i) for i in ids]
+        return self.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -412,8 +424,8 @@ class ChatRendering:
               tools: list | None, key: str) -> tuple[Message, str]:
         """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
         chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
-        and ``tools`` in the request, the calls in a reply that stopped, in the Hermes JSON or the XML
-        layout, are its tool calls (:func:`sao.models.chat.template_tool_calls`; an XML call's arguments
+        and ``tools`` in the request, the calls in a reply that stopped, in the Hermes JSON, the XML or
+        the bare JSON layout, are its tool calls (:func:`sao.models.chat.template_tool_calls`; an XML call's arguments
         typed by the offered tool's schema), with ids from ``key`` (:func:`call_id`)."""
         text = self.decode(ids)
         last = ids[-1] if ids else None

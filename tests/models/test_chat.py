@@ -238,8 +238,20 @@ def xml_call(name, **arguments):
     ("<tool_call>\n<function=f>\nnote <parameter=s>\nx\n</parameter>\n</function>\n</tool_call>", None),  # text
     ("<tool_call>\n<function=f>\n<parameter=s>\nx\n</parameter>\n</tool_call>", None),  # </function> missing
     ("<tool_call>\nprint(1)\n</tool_call>", None),  # neither layout: this project's own call, as text
+    ('{"name": "add", "parameters": {"a": 2}}', ("", [{"name": "add", "arguments": {"a": 2}}])),  # Llama 3
+    ('\n {"name": "add", "arguments": {}} ', ("", [{"name": "add", "arguments": {}}])),  # as vLLM reads it
+    ('Adding. {"name": "add", "parameters": {"a": 2}}', None),  # text around a bare call: text
+    ('{"name": "add", "parameters": {"a": 2}} done', None),
+    ('{"name": "add", "parameters": {"a": 2}, "id": "1"}', None),  # another key: an answer, not a call
+    ('{"name": "add", "parameters": {}, "arguments": {}}', None),
+    ('{"name": "add"}', None),  # a bare call names its parameters
+    ('{"name": "", "parameters": {}}', None),
+    ('{"name": "add", "parameters": [2]}', None),
+    ('{"name": "add", "parameters": {}}; {"name": "add", "parameters": {}}', None),  # one call a reply
 ], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text", "xml",
-        "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither"])
+        "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither", "bare json",
+        "bare json arguments", "bare json after text", "bare json before text", "bare json other key",
+        "bare json both keys", "bare json no parameters", "bare json empty name", "bare json list", "bare json two"])
 def test_template_tool_calls(text, expected):
     from sao.models.chat import template_tool_calls
 
@@ -309,10 +321,12 @@ QWEN35_TEMPLATES = ("qwen3_5.jinja", "qwen3_5_nothink.jinja")
 def test_renders_tool_calls_tells_a_template_that_renders_tool_calls_from_one_that_does_not():
     from sao.models.chat import renders_tool_calls
     from tests.rollout.test_chat_endpoint import (
+        LLAMA_TEMPLATES,
         QWEN3_TEMPLATE,
         QWEN25_TEMPLATE,
         QWEN_STYLE,
         TEMPLATES,
+        llama_style_tokenizer,
         qwen_style_tokenizer,
     )
     from tests.test_own_model import CHATML
@@ -322,6 +336,8 @@ def test_renders_tool_calls_tells_a_template_that_renders_tool_calls_from_one_th
     assert renders_tool_calls(qwen_style_tokenizer(QWEN3_TEMPLATE))
     for name in QWEN35_TEMPLATES:  # the XML layout
         assert renders_tool_calls(qwen_style_tokenizer((TEMPLATES / name).read_text()))
+    for template in LLAMA_TEMPLATES:  # one bare JSON call, the tools in the first user turn
+        assert renders_tool_calls(llama_style_tokenizer(template))
     assert not renders_tool_calls(qwen_style_tokenizer(CHATML))  # calls dropped: the content only
     toolless = QWEN_STYLE.replace("{{ tool | tojson }}", "")  # renders calls back, never says what tools there are
     assert "tojson }}{% endfor %}" not in toolless and not renders_tool_calls(qwen_style_tokenizer(toolless))
@@ -349,3 +365,47 @@ def test_what_keeps_a_template_from_the_tool_loop_is_said_in_words():
     problem = tool_calls_problem(qwen_style_tokenizer((TEMPLATES / "nemotron_3_nano.jinja").read_text()))
     assert problem.startswith("it renders the assistant's reply otherwise than after the generation prompt")
     assert r"assistant\n<think>\n'" in problem and r"<think></think>\n<tool_call>" in problem
+
+
+def test_a_bare_json_call_has_no_text_outside_it():
+    """The chat endpoint logs text after a reply's calls (left out of its message); a reply that is one
+    bare JSON call has none."""
+    from sao.models.chat import outside_tool_calls
+
+    assert outside_tool_calls('{"name": "python", "parameters": {"code": "print(1)"}}') == ""
+    assert outside_tool_calls('<tool_call>\n{"name": "f"}\n</tool_call>\nmore') == "\nmore"
+
+
+def test_a_template_that_reads_the_clock_renders_the_same_conversation_on_any_day(monkeypatch):
+    """Llama 3.2's template writes today's date into its system turn. Every rendering here tells it
+    TEMPLATE_CLOCK's instead: a conversation rendered just before midnight and just after gives the
+    same prompt ids and text, the start check's included, where the template left to itself does not."""
+    import datetime
+
+    import transformers.utils.chat_template_utils as chat_template_utils
+
+    from sao.models.chat import TEMPLATE_CLOCK, apply_template, prompt_ids, tool_calls_problem
+    from sao.rollout.chat_endpoint import ChatRendering
+    from tests.rollout.test_chat_endpoint import llama_style_tokenizer
+
+    tokenizer = llama_style_tokenizer()
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    rendered, own = [], []
+    for moment in (datetime.datetime(2026, 12, 7, 23, 59, 59), datetime.datetime(2026, 12, 8, 0, 0, 1)):
+        class Clock(datetime.datetime):
+            at = moment
+
+            @classmethod
+            def now(cls, tz=None):
+                return cls.at
+
+        monkeypatch.setattr(chat_template_utils, "datetime", Clock)
+        own.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        rendered.append((prompt_ids(tokenizer, messages), ChatRendering(tokenizer).render(messages, None),
+                         apply_template(tokenizer, messages, add_generation_prompt=True, tokenize=False),
+                         tool_calls_problem(tokenizer)))
+    assert "Today Date: 07 Dec 2026" in own[0] and "Today Date: 08 Dec 2026" in own[1]  # the clock reached it
+    assert rendered[0] == rendered[1]
+    assert f"Today Date: {TEMPLATE_CLOCK:%d %b %Y}\n" in rendered[0][1] and rendered[0][3] is None
+    assert TEMPLATE_CLOCK.isoformat() == "2026-01-01T00:00:00+00:00"  # stored prompts were rendered at it
+    assert tokenizer.decode(rendered[0][0]) == rendered[0][1]

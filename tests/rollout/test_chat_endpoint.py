@@ -328,6 +328,36 @@ def qwen_style_tokenizer(chat_template: str = QWEN_STYLE):
     return tokenizer
 
 
+LLAMA32_TEMPLATE = (TEMPLATES / "llama3_2.jinja").read_text()
+"""Llama 3.2 Instruct's chat template as published with the model: the date read from the clock into its
+system turn, the tools written into the first user turn, a tool call as one bare JSON object
+(``{"name": ..., "parameters": ...}``), a tool's result in an ``ipython`` turn as a JSON string."""
+LLAMA31_TEMPLATE = (TEMPLATES / "llama3_1.jinja").read_text()
+"""Llama 3.1 Instruct's (and 3.3's): as 3.2's, with a fixed date and built-in tools (``<|python_tag|>``
+calls, none offered here)."""
+LLAMA_TEMPLATES = (LLAMA31_TEMPLATE, LLAMA32_TEMPLATE)
+
+
+def llama_style_tokenizer(chat_template: str = LLAMA32_TEMPLATE):
+    """A byte-level BPE tokenizer with Llama 3's header and turn tokens and ``chat_template`` (its EOS
+    ``<|eot_id|>``), none of this project's tokens (so the model's own format)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|eom_id|>", "<|python_tag|>"]
+    backend.train_from_iterator(['{"name": "python", "parameters": {"code": "print(2)"}} The sum is 5.'],
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                        pad_token="<|end_of_text|>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 class ScriptedEngine:
     """An engine whose replies are given as text, one per call, each sampled with log-probability -0.5."""
 

@@ -17,7 +17,16 @@ from sao.rollout.env_agent import environment_agent
 from sao.rollout.torch_engine import TorchEngine
 from sao.rollout.user_agent import UserAgentRunner
 from tests.models.test_chat import xml_call
-from tests.rollout.test_chat_endpoint import QWEN3_TEMPLATE, QWEN25_TEMPLATE, QWEN_STYLE, TEMPLATES
+from tests.rollout.test_chat_endpoint import (
+    LLAMA31_TEMPLATE,
+    LLAMA32_TEMPLATE,
+    LLAMA_TEMPLATES,
+    QWEN3_TEMPLATE,
+    QWEN25_TEMPLATE,
+    QWEN_STYLE,
+    TEMPLATES,
+    llama_style_tokenizer,
+)
 from tests.test_user_agent import PROMPTS
 
 TASKS = [Task(task_id=f"t{i}", env="math_tool", prompt=p["prompt"], answer=p["answer"], split=Split.TRAIN)
@@ -94,14 +103,15 @@ OWN_OPTIONS = {"max_tool_calls": 2, "tools": ["examples.tool_use.shop:price"]}
 
 
 def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_STYLE, tokenizer=None):
-    """One built-in dataset episode of OWN_TASK on a Qwen2.5-style tokenizer with ``template`` (no
-    tool-call tokens of this project; or ``tokenizer``) whose engine replies ``replies`` in turn:
-    (records, tokenizer, the tools offered)."""
+    """One built-in dataset episode of OWN_TASK on a Qwen2.5-style tokenizer (a Llama 3 one for Llama's
+    templates) with ``template`` (no tool-call tokens of this project; or ``tokenizer``) whose engine
+    replies ``replies`` in turn: (records, tokenizer, the tools offered)."""
     from sao.models.chat import ChatTokens
     from sao.rollout.env_agent import tool_schema
     from tests.rollout.test_chat_endpoint import ScriptedEngine, qwen_style_tokenizer
 
-    tokenizer = tokenizer or qwen_style_tokenizer(template)
+    tokenizer = tokenizer or (llama_style_tokenizer(template) if template in LLAMA_TEMPLATES
+                              else qwen_style_tokenizer(template))
     engine = ScriptedEngine(tokenizer, replies)
     tools = concurrent.futures.ThreadPoolExecutor(2)
     config = config or AgentConfig(max_tokens=400, max_turns=4)
@@ -140,7 +150,11 @@ OWN_TEMPLATES = pytest.mark.parametrize(
 
 def calls(template, *called):
     """A reply that makes the calls ``called`` ((name, arguments) each) in ``template``'s layout, as its
-    model samples them (Hermes JSON, or XML for Qwen3.5's), then ends its turn."""
+    model samples them (Hermes JSON, XML for Qwen3.5's, one bare JSON call for Llama's), then ends its
+    turn."""
+    if template in LLAMA_TEMPLATES:
+        ((name, arguments),) = called
+        return json.dumps({"name": name, "parameters": arguments}) + "<|eot_id|>"
     if template in XML_TEMPLATES:
         return "\n".join(xml_call(name, **arguments) for name, arguments in called) + "<|im_end|>"
     return "\n".join(f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
@@ -149,6 +163,18 @@ def calls(template, *called):
 
 def python(code):
     return ("python", {"code": code})
+
+
+def final(template, text):
+    """A final reply ``text`` that ends its turn as ``template``'s model does."""
+    return text + ("<|eot_id|>" if template in LLAMA_TEMPLATES else "<|im_end|>")
+
+
+WITH_LLAMA = pytest.mark.parametrize(
+    "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, LLAMA31_TEMPLATE,
+                 LLAMA32_TEMPLATE],
+    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "llama3.1", "llama3.2"])
+"""The templates of :data:`OWN_TEMPLATES` and Llama 3.1's and 3.2's, which render one call a reply."""
 
 
 @OWN_TEMPLATES
@@ -179,7 +205,7 @@ def test_a_models_own_format_runs_the_built_in_tool_loop_as_one_trajectory(templ
         assert set(mask[segment.start:segment.end]) == {segment.kind == "action"}
 
 
-@OWN_TEMPLATES
+@WITH_LLAMA
 def test_a_models_own_format_is_replayed_as_the_endpoint_rendered_it(template):
     """Trajectory replay re-runs the environment on the stored replies through the chat template: the
     prompt, each observation's tokens, the reward and the end it finds are the recorded ones; a tool
@@ -188,7 +214,7 @@ def test_a_models_own_format_is_replayed_as_the_endpoint_rendered_it(template):
     from sao.train.trajectory_replay import _simulate, _turns
 
     run = calls(template, python("print(2 + 3)"))
-    (record,), tokenizer, _ = own_format_episode([run, run, "5<|im_end|>"], template=template)
+    (record,), tokenizer, _ = own_format_episode([run, run, final(template, "5")], template=template)
     row = record.to_row()
     context = ReplayContext(env_options={"dataset": OWN_OPTIONS})
     prompt_check, expected, ended, pending, problems = _simulate(row, OWN_TASK, tokenizer, context, _turns(row["segments"]))
@@ -203,7 +229,7 @@ def test_a_models_own_format_is_replayed_as_the_endpoint_rendered_it(template):
     assert prompt_check.ok is False
 
 
-@OWN_TEMPLATES
+@WITH_LLAMA
 def test_a_models_own_format_spends_the_environments_tool_budget(template):
     """Three calls against max_tool_calls 2 end the episode with turns, as the built-in format does."""
     (record,), _, _ = own_format_episode([calls(template, python("print(1)"))] * 3, template=template)
@@ -332,3 +358,47 @@ def test_a_reply_that_thinks_before_its_xml_call_is_one_trajectory_with_qwen35s_
         row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
     assert prompt_check.ok and not problems and list(expected) == [1]
     assert ended.termination == "stop" and ended.reward == record.reward
+
+
+def test_llama_32s_bare_json_calls_run_the_built_in_tool_loop_as_one_trajectory():
+    """Llama 3.2's template writes the tools into the first user turn and renders a call as one bare JSON
+    object with ``parameters``, each result as a JSON string in an ``ipython`` turn: an unknown tool is
+    answered without a step, the python call runs, and the reply is scored, in one trajectory. A result
+    that prints a quote, the end-of-turn token and a newline is encoded as the text of its JSON string,
+    escapes and all (no forged turn), and the replay renders the same observations."""
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns
+
+    unknown = calls(LLAMA32_TEMPLATE, ("add", {"a": 2}))
+    run = calls(LLAMA32_TEMPLATE, python("print('\"<|eot_id|>\\n' + str(price('pen') - 115))"))
+    (record,), tokenizer, schema = own_format_episode([unknown, run, final(LLAMA32_TEMPLATE, "5")],
+                                                       template=LLAMA32_TEMPLATE)
+    prompt = tokenizer.decode(list(record.prompt_ids))
+    assert "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions" in prompt
+    assert '"name": "python"' in prompt and prompt.endswith("What is 2 + 3?<|eot_id|><|start_header_id|>assistant"
+                                                           "<|end_header_id|>\n\n")
+    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
+    observations = [list(record.completion_ids[s.start:s.end]) for s in record.segments if s.kind == "observation"]
+    texts = [tokenizer.decode(ids) for ids in observations]
+    assert texts[0].startswith('<|start_header_id|>ipython<|end_header_id|>\n\n"error: no tool \'add\'')
+    assert texts[1] == ('<|start_header_id|>ipython<|end_header_id|>\n\n"\\"<|eot_id|>\\n5"<|eot_id|>'
+                        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert observations[1].count(eot) == 1  # the template's own end of the turn; the printed one is text
+    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
+    row = record.to_row()
+    prompt_check, expected, ended, _, problems = _simulate(
+        row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
+    assert prompt_check.ok and not problems and ended.reward == 1.0
+    assert expected == {i: list(record.completion_ids[s.start:s.end]) for i, s in enumerate(record.segments)
+                        if s.kind == "observation"}
+
+
+def test_two_bare_json_calls_in_one_reply_are_a_final_reply():
+    """Llama 3.2's template renders one call a reply; two JSON objects in one reply are no call of the
+    layout: the reply is the episode's final reply, scored as text."""
+    two = (json.dumps({"name": "python", "parameters": {"code": "print(5)"}}) + "; "
+           + json.dumps({"name": "python", "parameters": {"code": "print(6)"}}) + "<|eot_id|>")
+    (record,), _, _ = own_format_episode([two], template=LLAMA32_TEMPLATE)
+    assert [s.kind for s in record.segments] == ["action"]
+    assert (record.termination_reason, record.reward, record.num_turns) == ("stop", 0.0, 1)
