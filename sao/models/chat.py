@@ -259,7 +259,7 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     holding either
 
     - **Hermes JSON**, as the templates of Qwen2.5, Qwen3, Hermes and others write it:
-      ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (whitespace around the JSON); or
+      ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (whitespace around the JSON);
     - **XML**, as the templates of Qwen3.5 and later, Qwen3-Coder and Nemotron 3 write it:
       ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``, with a
       newline after each opening tag and before ``</parameter>`` (whitespace between the elements; a
@@ -268,9 +268,14 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
       schema gives its parameter (``tools``, OpenAI's function format), much as vLLM's ``qwen3_coder``
       parser converts it: a JSON number for integer or number, ``true`` / ``false`` (or the ``True`` /
       ``False`` a template writes) for boolean, ``null`` (or ``None``) for null, JSON for object or
-      array; it stays text where it does not convert or no schema says.
+      array; it stays text where it does not convert or no schema says; or
+    - **GLM-4.5's** key-value lines, as the templates of GLM-4.5 and later write them:
+      ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>`` (the
+      name alone on the block's first line; a value ends at the ``</arg_value>`` that the next key or
+      the block's end follows), each value typed by the tool's schema as an XML value is (the template
+      writes a string as it is and anything else as JSON), as vLLM's ``glm45`` parser reads it.
 
-    Only blocks that begin as a call of either layout count (``<tool_call>`` named in a reply's
+    Only blocks that begin as a call of one of these layouts count (``<tool_call>`` named in a reply's
     reasoning is text). Returns the text before the first call (the newlines that end it stripped:
     templates put them between the text and the first call) and the calls as ``{"name", "arguments"}``;
     None when the text holds no call, or a block is not a whole call (the reply is then plain text, as
@@ -282,7 +287,9 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     calls = []
     for block in blocks:
         body = block.group(1)
-        call = _hermes_call(body) if body.lstrip().startswith("{") else _xml_call(body, tools)
+        start = body.lstrip()
+        call = (_hermes_call(body) if start.startswith("{") else _xml_call(body, tools) if start.startswith("<function=")
+                else _glm_call(body, tools))
         if call is None:
             return None
         calls.append(call)
@@ -298,6 +305,28 @@ def _hermes_call(block: str) -> dict[str, Any] | None:
             and isinstance(call.get("arguments", {}), dict)):
         return None
     return {"name": call["name"], "arguments": call.get("arguments", {})}
+
+
+_GLM_NAME = re.compile(r"[ \t]*([A-Za-z_][\w.\-]*)[ \t]*\n")
+"""A call in GLM-4.5's layout begins with the function's name on the block's first line."""
+_ARGUMENT = re.compile(r"\s*<arg_key>([^<>\n]+)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*(?=<arg_key>|\Z)", re.DOTALL)
+
+
+def _glm_call(block: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any] | None:
+    name = _GLM_NAME.match(block)
+    if name is None:
+        return None
+    schema = _parameter_schema(name.group(1), tools)
+    arguments: dict[str, Any] = {}
+    position = name.end()
+    for argument in _ARGUMENT.finditer(block, position):
+        if argument.start() != position:  # text between the arguments: not this layout
+            return None
+        position = argument.end()
+        arguments[argument.group(1)] = _typed(argument.group(2), schema.get(argument.group(1)))
+    if block[position:].strip():
+        return None
+    return {"name": name.group(1), "arguments": arguments}
 
 
 def _json_call(text: str) -> dict[str, Any] | None:
@@ -317,8 +346,9 @@ def _json_call(text: str) -> dict[str, Any] | None:
     return {"name": call["name"], "arguments": call.get("parameters", call.get("arguments"))}
 
 
-_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=))(.*?)" + re.escape(TOOL_CALL_END),
-                            re.DOTALL)
+_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=)|[ \t]*[A-Za-z_][\w.\-]*[ \t]*\n\s*"
+                            r"(?:<arg_key>|" + re.escape(TOOL_CALL_END) + r"))(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+"""A ``<tool_call>`` block that begins as a call of one of the layouts :func:`template_tool_calls` reads."""
 _FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>\n?(.*?)\n?</parameter>\s*(?=<parameter=|\Z)", re.DOTALL)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
@@ -385,8 +415,8 @@ def _typed(value: str, schema: Any) -> Any:
 def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt and
     renders an assistant's tool call in a layout that :func:`template_tool_calls` reads back (Hermes
-    JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later; one bare JSON call: Llama 3.1 to
-    3.3), and the tool's result
+    JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later; key-value lines: GLM-4.5 and
+    later; one bare JSON call: Llama 3.1 to 3.3), and the tool's result
     after it, with the reply rendered as it follows the generation prompt it was sampled after (Nemotron
     3's opens a thinking block there that its rendering of a reply drops: every episode would split): a
     model whose template does can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing. Why not:
@@ -425,8 +455,9 @@ def tool_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
         return None
     return ('it does not render tool calls in a layout the loop reads: Hermes JSON (<tool_call>{"name": ..., '
             '"arguments": ...}</tool_call>, as Qwen2.5\'s and Qwen3\'s templates do), XML (<tool_call>'
-            "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does) or a bare "
-            'JSON call ({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s do)')
+            "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does), GLM-4.5's "
+            "(<tool_call>NAME<arg_key>...</arg_key><arg_value>...</arg_value></tool_call>) or a bare JSON call "
+            '({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s do)')
 
 
 _JSON_CALL_START = re.compile(r'\{\s*"name"\s*:')

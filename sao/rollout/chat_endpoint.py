@@ -45,10 +45,11 @@ nothing: the episode goes on.
 whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a model's own format and
 ``tools`` in the request, the calls of a reply in the Hermes JSON layout (Qwen2.5, Qwen3 and others:
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), the XML one (Qwen3.5 and later,
-Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``) or a reply that is one bare
-JSON call (Llama 3.1 to 3.3: ``{"name": ..., "parameters": ...}``)
+Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5's key-value lines
+(``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``) or a reply that is one
+bare JSON call (Llama 3.1 to 3.3: ``{"name": ..., "parameters": ...}``)
 (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the offered tool's
-schema) as its ``tool_calls``, the text before them as its content (a call's id is derived from the
+schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its content (a call's id is derived from the
 episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
 back, such a reply extends the record when the template renders it as it was sampled (the template's
 own layout of a call: JSON as ``tojson`` writes it, or its XML lines); otherwise the episode splits
@@ -424,8 +425,8 @@ class ChatRendering:
               tools: list | None, key: str) -> tuple[Message, str]:
         """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
         chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
-        and ``tools`` in the request, the calls in a reply that stopped, in the Hermes JSON, the XML or
-        the bare JSON layout, are its tool calls (:func:`sao.models.chat.template_tool_calls`; an XML call's arguments
+        and ``tools`` in the request, the calls in a reply that stopped, in the Hermes JSON, the XML,
+        GLM-4.5's or the bare JSON layout, are its tool calls (:func:`sao.models.chat.template_tool_calls`; an XML call's arguments
         typed by the offered tool's schema), with ids from ``key`` (:func:`call_id`)."""
         text = self.decode(ids)
         last = ids[-1] if ids else None

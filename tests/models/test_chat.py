@@ -248,14 +248,34 @@ def xml_call(name, **arguments):
     ('{"name": "", "parameters": {}}', None),
     ('{"name": "add", "parameters": [2]}', None),
     ('{"name": "add", "parameters": {}}; {"name": "add", "parameters": {}}', None),  # one call a reply
+    ("\n<think></think>\n<tool_call>python\n<arg_key>code</arg_key>\n<arg_value>print(1)\n</arg_value>\n"
+     "</tool_call>\n<tool_call>now\n</tool_call>",  # GLM-4.5's: a value's own newline kept
+     ("\n<think></think>", [{"name": "python", "arguments": {"code": "print(1)\n"}}, {"name": "now", "arguments": {}}])),
+    ("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>a</arg_value>b</arg_value>\n</tool_call>",  # the tag, printed
+     ("", [{"name": "f", "arguments": {"s": "a</arg_value>b"}}])),
+    ("<tool_call>f\nnote\n<arg_key>s</arg_key>\n<arg_value>a</arg_value>\n</tool_call>", None),  # text between
+    ("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>a\n</tool_call>", None),  # </arg_value> missing
+    ("<tool_call>two words\n</tool_call>", None),  # not a name: text
 ], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text", "xml",
         "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither", "bare json",
         "bare json arguments", "bare json after text", "bare json before text", "bare json other key",
-        "bare json both keys", "bare json no parameters", "bare json empty name", "bare json list", "bare json two"])
+        "bare json both keys", "bare json no parameters", "bare json empty name", "bare json list", "bare json two",
+        "glm", "glm value with its tag", "glm with text between", "glm unclosed", "glm no name"])
 def test_template_tool_calls(text, expected):
     from sao.models.chat import template_tool_calls
 
     assert template_tool_calls(text) == expected
+
+
+def test_a_glm_calls_values_take_the_types_the_tools_schema_gives():
+    """GLM-4.5's template writes a string value as it is and anything else as JSON: read back by the
+    offered tool's schema, as the XML layout's values are."""
+    from sao.models.chat import template_tool_calls
+
+    lines = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in
+                    {"n": "5", "x": "2.5", "b": "true", "o": '{"k": [1]}', "a": "[1, 2]", "s": "5", "z": "null"}.items())
+    assert template_tool_calls(f"<tool_call>f\n{lines}</tool_call>", TYPED)[1] == [{"name": "f", "arguments": {
+        "n": 5, "x": 2.5, "b": True, "o": {"k": [1]}, "a": [1, 2], "s": "5", "z": None}}]
 
 
 def test_an_xml_calls_values_take_the_types_the_tools_schema_gives():
@@ -326,6 +346,7 @@ def test_renders_tool_calls_tells_a_template_that_renders_tool_calls_from_one_th
         QWEN25_TEMPLATE,
         QWEN_STYLE,
         TEMPLATES,
+        glm_style_tokenizer,
         llama_style_tokenizer,
         qwen_style_tokenizer,
     )
@@ -338,6 +359,7 @@ def test_renders_tool_calls_tells_a_template_that_renders_tool_calls_from_one_th
         assert renders_tool_calls(qwen_style_tokenizer((TEMPLATES / name).read_text()))
     for template in LLAMA_TEMPLATES:  # one bare JSON call, the tools in the first user turn
         assert renders_tool_calls(llama_style_tokenizer(template))
+    assert renders_tool_calls(glm_style_tokenizer())  # GLM-4.5's key-value lines
     assert not renders_tool_calls(qwen_style_tokenizer(CHATML))  # calls dropped: the content only
     toolless = QWEN_STYLE.replace("{{ tool | tojson }}", "")  # renders calls back, never says what tools there are
     assert "tojson }}{% endfor %}" not in toolless and not renders_tool_calls(qwen_style_tokenizer(toolless))

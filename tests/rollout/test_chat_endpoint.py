@@ -2,6 +2,7 @@
 token-faithful records, the split on a history rewrite, budgets, and every refusal."""
 
 import asyncio
+import functools
 import json
 import sys
 import textwrap
@@ -358,6 +359,43 @@ def llama_style_tokenizer(chat_template: str = LLAMA32_TEMPLATE):
     return tokenizer
 
 
+GLM45_TEMPLATE = (TEMPLATES / "glm4moe.jinja").read_text()
+"""GLM-4.5's chat template (GLM-4-MoE's, as TRL ships it): the tools in a system turn, a reply opened by a
+``<think>`` block, each call as ``<tool_call>NAME`` and ``<arg_key>`` / ``<arg_value>`` lines, the
+results after ``<|observation|>``, which ends a turn that calls."""
+
+
+@functools.cache
+def glm_style_tokenizer(chat_template: str = GLM45_TEMPLATE):
+    """A byte-level BPE tokenizer with GLM-4.5's role, thinking and tool-call tokens and ``chat_template``,
+    loaded from a folder whose ``generation_config.json`` ends generation at ``<|user|>`` and
+    ``<|observation|>`` as GLM-4.5's does (its EOS is ``<|endoftext|>``); none of this project's answer
+    tokens (so the model's own format)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                "</arg_value>", "<tool_response>", "</tool_response>"]
+    backend.train_from_iterator(["python code print(2 + 3) The sum is 5."], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = Path(tempfile.mkdtemp(prefix="sao-glm-tokenizer-"))
+    atexit.register(shutil.rmtree, folder, True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
+    ends = [tokenizer.convert_tokens_to_ids(token) for token in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
 class ScriptedEngine:
     """An engine whose replies are given as text, one per call, each sampled with log-probability -0.5."""
 
@@ -381,15 +419,25 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two n
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
 
 
-def test_a_models_own_xml_tool_calls_reach_the_agent_typed_by_the_tools_schema():
-    """With Qwen3.5's template, a reply's call in the XML layout is an OpenAI tool call whose arguments
-    take the types of the offered tool's schema (numbers here); sent back with the tool's result, the
+@pytest.mark.parametrize("layout", ["xml", "glm", "json"])
+def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layout):
+    """With Qwen3.5's template (XML), GLM-4.5's (key-value lines) or Llama 3.2's (one bare JSON call), a
+    reply's call is an OpenAI tool call whose arguments have the types of the offered tool's schema
+    (numbers here: written as text by the first two layouts); sent back with the tool's result, the
     template renders it as sampled: one trajectory."""
     from tests.models.test_chat import xml_call
 
-    tokenizer = qwen_style_tokenizer((TEMPLATES / "qwen3_5_nothink.jinja").read_text())
-    call = xml_call("add", a="2", b="3.5") + "<|im_end|>"
-    engine = ScriptedEngine(tokenizer, [call, "The sum is 5.5.<|im_end|>"])
+    if layout == "xml":
+        tokenizer, end = qwen_style_tokenizer((TEMPLATES / "qwen3_5_nothink.jinja").read_text()), "<|im_end|>"
+        call = xml_call("add", a="2", b="3.5") + end
+    elif layout == "glm":
+        tokenizer, end = glm_style_tokenizer(), "<|user|>"
+        call = ("\n<think></think>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>\n"
+                "<arg_key>b</arg_key>\n<arg_value>3.5</arg_value>\n</tool_call><|observation|>")
+    else:
+        tokenizer, end = llama_style_tokenizer(), "<|eot_id|>"
+        call = '{"name": "add", "parameters": {"a": 2, "b": 3.5}}' + end
+    engine = ScriptedEngine(tokenizer, [call, "The sum is 5.5." + end])
     seen = []
 
     async def agent(client, task):

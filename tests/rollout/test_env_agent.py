@@ -18,6 +18,7 @@ from sao.rollout.torch_engine import TorchEngine
 from sao.rollout.user_agent import UserAgentRunner
 from tests.models.test_chat import xml_call
 from tests.rollout.test_chat_endpoint import (
+    GLM45_TEMPLATE,
     LLAMA31_TEMPLATE,
     LLAMA32_TEMPLATE,
     LLAMA_TEMPLATES,
@@ -25,6 +26,7 @@ from tests.rollout.test_chat_endpoint import (
     QWEN25_TEMPLATE,
     QWEN_STYLE,
     TEMPLATES,
+    glm_style_tokenizer,
     llama_style_tokenizer,
 )
 from tests.test_user_agent import PROMPTS
@@ -104,13 +106,14 @@ OWN_OPTIONS = {"max_tool_calls": 2, "tools": ["examples.tool_use.shop:price"]}
 
 def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_STYLE, tokenizer=None):
     """One built-in dataset episode of OWN_TASK on a Qwen2.5-style tokenizer (a Llama 3 one for Llama's
-    templates) with ``template`` (no tool-call tokens of this project; or ``tokenizer``) whose engine
+    templates, a GLM-4.5 one for GLM-4.5's) with ``template`` (no tool-call tokens of this project; or ``tokenizer``) whose engine
     replies ``replies`` in turn: (records, tokenizer, the tools offered)."""
     from sao.models.chat import ChatTokens
     from sao.rollout.env_agent import tool_schema
     from tests.rollout.test_chat_endpoint import ScriptedEngine, qwen_style_tokenizer
 
     tokenizer = tokenizer or (llama_style_tokenizer(template) if template in LLAMA_TEMPLATES
+                              else glm_style_tokenizer(template) if template == GLM45_TEMPLATE
                               else qwen_style_tokenizer(template))
     engine = ScriptedEngine(tokenizer, replies)
     tools = concurrent.futures.ThreadPoolExecutor(2)
@@ -146,15 +149,21 @@ XML_TEMPLATES = (QWEN35_TEMPLATE, QWEN35_NOTHINK_TEMPLATE)
 OWN_TEMPLATES = pytest.mark.parametrize(
     "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE],
     ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5"])
+"""Templates whose tool calls come in ``<tool_call>`` blocks after a ChatML turn's start."""
 
 
 def calls(template, *called):
     """A reply that makes the calls ``called`` ((name, arguments) each) in ``template``'s layout, as its
-    model samples them (Hermes JSON, XML for Qwen3.5's, one bare JSON call for Llama's), then ends its
-    turn."""
+    model samples them (Hermes JSON, XML for Qwen3.5's, one bare JSON call for Llama's, key-value lines
+    after an empty thinking block for GLM-4.5's), then ends its turn."""
     if template in LLAMA_TEMPLATES:
         ((name, arguments),) = called
         return json.dumps({"name": name, "parameters": arguments}) + "<|eot_id|>"
+    if template == GLM45_TEMPLATE:
+        lines = ("".join(f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n" for key, value in arguments.items())
+                 for _, arguments in called)
+        return "\n<think></think>" + "".join(f"\n<tool_call>{name}\n{body}</tool_call>"
+                                             for (name, _), body in zip(called, lines, strict=True)) + "<|observation|>"
     if template in XML_TEMPLATES:
         return "\n".join(xml_call(name, **arguments) for name, arguments in called) + "<|im_end|>"
     return "\n".join(f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
@@ -167,14 +176,16 @@ def python(code):
 
 def final(template, text):
     """A final reply ``text`` that ends its turn as ``template``'s model does."""
-    return text + ("<|eot_id|>" if template in LLAMA_TEMPLATES else "<|im_end|>")
+    return text + ("<|eot_id|>" if template in LLAMA_TEMPLATES else "<|user|>" if template == GLM45_TEMPLATE
+                   else "<|im_end|>")
 
 
-WITH_LLAMA = pytest.mark.parametrize(
-    "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, LLAMA31_TEMPLATE,
-                 LLAMA32_TEMPLATE],
-    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "llama3.1", "llama3.2"])
-"""The templates of :data:`OWN_TEMPLATES` and Llama 3.1's and 3.2's, which render one call a reply."""
+ALL_TEMPLATES = pytest.mark.parametrize(
+    "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, GLM45_TEMPLATE,
+                 LLAMA31_TEMPLATE, LLAMA32_TEMPLATE],
+    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5", "llama3.1", "llama3.2"])
+"""The templates of :data:`OWN_TEMPLATES`, GLM-4.5's, and Llama 3.1's and 3.2's (which render one call a
+reply)."""
 
 
 @OWN_TEMPLATES
@@ -205,7 +216,7 @@ def test_a_models_own_format_runs_the_built_in_tool_loop_as_one_trajectory(templ
         assert set(mask[segment.start:segment.end]) == {segment.kind == "action"}
 
 
-@WITH_LLAMA
+@ALL_TEMPLATES
 def test_a_models_own_format_is_replayed_as_the_endpoint_rendered_it(template):
     """Trajectory replay re-runs the environment on the stored replies through the chat template: the
     prompt, each observation's tokens, the reward and the end it finds are the recorded ones; a tool
@@ -229,7 +240,7 @@ def test_a_models_own_format_is_replayed_as_the_endpoint_rendered_it(template):
     assert prompt_check.ok is False
 
 
-@WITH_LLAMA
+@ALL_TEMPLATES
 def test_a_models_own_format_spends_the_environments_tool_budget(template):
     """Three calls against max_tool_calls 2 end the episode with turns, as the built-in format does."""
     (record,), _, _ = own_format_episode([calls(template, python("print(1)"))] * 3, template=template)
@@ -243,15 +254,18 @@ def test_a_single_turn_run_of_a_models_own_offers_no_tools():
     assert (record.termination_reason, record.reward, record.num_turns) == ("stop", 1.0, 1)
 
 
-@OWN_TEMPLATES
+@pytest.mark.parametrize(
+    "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, GLM45_TEMPLATE],
+    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5"])
 def test_several_calls_in_one_reply_run_in_order_and_replay(template):
     """Two python calls in one reply are two environment steps, answered in order (Qwen2.5's template
-    puts both results in one user turn); the replay renders the same observation."""
+    puts both results in one user turn, GLM-4.5's after one <|observation|>); the replay renders the
+    same observation."""
     from sao.train.run_config import ReplayContext
     from sao.train.trajectory_replay import _simulate, _turns
 
     two = calls(template, python("print(2)"), python("print(3)"))
-    (record,), tokenizer, _ = own_format_episode([two, "5<|im_end|>"], template=template)
+    (record,), tokenizer, _ = own_format_episode([two, final(template, "5")], template=template)
     assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 2)
     (observation,) = [s for s in record.segments if s.kind == "observation"]
     text = tokenizer.decode(list(record.completion_ids[observation.start:observation.end]))
@@ -402,3 +416,32 @@ def test_two_bare_json_calls_in_one_reply_are_a_final_reply():
     (record,), _, _ = own_format_episode([two], template=LLAMA32_TEMPLATE)
     assert [s.kind for s in record.segments] == ["action"]
     assert (record.termination_reason, record.reward, record.num_turns) == ("stop", 0.0, 1)
+
+
+def test_glm_45s_calls_run_the_built_in_tool_loop_as_one_trajectory():
+    """GLM-4.5's template writes the tools into a system turn, opens each reply with a thinking block and
+    renders a call as its name and key-value lines; a turn that calls ends at <|observation|>, which
+    its model's generation config stops at. An unknown tool is answered without a step, the python call
+    runs (a value that prints the closing tag stays whole), and the reply is scored: one trajectory,
+    and the replay renders the same observations."""
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns
+
+    unknown = calls(GLM45_TEMPLATE, ("add", {"a": "2"}))
+    run = calls(GLM45_TEMPLATE, python("print('</arg_value>' + str(price('pen') - 115))"))
+    (record,), tokenizer, schema = own_format_episode([unknown, run, final(GLM45_TEMPLATE, "5")],
+                                                       template=GLM45_TEMPLATE)
+    prompt = tokenizer.decode(list(record.prompt_ids))
+    assert prompt.startswith("[gMASK]<sop><|system|>\n# Tools") and '"name": "python"' in prompt
+    assert prompt.endswith("<|user|>\nWhat is 2 + 3?<|assistant|>")
+    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
+    texts = [tokenizer.decode(list(record.completion_ids[s.start:s.end])) for s in record.segments]
+    assert texts[2] == run and texts[3] == "\n<tool_response>\n</arg_value>5\n</tool_response><|assistant|>"
+    assert texts[1].startswith("\n<tool_response>\nerror: no tool 'add'")
+    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
+    row = record.to_row()
+    prompt_check, expected, ended, _, problems = _simulate(
+        row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
+    assert prompt_check.ok and not problems and ended.reward == 1.0
+    assert expected == {i: list(record.completion_ids[s.start:s.end]) for i, s in enumerate(record.segments)
+                        if s.kind == "observation"}
