@@ -411,6 +411,22 @@ def test_a_hybrid_or_recurrent_model_is_refused_naming_the_layers_that_mix_token
     assert engine_support(build("qwen2", 300)) is None  # attention only
 
 
+@pytest.mark.parametrize(("model_type", "state"), [("rwkv", "state"), ("xlstm", "cache_params")])
+def test_a_recurrent_model_without_attention_is_refused_for_its_recurrence(model_type, state):
+    """RWKV and xLSTM hold no convolution: they are known by the state their forward carries from token
+    to token instead of keys and values, and refused for that, not for an attention interface they
+    have no attention for."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sao.rollout.torch_engine import engine_support
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type).get_text_config())
+    reason = engine_support(model)
+    assert reason.startswith(f"{type(model).__name__} mixes tokens by a recurrence, not attention (its forward "
+                             f"carries {state!r}") and "attention interface" not in reason
+
+
 def test_an_audio_towers_convolutions_are_not_the_text_decoders_token_mixing():
     """Phi-4-multimodal's causal LM holds an audio encoder with Conv1d layers; its text decoder is
     attention only."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import random
 import re
@@ -660,6 +661,19 @@ def _sequence_mixers(model: torch.nn.Module, text: Any) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def _recurrent_state(model: torch.nn.Module) -> str | None:
+    """The argument that carries a recurrent model's state from token to token through its forward
+    (``cache_params`` of Mamba and xLSTM, ``state`` of RWKV), when it takes no ``past_key_values``: no
+    attention to cache. None for a model that takes keys and values (every hybrid takes them)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if "past_key_values" in parameters:
+        return None
+    return next((name for name in ("cache_params", "state") if name in parameters), None)
+
+
 def engine_support(model: torch.nn.Module) -> str | None:
     """Why the torch engine cannot run a causal LM, or None when it can (a model built on the meta
     device answers as well: nothing is computed). The engine replaces the attention function through Transformers' attention interface and keeps its
@@ -667,7 +681,8 @@ def engine_support(model: torch.nn.Module) -> str | None:
     go through that interface (StableLM, Falcon, Bloom in Transformers 5), whose keys and values differ
     in size (DeepSeek's multi-head latent attention), that adds attention sinks (GPT-OSS), or that mixes
     tokens in layers other than attention: a convolution or a recurrence over the sequence (Mamba, Gated
-    DeltaNet, short convolutions: Qwen3.5, Qwen3-Next, Nemotron-H, Jamba, LFM2, RecurrentGemma), whose
+    DeltaNet, short convolutions: Qwen3.5, Qwen3-Next, Nemotron-H, Jamba, LFM2, RecurrentGemma; RWKV and
+    xLSTM, found by the state their forward carries: :func:`_recurrent_state`), whose
     state of its own the engine does not keep (it packs the running requests into one sequence and caches
     keys and values only). Such a model that reports the attention interface as well (RecurrentGemma,
     LFM2) would otherwise run: measured, its log-probabilities under concurrent requests were off by up
@@ -683,6 +698,11 @@ def engine_support(model: torch.nn.Module) -> str | None:
         return (f"{name} mixes tokens in {', '.join(mixers)} layers (a convolution or a recurrence over the "
                 "sequence, with a state of its own), which the engine does not keep: it packs requests into one "
                 "sequence and caches attention's keys and values only")
+    state = _recurrent_state(model)
+    if state is not None:
+        return (f"{name} mixes tokens by a recurrence, not attention (its forward carries {state!r} from token to "
+                "token, not keys and values), which the engine does not keep: it packs requests into one sequence "
+                "and caches attention's keys and values only")
     if not getattr(model, "_supports_attention_backend", False):
         return (f"{name}'s attention does not go through Transformers' attention interface "
                 f"(transformers {transformers.__version__}), so the engine cannot put its KV cache in")
