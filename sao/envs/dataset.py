@@ -122,11 +122,31 @@ _SIGNATURES: dict[tuple, tuple[str, ...]] = {}
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 
 
+class _Described:
+    """A default as the text that describes it (:func:`_alike`)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _alike(value: Any) -> Any:
+    """``value``, or for a set a stand-in whose ``repr`` lists its elements sorted by theirs: a set of
+    strings is written in an order that each process's hash seed decides."""
+    if isinstance(value, set | frozenset) and value:
+        elements = "{" + ", ".join(sorted(repr(_alike(element)) for element in value)) + "}"
+        return _Described(elements if type(value) is set else f"{type(value).__name__}({elements})")
+    return value
+
+
 def tool_signatures(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Each of the user's tool functions as a line a model can call it from: its name and signature,
     then the first paragraph of its docstring (``price(item: str) -> int: The price of one item in
     cents.``); a default whose ``repr`` holds a memory address (``<object object at 0x...>``) is written
-    without it, so every process describes the tool alike (the description is in every prompt, and a
+    without it, and a set's elements in sorted order (not the order of the process's hash seed), so
+    every process describes the tool alike (the description is in every prompt, and a
     replay renders it again). Imported once per process, errors as :func:`tool_prelude`'s."""
     key = (tools, paths)
     with _REWARD_LOCK:
@@ -139,6 +159,8 @@ def tool_signatures(tools: tuple[str, ...], paths: tuple[str, ...] = ()) -> tupl
                     signature = inspect.signature(function, eval_str=True)
                 except Exception:  # noqa: BLE001 - an annotation that does not evaluate: as written
                     signature = inspect.signature(function)
+                signature = signature.replace(parameters=[
+                    parameter.replace(default=_alike(parameter.default)) for parameter in signature.parameters.values()])
                 described = _ADDRESS.sub(">", str(signature))  # a default's address: alike in every process
                 lines.append(f"{function.__name__}{described}" + (f": {doc}" if doc else ""))
             _SIGNATURES[key] = tuple(lines)
