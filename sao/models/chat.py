@@ -253,9 +253,10 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
                         ) -> tuple[str, list[dict[str, Any]]] | None:
     """The tool calls of a reply in a layout that models' own chat templates render calls in: either one
     **bare JSON** call that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates
-    of Llama 3.1, 3.2 and 3.3 write one (``"arguments"`` is read as well, as vLLM's ``llama3_json``
-    parser reads it; no other key, and nothing but whitespace around it; those templates render one
-    call a reply), or calls that are each a ``<tool_call>...</tool_call>`` block after optional text,
+    of Llama 3.1, 3.2 and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>``
+    before it, as vLLM's ``llama3_json`` parser reads them: the templates render the call back without
+    the tag, so the episode splits there; no other key, and nothing but whitespace around it; those
+    templates render one call a reply), or calls that are each a ``<tool_call>...</tool_call>`` block after optional text,
     holding either
 
     - **Hermes JSON**, as the templates of Qwen2.5, Qwen3, Hermes and others write it:
@@ -331,7 +332,7 @@ def _glm_call(block: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str
 
 def _json_call(text: str) -> dict[str, Any] | None:
     """``text`` as one bare JSON call (:func:`template_tool_calls`), else None."""
-    body = text.strip()
+    body = text.strip().removeprefix("<|python_tag|>").lstrip()
     if not body.startswith("{"):
         return None
     try:

@@ -240,6 +240,7 @@ def xml_call(name, **arguments):
     ("<tool_call>\nprint(1)\n</tool_call>", None),  # neither layout: this project's own call, as text
     ('{"name": "add", "parameters": {"a": 2}}', ("", [{"name": "add", "arguments": {"a": 2}}])),  # Llama 3
     ('\n {"name": "add", "arguments": {}} ', ("", [{"name": "add", "arguments": {}}])),  # as vLLM reads it
+    ('<|python_tag|>{"name": "add", "parameters": {}}', ("", [{"name": "add", "arguments": {}}])),  # Llama 3.1's tag
     ('Adding. {"name": "add", "parameters": {"a": 2}}', None),  # text around a bare call: text
     ('{"name": "add", "parameters": {"a": 2}} done', None),
     ('{"name": "add", "parameters": {"a": 2}, "id": "1"}', None),  # another key: an answer, not a call
@@ -258,7 +259,7 @@ def xml_call(name, **arguments):
     ("<tool_call>two words\n</tool_call>", None),  # not a name: text
 ], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text", "xml",
         "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither", "bare json",
-        "bare json arguments", "bare json after text", "bare json before text", "bare json other key",
+        "bare json arguments", "bare json after the python tag", "bare json after text", "bare json before text", "bare json other key",
         "bare json both keys", "bare json no parameters", "bare json empty name", "bare json list", "bare json two",
         "glm", "glm value with its tag", "glm with text between", "glm unclosed", "glm no name"])
 def test_template_tool_calls(text, expected):

@@ -445,3 +445,12 @@ def test_glm_45s_calls_run_the_built_in_tool_loop_as_one_trajectory():
     assert prompt_check.ok and not problems and ended.reward == 1.0
     assert expected == {i: list(record.completion_ids[s.start:s.end]) for i, s in enumerate(record.segments)
                         if s.kind == "observation"}
+
+
+def test_a_bare_json_call_after_the_python_tag_runs_and_splits_the_episode():
+    """Llama 3.1's models may open a call with <|python_tag|>; it is read as the call it is, and the
+    template renders the call back without the tag, so the episode goes on in a second part."""
+    tagged = '<|python_tag|>{"name": "python", "parameters": {"code": "print(5)"}}<|eot_id|>'
+    records, tokenizer, _ = own_format_episode([tagged, final(LLAMA31_TEMPLATE, "5")], template=LLAMA31_TEMPLATE)
+    assert [r.episode_part for r in records] == [0, 1] and records[0].reward == 1.0
+    assert '"5"' in tokenizer.decode(list(records[1].prompt_ids))  # the tool's output, in the second part's prompt
