@@ -72,6 +72,7 @@ __all__ = [
     "TEMPLATE_CLOCK",
     "action_text",
     "apply_template",
+    "bare_json_calls",
     "generation_end_ids",
     "observation_ids",
     "observation_text",
@@ -93,8 +94,9 @@ TEMPLATE_CLOCK = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 Llama 3.2 and later do for the "Today Date" of their system turn): fixed, so that a conversation
 renders the same tokens on any day. A multi-turn episode that runs past midnight does not split, a
 resumed run renders its prompts as it began them, evaluation renders the same held-out prompts every
-day, and ``sao replay --trajectory`` re-renders the stored prompt. Stored trajectories were rendered
-with it: changing it makes their replays report another prompt."""
+day, and ``sao replay --trajectory`` re-renders the stored prompt. Trajectories stored since it was
+set were rendered with it: changing it makes their replays report another prompt (one of a template
+that reads the clock stored before it, with that day's date, reports another prompt too)."""
 
 
 def _template_strftime(format: str) -> str:
@@ -249,11 +251,12 @@ def without_turn_end(text: str, ids: Sequence[int], ends: Collection[int],
     return text
 
 
-def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None,
+def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None, *, bare_json: bool = False,
                         ) -> tuple[str, list[dict[str, Any]]] | None:
-    """The tool calls of a reply in a layout that models' own chat templates render calls in: either one
-    **bare JSON** call that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates
-    of Llama 3.1, 3.2 and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>``
+    """The tool calls of a reply in a layout that models' own chat templates render calls in: either, with
+    ``bare_json`` (a template that renders calls so: :func:`bare_json_calls`), one **bare JSON** call
+    that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates of Llama 3.1, 3.2
+    and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>``
     before it, as vLLM's ``llama3_json`` parser reads them: the templates render the call back without
     the tag, so the episode splits there; no other key, and nothing but whitespace around it; those
     templates render one call a reply), or calls that are each a ``<tool_call>...</tool_call>`` block after optional text,
@@ -270,11 +273,12 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
       parser converts it: a JSON number for integer or number, ``true`` / ``false`` (or the ``True`` /
       ``False`` a template writes) for boolean, ``null`` (or ``None``) for null, JSON for object or
       array; it stays text where it does not convert or no schema says; or
-    - **GLM-4.5's** key-value lines, as the templates of GLM-4.5 and later write them:
+    - **GLM-4.5's** key-value lines, as its template writes them:
       ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>`` (the
-      name alone on the block's first line; a value ends at the ``</arg_value>`` that the next key or
-      the block's end follows), each value typed by the tool's schema as an XML value is (the template
-      writes a string as it is and anything else as JSON), as vLLM's ``glm45`` parser reads it.
+      name on the block's first line, the newline after it optional, as vLLM's ``glm47`` parser reads
+      GLM-4.7's; a value ends at the ``</arg_value>`` that the next key or the block's end follows),
+      each value typed by the tool's schema as an XML value is (the template writes a string as it is
+      and anything else as JSON), as vLLM's ``glm45`` parser reads it.
 
     Only blocks that begin as a call of one of these layouts count (``<tool_call>`` named in a reply's
     reasoning is text). Returns the text before the first call (the newlines that end it stripped:
@@ -283,7 +287,7 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     vLLM's parsers leave it)."""
     blocks = list(_TEMPLATE_CALL.finditer(text))
     if not blocks:
-        call = _json_call(text)
+        call = _json_call(text) if bare_json else None
         return ("", [call]) if call is not None else None
     calls = []
     for block in blocks:
@@ -308,8 +312,9 @@ def _hermes_call(block: str) -> dict[str, Any] | None:
     return {"name": call["name"], "arguments": call.get("arguments", {})}
 
 
-_GLM_NAME = re.compile(r"[ \t]*([A-Za-z_][\w.\-]*)[ \t]*\n")
-"""A call in GLM-4.5's layout begins with the function's name on the block's first line."""
+_GLM_NAME = re.compile(r"[ \t]*([A-Za-z_][\w.\-]*)[ \t]*\n?(?=\s*(?:<arg_key>|\Z))")
+"""A call in GLM-4.5's layout begins with the function's name on the block's first line (GLM-4.7's
+writes the first ``<arg_key>`` on that line)."""
 _ARGUMENT = re.compile(r"\s*<arg_key>([^<>\n]+)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*(?=<arg_key>|\Z)", re.DOTALL)
 
 
@@ -347,7 +352,7 @@ def _json_call(text: str) -> dict[str, Any] | None:
     return {"name": call["name"], "arguments": call.get("parameters", call.get("arguments"))}
 
 
-_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=)|[ \t]*[A-Za-z_][\w.\-]*[ \t]*\n\s*"
+_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=)|[ \t]*[A-Za-z_][\w.\-]*\s*"
                             r"(?:<arg_key>|" + re.escape(TOOL_CALL_END) + r"))(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 """A ``<tool_call>`` block that begins as a call of one of the layouts :func:`template_tool_calls` reads."""
 _FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
@@ -416,8 +421,8 @@ def _typed(value: str, schema: Any) -> Any:
 def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt and
     renders an assistant's tool call in a layout that :func:`template_tool_calls` reads back (Hermes
-    JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later; key-value lines: GLM-4.5 and
-    later; one bare JSON call: Llama 3.1 to 3.3), and the tool's result
+    JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later; key-value lines: GLM-4.5; one
+    bare JSON call: Llama 3.1 to 3.3), and the tool's result
     after it, with the reply rendered as it follows the generation prompt it was sampled after (Nemotron
     3's opens a thinking block there that its rendering of a reply drops: every episode would split): a
     model whose template does can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing. Why not:
@@ -428,6 +433,22 @@ def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
 def tool_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """What keeps the tokenizer's chat template from the built-in tool loop in the model's own format
     (:func:`renders_tool_calls`), in words; None when nothing does."""
+    return _probe(tokenizer)[0]
+
+
+def bare_json_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template renders a tool call as one bare JSON object that is the
+    whole reply (Llama 3.1-3.3's), so that :func:`template_tool_calls` reads such a reply as a call
+    (``bare_json``); with any other template such a reply is text, as vLLM's parser for that template's
+    layout leaves it."""
+    problem, layout = _probe(tokenizer)
+    return problem is None and layout == "bare_json"
+
+
+def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
+    """(what keeps the template from the tool loop or None, the layout it renders a call in: "tagged"
+    for ``<tool_call>`` blocks, "bare_json" for one JSON object that is the whole reply, or None), from
+    one probe conversation."""
     code, described = "print(6 * 7)", "Run Python code in the probe."
     tool = {"type": "function", "function": {"name": "python", "description": described, "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
@@ -439,46 +460,57 @@ def tool_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
         text = apply_template(tokenizer, messages, tools=[tool], add_generation_prompt=True, tokenize=False)
         prompt = apply_template(tokenizer, messages[:1], tools=[tool], add_generation_prompt=True, tokenize=False)
     except Exception as error:  # noqa: BLE001 - whatever the template raises, said as it said it
-        return f"it fails on a conversation with a tool call and its result ({type(error).__name__}: {error})"
+        return f"it fails on a conversation with a tool call and its result ({type(error).__name__}: {error})", None
     if not isinstance(text, str) or not isinstance(prompt, str):
-        return "it does not render such a conversation as text"
-    for start, end in _rendered_calls(text, {"name": "python", "arguments": {"code": code}}, [tool]):
-        if described not in text[:start]:
-            return "it does not write the tools it is given into the prompt"
-        if "42" not in text[end:]:
-            return "it does not render a tool's result after the call"
-        if not text.startswith(prompt):  # the reply, rendered, does not follow the prompt it was sampled after
-            at = max(0, len(os.path.commonprefix([prompt, text])) - 20)
-            return (f"it renders the assistant's reply otherwise than after the generation prompt it is sampled "
-                    f"after: where the prompt ends {prompt[at:]!r}, the conversation has {text[at:at + 40]!r} "
-                    "(a thinking block the prompt opens and the rendering drops, say), so every episode would "
-                    "split at its first call")
-        return None
-    return ('it does not render tool calls in a layout the loop reads: Hermes JSON (<tool_call>{"name": ..., '
-            '"arguments": ...}</tool_call>, as Qwen2.5\'s and Qwen3\'s templates do), XML (<tool_call>'
-            "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does), GLM-4.5's "
-            "(<tool_call>NAME<arg_key>...</arg_key><arg_value>...</arg_value></tool_call>) or a bare JSON call "
-            '({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s do)')
+        return "it does not render such a conversation as text", None
+    call = {"name": "python", "arguments": {"code": code}}
+    found = next(((span, "tagged") for span in _tagged_calls(text, call, [tool])), None)
+    if found is None and text.startswith(prompt):
+        span = _reply_call(text, len(prompt), call, tokenizer)
+        found = (span, "bare_json") if span is not None else None
+    if found is None:
+        return ('it does not render tool calls in a layout the loop reads: Hermes JSON (<tool_call>{"name": ..., '
+                '"arguments": ...}</tool_call>, as Qwen2.5\'s and Qwen3\'s templates do), XML (<tool_call>'
+                "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does), "
+                "GLM-4.5's (<tool_call>NAME\\n<arg_key>...</arg_key>\\n<arg_value>...</arg_value></tool_call>) or a "
+                'reply that is one bare JSON call ({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s are)'), None
+    (start, end), layout = found
+    if described not in text[:start]:
+        return "it does not write the tools it is given into the prompt", layout
+    if "42" not in text[end:]:
+        return "it does not render a tool's result after the call", layout
+    if not text.startswith(prompt):  # the reply, rendered, does not follow the prompt it was sampled after
+        at = max(0, len(os.path.commonprefix([prompt, text])) - 20)
+        return (f"it renders the assistant's reply otherwise than after the generation prompt it is sampled "
+                f"after: where the prompt ends {prompt[at:]!r}, the conversation has {text[at:at + 40]!r} "
+                "(a thinking block the prompt opens and the rendering drops, say), so every episode would "
+                "split at its first call"), layout
+    return None, layout
 
 
-_JSON_CALL_START = re.compile(r'\{\s*"name"\s*:')
-
-
-def _rendered_calls(text: str, call: dict[str, Any], tools: list[dict[str, Any]]) -> Iterator[tuple[int, int]]:
-    """Where a chat template's ``text`` renders ``call`` in a layout :func:`template_tool_calls` reads:
-    (start, end) of each ``<tool_call>`` block, then of each bare JSON call, that reads back as it."""
+def _tagged_calls(text: str, call: dict[str, Any], tools: list[dict[str, Any]]) -> Iterator[tuple[int, int]]:
+    """(start, end) of each ``<tool_call>`` block of a chat template's ``text`` that reads back as ``call``."""
     for block in _TEMPLATE_CALL.finditer(text):
         parsed = template_tool_calls(block.group(0), tools)
         if parsed is not None and parsed[1] == [call]:
             yield block.span()
-    decoder = json.JSONDecoder()
-    for found in _JSON_CALL_START.finditer(text):
-        try:
-            _, end = decoder.raw_decode(text, found.start())
-        except ValueError:
-            continue
-        if _json_call(text[found.start():end]) == call:
-            yield found.start(), end
+
+
+def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> tuple[int, int] | None:
+    """(start, end) of ``call`` as one bare JSON object that is the whole reply rendered at ``at`` (after
+    the generation prompt): whitespace before it, and a special token of the tokenizer (the end of the
+    turn) after it; None otherwise (a call in a list or behind a tag of the template's own is no reply
+    the bare JSON layout reads)."""
+    start = len(text) - len(text[at:].lstrip())
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
+    rest = text[end:].lstrip()
+    specials = [token for token in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if token]
+    if _json_call(text[start:end]) != call or not any(rest.startswith(token) for token in specials):
+        return None
+    return start, end
 
 
 def outside_tool_calls(text: str) -> str:

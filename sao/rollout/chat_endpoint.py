@@ -81,6 +81,7 @@ from sao.models.chat import (
     ChatTokens,
     Message,
     apply_template,
+    bare_json_calls,
     outside_tool_calls,
     template_tool_calls,
     without_turn_end,
@@ -371,6 +372,7 @@ class ChatRendering:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, tokens: ChatTokens | None = None) -> None:
         self.tokenizer = tokenizer
         self.tokens = tokens or ChatTokens.from_tokenizer(tokenizer)
+        self.bare_json = not self.tokens.supports_tools and bare_json_calls(tokenizer)  # Llama 3's layout
 
     def render(self, messages: Sequence[Message], tools: list | None) -> str:
         """The chat template's text of ``messages`` and the assistant's generation prompt."""
@@ -388,10 +390,11 @@ class ChatRendering:
         (``before`` is the rendering up to them): the template's own parts with their special tokens,
         each added message's content as plain text (a tool result that prints ``<|im_end|>`` cannot
         forge a turn boundary), as the built-in loop encodes observations. Where the contents are is
-        found by rendering the messages again with a marker for each. A content is found as it is, or
-        as the JSON string a template writes it as (Llama 3's writes every tool result with ``tojson``:
-        the plain text is then the escaped content, without the quotes); a template that renders a
-        content otherwise gets the whole text encoded as it is."""
+        found by rendering the messages again with a marker for each. Each content is found, in order,
+        as it is, as the JSON string a template writes it as (Llama 3's writes every tool result with
+        ``tojson``: the plain text is then the escaped content, without the quotes), or trimmed (as
+        Llama 3's and Qwen3.5's write a message's content); a template that renders a content otherwise
+        gets the whole text encoded as it is."""
         contents = [str(m.get("content") or "") for m in messages[kept:]]
         marked = [*messages[:kept], *({**m, "content": f"{_MARK}{k}{_MARK}"} for k, m in enumerate(messages[kept:]))]
         around = self.render(marked, tools)
@@ -400,23 +403,28 @@ class ChatRendering:
         parts = around[len(before):].split(_MARK)  # template, index, template, index, ..., template
         if len(parts) % 2 == 0 or not all(p.isdigit() and int(p) < len(contents) for p in parts[1::2]):
             return self.encode(text)
-        for escaped in (False, True):
-            pieces = []
-            for k, part in enumerate(parts):
-                if k % 2 == 0:
-                    pieces.append((part, False))
-                    continue
-                content = contents[int(part)]
-                if escaped and parts[k - 1].endswith('"') and parts[k + 1].startswith('"'):  # inside a JSON string
-                    content = json.dumps(content, ensure_ascii=False)[1:-1]
-                pieces.append((content, True))
-            if "".join(piece for piece, _ in pieces) == text:
-                ids: list[int] = []
-                for piece, plain in pieces:
-                    if piece:
-                        ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=plain)
-                return [int(i) for i in ids]
-        return self.encode(text)
+        pieces, at = [], 0
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                if not text.startswith(part, at):
+                    return self.encode(text)
+                pieces.append((part, False))
+                at += len(part)
+                continue
+            content = contents[int(part)]
+            forms = dict.fromkeys((content, json.dumps(content, ensure_ascii=False)[1:-1], content.strip()))
+            form = next((f for f in forms if text.startswith(f + parts[k + 1], at)), None)
+            if form is None:
+                return self.encode(text)
+            pieces.append((form, True))
+            at += len(form)
+        if at != len(text):
+            return self.encode(text)
+        ids: list[int] = []
+        for piece, plain in pieces:
+            if piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=plain)
+        return [int(i) for i in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -436,7 +444,8 @@ class ChatRendering:
         ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
         if finish is FinishReason.STOP and last not in stop_ids:
             text = without_turn_end(text, ids, ends, self.tokenizer)
-            parsed = template_tool_calls(text, tools) if tools and not self.tokens.supports_tools else None
+            parsed = (template_tool_calls(text, tools, bare_json=self.bare_json)
+                      if tools and not self.tokens.supports_tools else None)
             if parsed is not None:
                 if outside_tool_calls(text[len(parsed[0]):]).strip():
                     log.info("reply %s: text between or after its tool calls is not in its message (an OpenAI "

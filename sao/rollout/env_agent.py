@@ -16,8 +16,8 @@ the same ends (the environment's ``stop`` and ``turns``; the endpoint's ``length
 **A model's own tool-call format.** A policy whose tokenizer lacks this project's tool-call tokens
 (a model of one's own) calls the sandboxed Python tool in its own format, when its chat template
 renders tool calls in a layout the loop reads (:func:`sao.models.chat.renders_tool_calls`: Hermes JSON,
-as Qwen2.5, Qwen3 and others write it; XML, as Qwen3.5 and later do; key-value lines, as GLM-4.5 and
-later do; one bare JSON call a reply, as Llama 3.1 to 3.3 do) and the environment allows tool
+as Qwen2.5, Qwen3 and others write it; XML, as Qwen3.5 and later do; key-value lines, as GLM-4.5's
+does; one bare JSON call a reply, as Llama 3.1 to 3.3 do) and the environment allows tool
 calls (``max_tool_calls`` > 0): every request offers the one tool :func:`python_tool` (``python``,
 argument ``code``; the template writes it into the prompt), each ``python`` call of a reply is one
 environment step (several calls in a reply run in order), and each result goes back as a ``tool``

@@ -238,6 +238,25 @@ def xml_call(name, **arguments):
     ("<tool_call>\n<function=f>\nnote <parameter=s>\nx\n</parameter>\n</function>\n</tool_call>", None),  # text
     ("<tool_call>\n<function=f>\n<parameter=s>\nx\n</parameter>\n</tool_call>", None),  # </function> missing
     ("<tool_call>\nprint(1)\n</tool_call>", None),  # neither layout: this project's own call, as text
+    ("\n<think></think>\n<tool_call>python\n<arg_key>code</arg_key>\n<arg_value>print(1)\n</arg_value>\n"
+     "</tool_call>\n<tool_call>now\n</tool_call>",  # GLM-4.5's: a value's own newline kept
+     ("\n<think></think>", [{"name": "python", "arguments": {"code": "print(1)\n"}}, {"name": "now", "arguments": {}}])),
+    ("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>a</arg_value>b</arg_value>\n</tool_call>",  # the tag, printed
+     ("", [{"name": "f", "arguments": {"s": "a</arg_value>b"}}])),
+    ("<tool_call>f\nnote\n<arg_key>s</arg_key>\n<arg_value>a</arg_value>\n</tool_call>", None),  # text between
+    ("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>a\n</tool_call>", None),  # </arg_value> missing
+    ("<tool_call>two words\n</tool_call>", None),  # not a name: text
+    ("<tool_call>f<arg_key>s</arg_key><arg_value>a</arg_value></tool_call>",  # GLM-4.7's: no newline after the name
+     ("", [{"name": "f", "arguments": {"s": "a"}}])),
+], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text", "xml",
+        "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither", "glm", "glm value with its tag", "glm with text between", "glm unclosed", "glm no name", "glm-4.7"])
+def test_template_tool_calls(text, expected):
+    from sao.models.chat import template_tool_calls
+
+    assert template_tool_calls(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
     ('{"name": "add", "parameters": {"a": 2}}', ("", [{"name": "add", "arguments": {"a": 2}}])),  # Llama 3
     ('\n {"name": "add", "arguments": {}} ', ("", [{"name": "add", "arguments": {}}])),  # as vLLM reads it
     ('<|python_tag|>{"name": "add", "parameters": {}}', ("", [{"name": "add", "arguments": {}}])),  # Llama 3.1's tag
@@ -249,23 +268,15 @@ def xml_call(name, **arguments):
     ('{"name": "", "parameters": {}}', None),
     ('{"name": "add", "parameters": [2]}', None),
     ('{"name": "add", "parameters": {}}; {"name": "add", "parameters": {}}', None),  # one call a reply
-    ("\n<think></think>\n<tool_call>python\n<arg_key>code</arg_key>\n<arg_value>print(1)\n</arg_value>\n"
-     "</tool_call>\n<tool_call>now\n</tool_call>",  # GLM-4.5's: a value's own newline kept
-     ("\n<think></think>", [{"name": "python", "arguments": {"code": "print(1)\n"}}, {"name": "now", "arguments": {}}])),
-    ("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>a</arg_value>b</arg_value>\n</tool_call>",  # the tag, printed
-     ("", [{"name": "f", "arguments": {"s": "a</arg_value>b"}}])),
-    ("<tool_call>f\nnote\n<arg_key>s</arg_key>\n<arg_value>a</arg_value>\n</tool_call>", None),  # text between
-    ("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>a\n</tool_call>", None),  # </arg_value> missing
-    ("<tool_call>two words\n</tool_call>", None),  # not a name: text
-], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text", "xml",
-        "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither", "bare json",
-        "bare json arguments", "bare json after the python tag", "bare json after text", "bare json before text", "bare json other key",
-        "bare json both keys", "bare json no parameters", "bare json empty name", "bare json list", "bare json two",
-        "glm", "glm value with its tag", "glm with text between", "glm unclosed", "glm no name"])
-def test_template_tool_calls(text, expected):
+], ids=["llama", "arguments", "after the python tag", "after text", "before text", "other key", "both keys",
+        "no parameters", "empty name", "list", "two"])
+def test_template_tool_calls_of_a_template_that_renders_bare_json_calls(text, expected):
+    """With a template that renders a call as one bare JSON object (Llama 3's), such a reply is a call;
+    with any other, it is text."""
     from sao.models.chat import template_tool_calls
 
-    assert template_tool_calls(text) == expected
+    assert template_tool_calls(text, bare_json=True) == expected
+    assert template_tool_calls(text) is None
 
 
 def test_a_glm_calls_values_take_the_types_the_tools_schema_gives():
@@ -366,6 +377,29 @@ def test_renders_tool_calls_tells_a_template_that_renders_tool_calls_from_one_th
     assert "tojson }}{% endfor %}" not in toolless and not renders_tool_calls(qwen_style_tokenizer(toolless))
     refusing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
     assert not renders_tool_calls(qwen_style_tokenizer(refusing))
+
+
+def test_only_a_template_whose_reply_is_the_bare_json_call_reads_bare_json():
+    """Llama 3's templates render a call as the whole reply; a template that wraps the JSON in a list
+    (as Granite's and Phi-4-mini's do, behind a tag) is refused, its calls unread; a Qwen template's
+    calls are tagged, and a bare JSON reply of its model is text."""
+    from sao.models.chat import bare_json_calls, tool_calls_problem
+    from tests.rollout.test_chat_endpoint import (
+        LLAMA32_TEMPLATE,
+        LLAMA_TEMPLATES,
+        QWEN_STYLE,
+        glm_style_tokenizer,
+        llama_style_tokenizer,
+        qwen_style_tokenizer,
+    )
+
+    assert all(bare_json_calls(llama_style_tokenizer(template)) for template in LLAMA_TEMPLATES)
+    assert not bare_json_calls(qwen_style_tokenizer(QWEN_STYLE)) and not bare_json_calls(glm_style_tokenizer())
+    listed = LLAMA32_TEMPLATE.replace("""{{- '{"name": "' + tool_call.name""", """{{- '[{"name": "' + tool_call.name""")
+    listed = listed.replace('{{- "}" }}', '{{- "}]" }}')
+    assert listed.count("[{") == 1 and listed.count("}]") == 1
+    assert tool_calls_problem(llama_style_tokenizer(listed)).startswith("it does not render tool calls in a layout")
+    assert not bare_json_calls(llama_style_tokenizer(listed))
 
 
 def test_what_keeps_a_template_from_the_tool_loop_is_said_in_words():

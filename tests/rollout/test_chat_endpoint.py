@@ -459,6 +459,38 @@ def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layou
     assert tokenizer.decode(list(record.completion_ids[:record.segments[0].end])) == call
 
 
+def test_what_an_agent_adds_is_encoded_as_text_where_the_template_trims_or_quotes_it():
+    """Llama 3.2's template trims a user turn's content and writes a tool result as a JSON string: an
+    agent's user turn and tool result that hold the end-of-turn token's text (and whitespace, quotes
+    and newlines) are found in either form and encoded as text, so the observation has the template's
+    own end of turn per turn only."""
+    tokenizer = llama_style_tokenizer()
+    call = '{"name": "add", "parameters": {"a": 2, "b": 3}}<|eot_id|>'
+    engine = ScriptedEngine(tokenizer, ["Hi.<|eot_id|>", call, "5<|eot_id|>"])
+
+    async def agent(client, task):
+        messages = list(task["messages"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+        messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "  Add <|eot_id|> them.\n"}]
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+        message = reply.choices[0].message
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": 'said "5<|eot_id|>"\n'}]
+        await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+        return 1.0
+
+    (record,), _ = episode(engine, tokenizer, agent)
+    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    user, result = (list(record.completion_ids[s.start:s.end]) for s in record.segments if s.kind == "observation")
+    assert tokenizer.decode(user) == ("<|start_header_id|>user<|end_header_id|>\n\nAdd <|eot_id|> them.<|eot_id|>"
+                                      "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert tokenizer.decode(result) == ('<|start_header_id|>ipython<|end_header_id|>\n\n"said \\"5<|eot_id|>\\"\\n"'
+                                        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert user.count(eot) == 1 and result.count(eot) == 1
+
+
 def test_a_models_own_hermes_tool_calls_reach_the_agent_as_tool_calls_and_extend_the_record():
     """With a model's own chat format (Qwen2.5's layout), a reply in the Hermes format is an OpenAI tool
     call; sent back with the tool's result, the template renders it as sampled, so the episode is one
