@@ -186,6 +186,19 @@ class ModelSection(Section):
     """A Hugging Face model directory (config.json, safetensors weights, a fast tokenizer with a chat
     template), dense or mixture-of-experts; it is version 0 as it is, or after SFT on sft.data. None:
     the built-in tiny Qwen3-MoE policy, warm-started by SFT on math_tool demonstrations."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Variables of the model's chat template, as vLLM's and TRL's chat_template_kwargs: {enable_thinking:
+    false} turns Qwen3's thinking off. Set at the top of the template that version 0 carries
+    (sao.models.tokenizer.with_template_variables), so every rendering, replay and the recorded template
+    hash use them."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, variables: dict[str, Any]) -> dict[str, Any]:
+        from sao.models.tokenizer import template_lines
+
+        template_lines(variables)  # names and values a template can be given
+        return variables
 
 
 class SFTSection(Section):
@@ -467,6 +480,9 @@ class RunConfig(Section):
                              + ("env.verifiers brings its own tasks" if self.env.verifiers is not None else
                                 "they set up the tasks of data.train, and without it the run trains on the built-in "
                                 "math_tool task, with its own reward and tool"))
+        if self.model.chat_template_kwargs and self.model.path is None:
+            raise ValueError("model.chat_template_kwargs sets variables of the chat template of a model of one's own "
+                             "(model.path); the built-in policy's template reads none")
         if self.sft.data is not None and self.model.path is None:
             raise ValueError("sft.data is for a model of one's own (model.path); the built-in policy is warm-started "
                              "on its own demonstrations")
@@ -599,8 +615,8 @@ BUILDS: dict[str, tuple[tuple[type, str], ...]] = {
 }
 """Each setting -> the component fields it is built into (the others: :data:`RUN_OWN`)."""
 
-RUN_OWN = ("run_id", "workdir", "model.path", "sft.data", "data.train", "data.eval", "data.eval_fraction", "eval.seed",
-           "env.verifiers", "rollout.engine", "rollout.python", "train.threads")
+RUN_OWN = ("run_id", "workdir", "model.path", "model.chat_template_kwargs", "sft.data", "data.train", "data.eval",
+           "data.eval_fraction", "eval.seed", "env.verifiers", "rollout.engine", "rollout.python", "train.threads")
 """Settings of the run itself, which no component config has, or whose default the run works out
 (``train.threads``: :func:`sao.runs.trainer_threads`)."""
 

@@ -134,7 +134,8 @@ def prepare_inputs(config: RunConfig) -> tuple[str, ...]:
     if config.model.path is not None:
         from sao.models.policy import check_model_directory
 
-        check_model_directory(config.model.path, need_tools=runs_tool_loop(config), own_format=config.own_tasks)
+        check_model_directory(config.model.path, need_tools=runs_tool_loop(config), own_format=config.own_tasks,
+                              template_variables=config.model.chat_template_kwargs)
     if config.sft.data is not None:
         from sao.data import load_demonstrations
 
@@ -385,13 +386,14 @@ def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
         sft_warm_start(sft, partial, on_log=on_log)
     elif config.sft.data is None:
         log.info("version 0: the model of %s (no SFT: no sft.data)", config.model.path)
-        import_policy(config.model.path, partial)
+        import_policy(config.model.path, partial, config.model.chat_template_kwargs)
     else:
         demonstrations = load_demonstrations(config.sft.data)
         log.info("version 0: the model of %s after SFT on %d demonstrations of %s", config.model.path,
                  len(demonstrations), config.sft.data)
         sft_own_model(config.model.path, demonstrations, partial, sft, system_prompt=config.env.system_prompt,
-                      tools=own_format_tools(config, load_tokenizer(config.model.path)), on_log=on_log)
+                      tools=own_format_tools(config, load_tokenizer(config.model.path)),
+                      template_variables=config.model.chat_template_kwargs, on_log=on_log)
     partial.rename(path)
     return path
 

@@ -130,6 +130,11 @@ def test_set_values_are_read_as_yaml():
     (["rollout.group_size=3"], "train.batch_size 16 is not a multiple of rollout.group_size 3"),
     (["train.synchronous=true"], "train.synchronous needs train.max_staleness 0, got 4"),
     (["sft.data=demos.jsonl"], "sft.data is for a model of one's own (model.path)"),
+    (["model.chat_template_kwargs={enable_thinking: false}"], "model.chat_template_kwargs sets variables of the "
+                                                                "chat template of a model of one's own (model.path)"),
+    (["model.path=m", "model.chat_template_kwargs={none: 1}"], "model.chat_template_kwargs: chat template variable "
+                                                               "'none': a word of Jinja's own"),
+    (["model.path=m", "model.chat_template_kwargs={messages: []}"], "variable 'messages': every rendering gives"),
     (["sft.learning_rate=0"], "sft.learning_rate: Input should be greater than 0"),
     # Refused here, not at the run's start, where the component checking them is built:
     (["rollout.temperature=0"], "rollout.temperature: Input should be greater than 0 (got 0)"),

@@ -188,6 +188,40 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
         check_model_directory(untemplated)
 
 
+def test_chat_template_kwargs_are_set_in_the_template_of_version_0(tmp_path):
+    """model.chat_template_kwargs {enable_thinking: false}: the start check and version 0 see Qwen3's
+    template with its thinking off (the generation prompt closes an empty thinking block), the
+    checkpoint's tokenizer carries the variable, and its recorded template hash is of that template.
+    With tool calls, Qwen3's template with thinking off renders an earlier reply without that block,
+    so it is refused for the built-in loop, where Nemotron 3's, refused with thinking on, is accepted."""
+    from sao import runs
+    from sao.models.chat import prompt_ids
+    from sao.models.tokenizer import chat_template_version, load_tokenizer
+    from tests.rollout.test_chat_endpoint import QWEN3_TEMPLATE, TEMPLATES, qwen_style_tokenizer
+
+    source = model_directory(tmp_path, "qwen2", qwen_style_tokenizer(QWEN3_TEMPLATE))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    config, _ = resolve(None, [f"workdir={tmp_path / 'runs'}", f"model.path={source}", f"data.train={tmp_path / 'data.jsonl'}",
+                               "env.max_tool_calls=0", "model.chat_template_kwargs={enable_thinking: false}"])
+    runs.prepare_inputs(config)
+    version_zero = load_tokenizer(runs.warm_start(config))
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert version_zero.decode(prompt_ids(version_zero, messages)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert version_zero.chat_template.startswith("{%- set enable_thinking = false %}")
+    thinking = load_tokenizer(source)
+    assert not thinking.decode(prompt_ids(thinking, messages)).endswith("</think>\n\n")  # the model's own default
+    assert chat_template_version(version_zero) != chat_template_version(thinking)
+    with pytest.raises(ModelDirectoryError, match="otherwise than after the generation prompt"):
+        check_model_directory(source, need_tools=True, own_format=True, template_variables={"enable_thinking": False})
+    nemotron = model_directory(tmp_path / "nemotron", "qwen2",
+                               qwen_style_tokenizer((TEMPLATES / "nemotron_3_nano.jinja").read_text()))
+    with pytest.raises(ModelDirectoryError, match="otherwise than after the generation prompt"):
+        check_model_directory(nemotron, need_tools=True, own_format=True)
+    check_model_directory(nemotron, need_tools=True, own_format=True, template_variables={"enable_thinking": False})
+    with pytest.raises(ModelDirectoryError, match="model.chat_template_kwargs: chat template variable 'no way'"):
+        check_model_directory(source, template_variables={"no way": 1})
+
+
 def test_sft_data_warm_starts_a_model_of_ones_own_on_its_demonstrations(tmp_path):
     """sft.data: the user's model learns the demonstrations, laid out as its rollouts are (its chat
     template's generation prompt, then the completion and its end-of-turn token), before version 0."""

@@ -133,11 +133,29 @@ class _Described:
 
 
 def _alike(value: Any) -> Any:
-    """``value``, or for a set a stand-in whose ``repr`` lists its elements sorted by theirs: a set of
-    strings is written in an order that each process's hash seed decides."""
+    """``value``, or a stand-in whose ``repr`` writes each set in it (itself, or inside a list, tuple or
+    dict) with its elements sorted: a set of strings is written in an order that each process's hash
+    seed decides. Elements that compare are sorted by value (a set of numbers keeps the order it is
+    written in), others by their ``repr``."""
     if isinstance(value, set | frozenset) and value:
-        elements = "{" + ", ".join(sorted(repr(_alike(element)) for element in value)) + "}"
-        return _Described(elements if type(value) is set else f"{type(value).__name__}({elements})")
+        elements = [_alike(element) for element in value]
+        try:
+            ordered = [repr(element) for element in sorted(elements)]
+        except TypeError:  # elements that do not compare (mixed kinds, or stand-ins)
+            ordered = sorted(repr(element) for element in elements)
+        text = "{" + ", ".join(ordered) + "}"
+        return _Described(text if type(value) is set else f"{type(value).__name__}({text})")
+    if type(value) in (list, tuple):
+        items = [_alike(item) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        text = ", ".join(map(repr, items)) + ("," if type(value) is tuple and len(items) == 1 else "")
+        return _Described(f"[{text}]" if type(value) is list else f"({text})")
+    if type(value) is dict:
+        alike = {key: _alike(item) for key, item in value.items()}
+        if all(alike[key] is item for key, item in value.items()):
+            return value
+        return _Described("{" + ", ".join(f"{key!r}: {item!r}" for key, item in alike.items()) + "}")
     return value
 
 

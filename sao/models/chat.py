@@ -275,8 +275,8 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
       array; it stays text where it does not convert or no schema says; or
     - **GLM-4.5's** key-value lines, as its template writes them:
       ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>`` (the
-      name on the block's first line, the newline after it optional, as vLLM's ``glm47`` parser reads
-      GLM-4.7's; a value ends at the ``</arg_value>`` that the next key or the block's end follows),
+      name on the block's first line, the newline after it optional before a first key, as vLLM's
+      ``glm47`` parser reads GLM-4.7's; a block that holds a word alone is text; a value ends at the ``</arg_value>`` that the next key or the block's end follows),
       each value typed by the tool's schema as an XML value is (the template writes a string as it is
       and anything else as JSON), as vLLM's ``glm45`` parser reads it.
 
@@ -285,10 +285,12 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     templates put them between the text and the first call) and the calls as ``{"name", "arguments"}``;
     None when the text holds no call, or a block is not a whole call (the reply is then plain text, as
     vLLM's parsers leave it)."""
+    call = _json_call(text) if bare_json else None
+    if call is not None:  # the whole reply (a <tool_call> inside its strings is its own)
+        return "", [call]
     blocks = list(_TEMPLATE_CALL.finditer(text))
     if not blocks:
-        call = _json_call(text) if bare_json else None
-        return ("", [call]) if call is not None else None
+        return None
     calls = []
     for block in blocks:
         body = block.group(1)
@@ -312,7 +314,7 @@ def _hermes_call(block: str) -> dict[str, Any] | None:
     return {"name": call["name"], "arguments": call.get("arguments", {})}
 
 
-_GLM_NAME = re.compile(r"[ \t]*([A-Za-z_][\w.\-]*)[ \t]*\n?(?=\s*(?:<arg_key>|\Z))")
+_GLM_NAME = re.compile(r"[ \t]*([A-Za-z_][\w.\-]*)(?:[ \t]*\n\s*(?=<arg_key>|\Z)|\s*(?=<arg_key>))")
 """A call in GLM-4.5's layout begins with the function's name on the block's first line (GLM-4.7's
 writes the first ``<arg_key>`` on that line)."""
 _ARGUMENT = re.compile(r"\s*<arg_key>([^<>\n]+)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*(?=<arg_key>|\Z)", re.DOTALL)
@@ -352,8 +354,8 @@ def _json_call(text: str) -> dict[str, Any] | None:
     return {"name": call["name"], "arguments": call.get("parameters", call.get("arguments"))}
 
 
-_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=)|[ \t]*[A-Za-z_][\w.\-]*\s*"
-                            r"(?:<arg_key>|" + re.escape(TOOL_CALL_END) + r"))(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=)|[ \t]*[A-Za-z_][\w.\-]*(?:[ \t]*\n\s*"
+                            + re.escape(TOOL_CALL_END) + r"|\s*<arg_key>))(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 """A ``<tool_call>`` block that begins as a call of one of the layouts :func:`template_tool_calls` reads."""
 _FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>\n?(.*?)\n?</parameter>\s*(?=<parameter=|\Z)", re.DOTALL)

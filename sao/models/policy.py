@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -289,20 +290,22 @@ class ModelDirectoryError(ValueError):
     """A model directory that cannot be a policy: what is missing or wrong, and where."""
 
 
-def check_model_directory(path: str | Path, *, need_tools: bool = False,
-                          own_format: bool = False) -> PreTrainedTokenizerBase:
+def check_model_directory(path: str | Path, *, need_tools: bool = False, own_format: bool = False,
+                          template_variables: Mapping[str, Any] | None = None) -> PreTrainedTokenizerBase:
     """Check a Hugging Face model directory of the user's before anything starts: ``config.json``,
     weights, a fast tokenizer with a chat template and a token that ends a turn; with ``need_tools``
     (the built-in tool loop runs), this project's tool-call tokens or, with ``own_format`` (tasks of
     one's own: the built-in math_tool task asks for this project's format), a chat template that
     renders tool calls in a layout the loop reads (:func:`sao.models.chat.renders_tool_calls`: the loop
-    then runs in the model's own format, :mod:`sao.rollout.env_agent`). Returns the tokenizer. Loads no
-    weights.
+    then runs in the model's own format, :mod:`sao.rollout.env_agent`). ``template_variables``
+    (``model.chat_template_kwargs``) are set in its chat template first
+    (:func:`sao.models.tokenizer.with_template_variables`), so the checks see the template the run
+    renders with. Returns the tokenizer. Loads no weights.
 
     Raises:
         ModelDirectoryError: naming the directory and what it lacks.
     """
-    from sao.models.tokenizer import load_tokenizer
+    from sao.models.tokenizer import load_tokenizer, with_template_variables
 
     path = Path(path)
     if not path.is_dir():
@@ -320,6 +323,10 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False,
     if not getattr(tokenizer, "chat_template", None):
         raise ModelDirectoryError(f"model.path {path}: the tokenizer has no chat template; rollouts render chat "
                                   "messages with it (set tokenizer.chat_template and save the tokenizer again)")
+    try:
+        with_template_variables(tokenizer, template_variables)
+    except ValueError as error:
+        raise ModelDirectoryError(f"model.chat_template_kwargs: {error}") from None
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise ModelDirectoryError(f"model.path {path}: the tokenizer is not a fast tokenizer (tokenizer.json); "
                                   "trajectories record its content hash")
@@ -363,11 +370,11 @@ def _check_architecture(path: Path) -> None:
         raise ModelDirectoryError(f"model.path {path}: the torch rollout engine cannot run it: {unsupported}")
 
 
-def import_policy(source: str | Path, path: str | Path) -> Path:
+def import_policy(source: str | Path, path: str | Path, template_variables: Mapping[str, Any] | None = None) -> Path:
     """The user's model directory ``source`` as this project's version-0 policy directory ``path``
-    (float32 weights, its tokenizer, ``sao_policy.json`` naming the source); checked first
-    (:func:`check_model_directory`)."""
-    tokenizer = check_model_directory(source)
+    (float32 weights, its tokenizer with ``template_variables`` set in its chat template,
+    ``sao_policy.json`` naming the source); checked first (:func:`check_model_directory`)."""
+    tokenizer = check_model_directory(source, template_variables=template_variables)
     model = load_policy(source)
     return save_policy(model, path, tokenizer, extra={"source": str(Path(source).resolve())})
 

@@ -28,7 +28,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -44,7 +48,9 @@ __all__ = [
     "chat_template_version",
     "load_tokenizer",
     "save_tokenizer",
+    "template_lines",
     "tokenizer_version",
+    "with_template_variables",
 ]
 
 # Jinja, rendered by transformers' apply_chat_template. Tool calls follow the Hugging Face message
@@ -170,6 +176,74 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, path: str | Path) -> Path
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load a tokenizer directory (ours or a real checkpoint's) with ``AutoTokenizer``."""
     return AutoTokenizer.from_pretrained(str(path))
+
+
+TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""What a chat template variable's name must be (``model.chat_template_kwargs``)."""
+
+
+def with_template_variables(tokenizer: PreTrainedTokenizerBase, variables: Mapping[str, Any] | None,
+                            ) -> PreTrainedTokenizerBase:
+    """``tokenizer`` (changed in place) with each of ``variables`` set at the top of its chat template,
+    ``{%- set NAME = VALUE %}`` before the template's own text, as vLLM's and TRL's
+    ``chat_template_kwargs`` pass them to every rendering (``enable_thinking: false`` turns Qwen3's
+    thinking off). Written into the template, they travel with the tokenizer: the run's version 0 and
+    every checkpoint carry them, every rendering and replay uses them, and the recorded chat template
+    hash is of the template with them. A variable set so wins over the same name given to a rendering.
+
+    Raises:
+        ValueError: a name that is not an identifier, or a value that is not JSON (null, a boolean, a
+            finite number, a string, a list, or a mapping with string keys).
+    """
+    if not variables:
+        return tokenizer
+    lines = template_lines(variables)
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ({key: lines + text for key, text in template.items()} if isinstance(template, dict)
+                               else lines + template)
+    return tokenizer
+
+
+_RENDERING_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                                  "strftime_now", "raise_exception"})
+"""What ``apply_chat_template`` gives a template itself (with the special tokens, ``*_token``)."""
+
+
+def template_lines(variables: Mapping[str, Any]) -> str:
+    """The ``{%- set NAME = VALUE %}`` lines of ``variables`` (:func:`with_template_variables`; its errors)."""
+    import jinja2
+
+    for name in variables:
+        if not isinstance(name, str) or TEMPLATE_VARIABLE.fullmatch(name) is None:
+            raise ValueError(f"chat template variable {name!r}: a name is a letter or _ then letters, digits or _")
+        try:
+            jinja2.Environment().parse(f"{{% set {name} = 1 %}}")
+        except jinja2.TemplateSyntaxError:
+            raise ValueError(f"chat template variable {name!r}: a word of Jinja's own, which a template cannot "
+                             "set") from None
+        if name in _RENDERING_VARIABLES or name.endswith("_token"):
+            raise ValueError(f"chat template variable {name!r}: every rendering gives the template this one itself "
+                             "(the conversation, its tools, the generation prompt's flag, the special tokens, the "
+                             "clock)")
+    return "".join(f"{{%- set {name} = {_jinja_literal(value, name)} %}}" for name, value in variables.items())
+
+
+def _jinja_literal(value: Any, name: str) -> str:
+    """``value`` as a Jinja literal (JSON's, with Jinja's none, true and false)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float) and math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # ASCII, with JSON's escapes, which a Jinja string reads as Python's
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_jinja_literal(item, name) for item in value) + "]"
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        return "{" + ", ".join(f"{json.dumps(key)}: {_jinja_literal(item, name)}" for key, item in value.items()) + "}"
+    raise ValueError(f"chat template variable {name!r}: {value!r} is not a JSON value (null, a boolean, a finite "
+                     "number, a string, a list, or a mapping with string keys)")
 
 
 def _short_hash(text: str) -> str:

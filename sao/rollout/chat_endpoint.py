@@ -46,8 +46,9 @@ whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a
 ``tools`` in the request, the calls of a reply in the Hermes JSON layout (Qwen2.5, Qwen3 and others:
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), the XML one (Qwen3.5 and later,
 Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5's key-value lines
-(``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``) or a reply that is one
-bare JSON call (Llama 3.1 to 3.3: ``{"name": ..., "parameters": ...}``)
+(``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``) or, with a template that
+renders calls so (Llama 3.1 to 3.3's), a reply that is one bare JSON call (``{"name": ...,
+"parameters": ...}``)
 (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the offered tool's
 schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its content (a call's id is derived from the
 episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -372,7 +374,12 @@ class ChatRendering:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, tokens: ChatTokens | None = None) -> None:
         self.tokenizer = tokenizer
         self.tokens = tokens or ChatTokens.from_tokenizer(tokenizer)
-        self.bare_json = not self.tokens.supports_tools and bare_json_calls(tokenizer)  # Llama 3's layout
+
+    @functools.cached_property
+    def bare_json(self) -> bool:
+        """Whether a reply that is one bare JSON call is a call: the template renders calls so (Llama 3's;
+        :func:`sao.models.chat.bare_json_calls`, which renders a probe conversation: asked once)."""
+        return not self.tokens.supports_tools and bare_json_calls(self.tokenizer)
 
     def render(self, messages: Sequence[Message], tools: list | None) -> str:
         """The chat template's text of ``messages`` and the assistant's generation prompt."""

@@ -41,9 +41,9 @@ import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -392,10 +392,13 @@ def own_example(tokenizer: PreTrainedTokenizerBase, chat: ChatTokens, task: Task
 
 def sft_own_model(model_dir: str | Path, demonstrations: Sequence[tuple[Task, str]], out_dir: str | Path,
                   config: SFTConfig | None = None, *, system_prompt: str = "", tools: list | None = None,
+                  template_variables: Mapping[str, Any] | None = None,
                   on_log: Callable[[LogPoint], None] | None = None) -> SFTResult:
     """SFT of the model at ``model_dir`` on ``demonstrations`` ((task, completion) pairs,
     :func:`sao.data.load_demonstrations`), saved as policy version 0 to ``out_dir``; ``system_prompt``
-    and ``tools`` lay the prompts out as the run's rollouts have them (:func:`own_example`). A seeded tenth of
+    and ``tools`` lay the prompts out as the run's rollouts have them (:func:`own_example`), and
+    ``template_variables`` are set in its chat template as the run's (``model.chat_template_kwargs``:
+    :func:`sao.models.tokenizer.with_template_variables`). A seeded tenth of
     the demonstrations (at most ``config.validation_tasks``, at least one) is held out for the success
     measure; ``config``'s policy, tokenizer and task settings do not apply."""
     from sao.models.policy import check_model_directory, load_policy
@@ -405,7 +408,7 @@ def sft_own_model(model_dir: str | Path, demonstrations: Sequence[tuple[Task, st
         raise ValueError(f"SFT needs at least 2 demonstrations (one is held out), got {len(demonstrations)}")
     start = time.monotonic()
     torch.set_num_threads(config.num_threads)
-    tokenizer = check_model_directory(model_dir)
+    tokenizer = check_model_directory(model_dir, template_variables=template_variables)
     chat = ChatTokens.from_tokenizer(tokenizer)
     torch.manual_seed(config.seed)
     model = load_policy(model_dir)

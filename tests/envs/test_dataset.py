@@ -150,14 +150,16 @@ def test_a_default_with_a_memory_address_is_described_alike_in_every_process():
         "marked(key, default=<object object>): Look ``key`` up.",)
 
 
-def allowed(item, among={"pen", "ink", "pad", "nib", "cap"}, kinds=frozenset({"a", "b", "c"}), none=set()):  # noqa: B006
+def allowed(item, among={"pen", "ink", "pad", "nib", "cap"}, kinds=frozenset({"a", "b", "c"}), none=set(),  # noqa: B006
+            pair=("r", frozenset({"x", "y", "z", "w"})), numbers={20, 3, 1}):  # noqa: B006
     """Whether ``item`` is sold."""
     return item in among
 
 
 def test_a_set_default_is_described_alike_under_every_hash_seed():
     """A set of strings is written in an order its process's hash seed decides: the description sorts
-    its elements, so replicas, the trainer and a replay (each a process of its own) render one prompt."""
+    its elements (a set inside a tuple too; numbers by value), so replicas, the trainer and a replay
+    (each a process of its own) render one prompt."""
     import os
     import subprocess
     import sys
@@ -167,7 +169,8 @@ def test_a_set_default_is_described_alike_under_every_hash_seed():
     lines = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(4)}
     assert lines == {"allowed(item, among={'cap', 'ink', 'nib', 'pad', 'pen'}, kinds=frozenset({'a', 'b', 'c'}), "
-                     "none=set()): Whether ``item`` is sold.\n"}
+                     "none=set(), pair=('r', frozenset({'w', 'x', 'y', 'z'})), numbers={1, 3, 20}): Whether ``item`` "
+                     "is sold.\n"}
     raw = {subprocess.run([sys.executable, "-c", "print({'pen', 'ink', 'pad', 'nib', 'cap'})"], capture_output=True,
                           text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(4)}
     assert len(raw) > 1  # what the sorting is for

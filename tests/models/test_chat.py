@@ -248,8 +248,9 @@ def xml_call(name, **arguments):
     ("<tool_call>two words\n</tool_call>", None),  # not a name: text
     ("<tool_call>f<arg_key>s</arg_key><arg_value>a</arg_value></tool_call>",  # GLM-4.7's: no newline after the name
      ("", [{"name": "f", "arguments": {"s": "a"}}])),
+    ("As <tool_call>said</tool_call> before.", None),  # a word alone in the tags, in prose: text
 ], ids=["one call", "text then two calls", "no call", "bad JSON", "no name", "arguments as text", "xml",
-        "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither", "glm", "glm value with its tag", "glm with text between", "glm unclosed", "glm no name", "glm-4.7"])
+        "xml untyped", "both layouts", "xml with text between", "xml unclosed", "neither", "glm", "glm value with its tag", "glm with text between", "glm unclosed", "glm no name", "glm-4.7", "a word alone"])
 def test_template_tool_calls(text, expected):
     from sao.models.chat import template_tool_calls
 
@@ -268,8 +269,10 @@ def test_template_tool_calls(text, expected):
     ('{"name": "", "parameters": {}}', None),
     ('{"name": "add", "parameters": [2]}', None),
     ('{"name": "add", "parameters": {}}; {"name": "add", "parameters": {}}', None),  # one call a reply
+    ('{"name": "python", "parameters": {"code": "print(\\"<tool_call>x\\n</tool_call>\\")"}}',  # a tag in its string
+     ("", [{"name": "python", "arguments": {"code": 'print("<tool_call>x\n</tool_call>")'}}])),
 ], ids=["llama", "arguments", "after the python tag", "after text", "before text", "other key", "both keys",
-        "no parameters", "empty name", "list", "two"])
+        "no parameters", "empty name", "list", "two", "a tag in a string"])
 def test_template_tool_calls_of_a_template_that_renders_bare_json_calls(text, expected):
     """With a template that renders a call as one bare JSON object (Llama 3's), such a reply is a call;
     with any other, it is text."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -101,3 +103,28 @@ def test_a_tokenizer_without_a_template_has_no_template_version(tokenizer):
     bare.chat_template = None
     with pytest.raises(ValueError, match="no chat_template"):
         chat_template_version(bare)
+
+
+def test_template_variables_are_set_at_the_top_of_the_chat_template():
+    """Each value a JSON value, read back by the template as it was given, winning over a rendering's
+    own; a dict of named templates gets them in each; names and values a template cannot take refused."""
+    import pytest
+
+    from sao.models.tokenizer import with_template_variables
+    from tests.rollout.test_chat_endpoint import qwen_style_tokenizer
+
+    given = {"flag": False, "n": 2.5, "s": 'a "b"\n\u00e9', "nothing": None, "items": [1, {"k": True}]}
+    tokenizer = with_template_variables(qwen_style_tokenizer("{{ [flag, n, s, nothing, items] | tojson }}"), given)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, flag=True) == json.dumps(
+        [False, 2.5, 'a "b"\n\u00e9', None, [1, {"k": True}]], ensure_ascii=False)
+    named = qwen_style_tokenizer("x")
+    named.chat_template = {"default": "{{ flag }}", "tool_use": "{{ flag }}!"}
+    assert with_template_variables(named, {"flag": 1}).chat_template == {
+        "default": "{%- set flag = 1 %}{{ flag }}", "tool_use": "{%- set flag = 1 %}{{ flag }}!"}
+    assert with_template_variables(named, {}) is named and with_template_variables(named, None) is named
+    for bad, match in (({"1st": 1}, "a name is a letter"), ({"none": 1}, "a word of Jinja's own"),
+                       ({"bos_token": "x"}, "every rendering gives"), ({"tools": []}, "every rendering gives"),
+                       ({"x": float("inf")}, "not a JSON value"),
+                       ({"x": {1: 2}}, "not a JSON value"), ({"x": object()}, "not a JSON value")):
+        with pytest.raises(ValueError, match=match):
+            with_template_variables(qwen_style_tokenizer("x"), bad)
