@@ -653,7 +653,7 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[str]:
             yield prefix + key
 
 
-_DICT_SETTINGS = frozenset({"rollout.resources", "train.resources", "env.verifiers.args"})
+_DICT_SETTINGS = frozenset({"rollout.resources", "train.resources", "env.verifiers.args", "model.chat_template_kwargs"})
 
 
 def setting_keys(data: Mapping[str, Any]) -> set[str]:

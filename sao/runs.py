@@ -372,7 +372,13 @@ def warm_start(config: RunConfig, on_log: Callable | None = None) -> Path:
     from sao.train.sft import SFTConfig, sft_own_model, sft_warm_start
 
     path = config.initial_policy_dir
-    if (path / "config.json").exists() and read_policy_metadata(path) is not None:
+    metadata = read_policy_metadata(path) if (path / "config.json").exists() else None
+    if metadata is not None:
+        made_with = metadata.extra.get("chat_template_kwargs", {}) if config.model.path is not None else {}
+        if made_with != config.model.chat_template_kwargs:
+            raise ConfigError(f"version 0 at {path} was made with model.chat_template_kwargs {made_with}, and the "
+                              f"config gives {config.model.chat_template_kwargs}: its chat template has the variables "
+                              "it was made with. Start a new run id, or remove that folder to make version 0 again")
         log.info("warm start: reusing %s", path)
         return path
     # Written beside, then renamed: a warm start stopped half-way leaves no directory that looks done.

@@ -22,7 +22,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from sao.config import resolve
+from sao.config import ConfigError, resolve
 from sao.models.chat import ChatTokens
 from sao.models.policy import ModelDirectoryError, check_model_directory, routing_note
 
@@ -211,6 +211,9 @@ def test_chat_template_kwargs_are_set_in_the_template_of_version_0(tmp_path):
     thinking = load_tokenizer(source)
     assert not thinking.decode(prompt_ids(thinking, messages)).endswith("</think>\n\n")  # the model's own default
     assert chat_template_version(version_zero) != chat_template_version(thinking)
+    with pytest.raises(ConfigError, match=r"version 0 at .* was made with model.chat_template_kwargs \{'enable_thinking': "
+                       r"False\}, and the config gives \{\}"):  # a version 0 kept from before is not reused unseen
+        runs.warm_start(config.with_values({"model.chat_template_kwargs": {}}))
     with pytest.raises(ModelDirectoryError, match="otherwise than after the generation prompt"):
         check_model_directory(source, need_tools=True, own_format=True, template_variables={"enable_thinking": False})
     nemotron = model_directory(tmp_path / "nemotron", "qwen2",

@@ -376,7 +376,8 @@ def import_policy(source: str | Path, path: str | Path, template_variables: Mapp
     ``sao_policy.json`` naming the source); checked first (:func:`check_model_directory`)."""
     tokenizer = check_model_directory(source, template_variables=template_variables)
     model = load_policy(source)
-    return save_policy(model, path, tokenizer, extra={"source": str(Path(source).resolve())})
+    return save_policy(model, path, tokenizer, extra={"source": str(Path(source).resolve()),
+                                                      "chat_template_kwargs": dict(template_variables or {})})
 
 
 def routing_note(path: str | Path) -> str | None:

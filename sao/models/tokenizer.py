@@ -189,15 +189,17 @@ def with_template_variables(tokenizer: PreTrainedTokenizerBase, variables: Mappi
     ``chat_template_kwargs`` pass them to every rendering (``enable_thinking: false`` turns Qwen3's
     thinking off). Written into the template, they travel with the tokenizer: the run's version 0 and
     every checkpoint carry them, every rendering and replay uses them, and the recorded chat template
-    hash is of the template with them. A variable set so wins over the same name given to a rendering.
+    hash is of the template with them. A variable set so wins over the same name given to a rendering:
+    a checkpoint exported from the run keeps it for whatever renders with it later.
 
     Raises:
-        ValueError: a name that is not an identifier, or a value that is not JSON (null, a boolean, a
-            finite number, a string, a list, or a mapping with string keys).
+        ValueError: a name that is not an identifier, is a word or a function of Jinja's own, or is given
+            to every rendering (:data:`_RENDERING_VARIABLES`, the special tokens); a value that is not
+            JSON (null, a boolean, a finite number, a string, a list, or a mapping with string keys).
     """
     if not variables:
         return tokenizer
-    lines = template_lines(variables)
+    lines = template_lines(variables) + "\n"  # the newline a block tag takes (trim_blocks), not the template's own
     template = tokenizer.chat_template
     tokenizer.chat_template = ({key: lines + text for key, text in template.items()} if isinstance(template, dict)
                                else lines + template)
@@ -221,6 +223,8 @@ def template_lines(variables: Mapping[str, Any]) -> str:
         except jinja2.TemplateSyntaxError:
             raise ValueError(f"chat template variable {name!r}: a word of Jinja's own, which a template cannot "
                              "set") from None
+        if name in jinja2.Environment().globals:
+            raise ValueError(f"chat template variable {name!r}: one of Jinja's own functions, which templates call")
         if name in _RENDERING_VARIABLES or name.endswith("_token"):
             raise ValueError(f"chat template variable {name!r}: every rendering gives the template this one itself "
                              "(the conversation, its tools, the generation prompt's flag, the special tokens, the "
@@ -234,14 +238,14 @@ def _jinja_literal(value: Any, name: str) -> str:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int | float) and math.isfinite(value):
+    if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)):
         return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # ASCII, with JSON's escapes, which a Jinja string reads as Python's
+    if isinstance(value, str):  # JSON's escapes, which a Jinja string reads as Python's; other characters as
+        return json.dumps(value, ensure_ascii=False)  # they are (Jinja's \\u escapes cannot pair surrogates)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_jinja_literal(item, name) for item in value) + "]"
     if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
-        return "{" + ", ".join(f"{json.dumps(key)}: {_jinja_literal(item, name)}" for key, item in value.items()) + "}"
+        return "{" + ", ".join(f"{_jinja_literal(key, name)}: {_jinja_literal(item, name)}" for key, item in value.items()) + "}"
     raise ValueError(f"chat template variable {name!r}: {value!r} is not a JSON value (null, a boolean, a finite "
                      "number, a string, a list, or a mapping with string keys)")
 

@@ -424,7 +424,8 @@ def sft_own_model(model_dir: str | Path, demonstrations: Sequence[tuple[Task, st
     metrics = {"steps": steps, "reached_target": reached, "validation_success": log[-1].success,
                "action_tokens": action_tokens, "tokens": tokens, "train_s": train_s,
                "demonstrations": len(train), "held_out": held}  # fmt: skip
-    extra = {"source": str(Path(model_dir).resolve()), "sft_config": dataclasses.asdict(config), "sft_metrics": metrics}
+    extra = {"source": str(Path(model_dir).resolve()), "chat_template_kwargs": dict(template_variables or {}),
+             "sft_config": dataclasses.asdict(config), "sft_metrics": metrics}
     path = save_policy(model, out_dir, tokenizer, policy_version=0, extra=_jsonable(extra))
     return SFTResult(path=path, steps=steps, reached_target=reached, success=log[-1].success,
                      action_tokens=action_tokens, tokens=tokens, wall_s=time.monotonic() - start, train_s=train_s,

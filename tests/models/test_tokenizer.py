@@ -113,16 +113,19 @@ def test_template_variables_are_set_at_the_top_of_the_chat_template():
     from sao.models.tokenizer import with_template_variables
     from tests.rollout.test_chat_endpoint import qwen_style_tokenizer
 
-    given = {"flag": False, "n": 2.5, "s": 'a "b"\n\u00e9', "nothing": None, "items": [1, {"k": True}]}
-    tokenizer = with_template_variables(qwen_style_tokenizer("{{ [flag, n, s, nothing, items] | tojson }}"), given)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, flag=True) == json.dumps(
-        [False, 2.5, 'a "b"\n\u00e9', None, [1, {"k": True}]], ensure_ascii=False)
+    given = {"flag": False, "n": 2.5, "s": 'a "b"\\\n\u00e9\U0001f600', "nothing": None, "items": [1, {"k\u00e9": True}],
+             "big": 10**30, "small": 1e-05}
+    template = "\n{{ [flag, n, s, nothing, items, big, small] | tojson }}"  # its own first newline kept
+    tokenizer = with_template_variables(qwen_style_tokenizer(template), given)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, flag=True) == "\n" + json.dumps(
+        [False, 2.5, 'a "b"\\\n\u00e9\U0001f600', None, [1, {"k\u00e9": True}], 10**30, 1e-05], ensure_ascii=False)
     named = qwen_style_tokenizer("x")
     named.chat_template = {"default": "{{ flag }}", "tool_use": "{{ flag }}!"}
     assert with_template_variables(named, {"flag": 1}).chat_template == {
-        "default": "{%- set flag = 1 %}{{ flag }}", "tool_use": "{%- set flag = 1 %}{{ flag }}!"}
+        "default": "{%- set flag = 1 %}\n{{ flag }}", "tool_use": "{%- set flag = 1 %}\n{{ flag }}!"}
     assert with_template_variables(named, {}) is named and with_template_variables(named, None) is named
     for bad, match in (({"1st": 1}, "a name is a letter"), ({"none": 1}, "a word of Jinja's own"),
+                       ({"namespace": 1}, "one of Jinja's own functions"),
                        ({"bos_token": "x"}, "every rendering gives"), ({"tools": []}, "every rendering gives"),
                        ({"x": float("inf")}, "not a JSON value"),
                        ({"x": {1: 2}}, "not a JSON value"), ({"x": object()}, "not a JSON value")):
