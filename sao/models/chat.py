@@ -256,11 +256,11 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     """The tool calls of a reply in a layout that models' own chat templates render calls in: either, with
     ``bare_json`` (a template that renders calls so: :func:`bare_json_calls`), one **bare JSON** call
     that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates of Llama 3.1, 3.2
-    and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>``
-    before it, as vLLM's ``llama3_json`` parser reads them: the templates render the call back without
-    the tag, so the episode splits there; no other key, and nothing but whitespace around it; those
-    templates render one call a reply), or calls that are each a ``<tool_call>...</tool_call>`` block after optional text,
-    holding either
+    and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>`` before it, as vLLM's
+    ``llama3_json`` parser reads them: the templates render the call back without the tag, so the
+    episode splits there; no other key, and nothing but whitespace around it; those templates render
+    one call a reply), or calls that are each a ``<tool_call>...</tool_call>`` block after optional
+    text, holding either
 
     - **Hermes JSON**, as the templates of Qwen2.5, Qwen3, Hermes and others write it:
       ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (whitespace around the JSON);
@@ -276,9 +276,10 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     - **GLM-4.5's** key-value lines, as its template writes them:
       ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>`` (the
       name on the block's first line, the newline after it optional before a first key, as vLLM's
-      ``glm47`` parser reads GLM-4.7's; a block that holds a word alone is text; a value ends at the ``</arg_value>`` that the next key or the block's end follows),
-      each value typed by the tool's schema as an XML value is (the template writes a string as it is
-      and anything else as JSON), as vLLM's ``glm45`` parser reads it.
+      ``glm47`` parser reads GLM-4.7's; a block that holds a word alone is text; a value ends at the
+      ``</arg_value>`` that the next key or the block's end follows), each value typed by the tool's
+      schema as an XML value is (the template writes a string as it is and anything else as JSON), as
+      vLLM's ``glm45`` parser reads it.
 
     Only blocks that begin as a call of one of these layouts count (``<tool_call>`` named in a reply's
     reasoning is text). Returns the text before the first call (the newlines that end it stripped:
@@ -324,17 +325,22 @@ def _glm_call(block: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str
     name = _GLM_NAME.match(block)
     if name is None:
         return None
-    schema = _parameter_schema(name.group(1), tools)
-    arguments: dict[str, Any] = {}
-    position = name.end()
-    for argument in _ARGUMENT.finditer(block, position):
-        if argument.start() != position:  # text between the arguments: not this layout
+    arguments = _pairs(_ARGUMENT, block, name.end(), _parameter_schema(name.group(1), tools))
+    return {"name": name.group(1), "arguments": arguments} if arguments is not None else None
+
+
+def _pairs(pattern: re.Pattern[str], text: str, start: int, schema: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The key-value pairs ``pattern`` finds one after another in ``text`` from ``start`` to its end
+    (whitespace around them), each value typed by ``schema`` (:func:`_typed`); None where anything else
+    stands between or after them (not this layout)."""
+    pairs: dict[str, Any] = {}
+    position = start
+    for pair in pattern.finditer(text, position):
+        if pair.start() != position:
             return None
-        position = argument.end()
-        arguments[argument.group(1)] = _typed(argument.group(2), schema.get(argument.group(1)))
-    if block[position:].strip():
-        return None
-    return {"name": name.group(1), "arguments": arguments}
+        position = pair.end()
+        pairs[pair.group(1)] = _typed(pair.group(2), schema.get(pair.group(1)))
+    return pairs if not text[position:].strip() else None
 
 
 def _json_call(text: str) -> dict[str, Any] | None:
@@ -367,17 +373,8 @@ def _xml_call(block: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str
     if function is None:
         return None
     name, body = function.group(1), function.group(2)
-    schema = _parameter_schema(name, tools)
-    arguments: dict[str, Any] = {}
-    position = 0
-    for parameter in _PARAMETER.finditer(body):
-        if parameter.start() != position:  # text between the parameters: not this layout
-            return None
-        position = parameter.end()
-        arguments[parameter.group(1)] = _typed(parameter.group(2), schema.get(parameter.group(1)))
-    if body[position:].strip():
-        return None
-    return {"name": name, "arguments": arguments}
+    arguments = _pairs(_PARAMETER, body, 0, _parameter_schema(name, tools))
+    return {"name": name, "arguments": arguments} if arguments is not None else None
 
 
 def _parameter_schema(name: str, tools: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any]:

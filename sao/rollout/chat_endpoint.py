@@ -48,10 +48,9 @@ whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a
 Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5's key-value lines
 (``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``) or, with a template that
 renders calls so (Llama 3.1 to 3.3's), a reply that is one bare JSON call (``{"name": ...,
-"parameters": ...}``)
-(:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the offered tool's
-schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its content (a call's id is derived from the
-episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
+"parameters": ...}``) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
+offered tool's schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its
+content (a call's id is derived from the episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
 back, such a reply extends the record when the template renders it as it was sampled (the template's
 own layout of a call: JSON as ``tojson`` writes it, or its XML lines); otherwise the episode splits
 there. Every rendering tells a template that reads the clock the same fixed time
@@ -441,8 +440,9 @@ class ChatRendering:
         """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
         chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
         and ``tools`` in the request, the calls in a reply that stopped, in the Hermes JSON, the XML,
-        GLM-4.5's or the bare JSON layout, are its tool calls (:func:`sao.models.chat.template_tool_calls`; an XML call's arguments
-        typed by the offered tool's schema), with ids from ``key`` (:func:`call_id`)."""
+        GLM-4.5's or (with a template that renders calls so) the bare JSON layout, are its tool calls
+        (:func:`sao.models.chat.template_tool_calls`; an XML or GLM-4.5 call's arguments typed by the
+        offered tool's schema), with ids from ``key`` (:func:`call_id`)."""
         text = self.decode(ids)
         last = ids[-1] if ids else None
         head, opened, code = text.rpartition(TOOL_CALL_START)

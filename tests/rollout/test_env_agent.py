@@ -374,15 +374,26 @@ def test_a_reply_that_thinks_before_its_xml_call_is_one_trajectory_with_qwen35s_
     assert ended.termination == "stop" and ended.reward == record.reward
 
 
+def assert_replayed(record, tokenizer):
+    """Trajectory replay of a one-part episode of OWN_TASK renders its prompt and its observations as
+    recorded, and finds its reward."""
+    from sao.train.run_config import ReplayContext
+    from sao.train.trajectory_replay import _simulate, _turns
+
+    row = record.to_row()
+    prompt_check, expected, ended, _, problems = _simulate(
+        row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
+    assert prompt_check.ok and not problems and ended.reward == record.reward
+    assert expected == {i: list(record.completion_ids[s.start:s.end]) for i, s in enumerate(record.segments)
+                        if s.kind == "observation"}
+
+
 def test_llama_32s_bare_json_calls_run_the_built_in_tool_loop_as_one_trajectory():
     """Llama 3.2's template writes the tools into the first user turn and renders a call as one bare JSON
     object with ``parameters``, each result as a JSON string in an ``ipython`` turn: an unknown tool is
     answered without a step, the python call runs, and the reply is scored, in one trajectory. A result
     that prints a quote, the end-of-turn token and a newline is encoded as the text of its JSON string,
     escapes and all (no forged turn), and the replay renders the same observations."""
-    from sao.train.run_config import ReplayContext
-    from sao.train.trajectory_replay import _simulate, _turns
-
     unknown = calls(LLAMA32_TEMPLATE, ("add", {"a": 2}))
     run = calls(LLAMA32_TEMPLATE, python("print('\"<|eot_id|>\\n' + str(price('pen') - 115))"))
     (record,), tokenizer, schema = own_format_episode([unknown, run, final(LLAMA32_TEMPLATE, "5")],
@@ -400,12 +411,7 @@ def test_llama_32s_bare_json_calls_run_the_built_in_tool_loop_as_one_trajectory(
     eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     assert observations[1].count(eot) == 1  # the template's own end of the turn; the printed one is text
     assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
-    row = record.to_row()
-    prompt_check, expected, ended, _, problems = _simulate(
-        row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
-    assert prompt_check.ok and not problems and ended.reward == 1.0
-    assert expected == {i: list(record.completion_ids[s.start:s.end]) for i, s in enumerate(record.segments)
-                        if s.kind == "observation"}
+    assert_replayed(record, tokenizer)
 
 
 def test_two_bare_json_calls_in_one_reply_are_a_final_reply():
@@ -424,9 +430,6 @@ def test_glm_45s_calls_run_the_built_in_tool_loop_as_one_trajectory():
     its model's generation config stops at. An unknown tool is answered without a step, the python call
     runs (a value that prints the closing tag stays whole), and the reply is scored: one trajectory,
     and the replay renders the same observations."""
-    from sao.train.run_config import ReplayContext
-    from sao.train.trajectory_replay import _simulate, _turns
-
     unknown = calls(GLM45_TEMPLATE, ("add", {"a": "2"}))
     run = calls(GLM45_TEMPLATE, python("print('</arg_value>' + str(price('pen') - 115))"))
     (record,), tokenizer, schema = own_format_episode([unknown, run, final(GLM45_TEMPLATE, "5")],
@@ -439,12 +442,7 @@ def test_glm_45s_calls_run_the_built_in_tool_loop_as_one_trajectory():
     assert texts[2] == run and texts[3] == "\n<tool_response>\n</arg_value>5\n</tool_response><|assistant|>"
     assert texts[1].startswith("\n<tool_response>\nerror: no tool 'add'")
     assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
-    row = record.to_row()
-    prompt_check, expected, ended, _, problems = _simulate(
-        row, OWN_TASK, tokenizer, ReplayContext(env_options={"dataset": OWN_OPTIONS}), _turns(row["segments"]))
-    assert prompt_check.ok and not problems and ended.reward == 1.0
-    assert expected == {i: list(record.completion_ids[s.start:s.end]) for i, s in enumerate(record.segments)
-                        if s.kind == "observation"}
+    assert_replayed(record, tokenizer)
 
 
 def test_a_bare_json_call_after_the_python_tag_runs_and_splits_the_episode():
