@@ -215,15 +215,16 @@ def template_lines(variables: Mapping[str, Any]) -> str:
     """The ``{%- set NAME = VALUE %}`` lines of ``variables`` (:func:`with_template_variables`; its errors)."""
     import jinja2
 
+    jinja = jinja2.Environment()
     for name in variables:
         if not isinstance(name, str) or TEMPLATE_VARIABLE.fullmatch(name) is None:
             raise ValueError(f"chat template variable {name!r}: a name is a letter or _ then letters, digits or _")
         try:
-            jinja2.Environment().parse(f"{{% set {name} = 1 %}}")
+            jinja.parse(f"{{% set {name} = 1 %}}")
         except jinja2.TemplateSyntaxError:
             raise ValueError(f"chat template variable {name!r}: a word of Jinja's own, which a template cannot "
                              "set") from None
-        if name in jinja2.Environment().globals:
+        if name in jinja.globals:
             raise ValueError(f"chat template variable {name!r}: one of Jinja's own functions, which templates call")
         if name in _RENDERING_VARIABLES or name.endswith("_token"):
             raise ValueError(f"chat template variable {name!r}: every rendering gives the template this one itself "
