@@ -75,10 +75,15 @@ RESUME_SAFE = ("train.steps", "eval.tasks", "eval.seed", "ray.address", "ray.num
                "rollout.engine", "rollout.python",
                *(f"rollout.vllm.{key}" for key in ("max_num_seqs", "gpu_memory_utilization", "kv_cache_memory_bytes",
                                                    "enforce_eager", "startup_timeout_s")),
+               *(f"rollout.vllm.engine_args.{key}" for key in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                               "distributed_executor_backend", "max_num_batched_tokens",
+                                                               "swap_space", "cpu_offload_gb")),
                "train.workers", "train.resources", "train.device", "train.gpus_per_worker")
 """Keys a resumed run may change (how far to train, where it runs, how it is evaluated); any other
 change is refused: the run's steps must stay replayable with one configuration. ``lake.root`` and
-``workdir`` name where the run is, so they cannot differ on a resume at all."""
+``workdir`` name where the run is, so they cannot differ on a resume at all. ``rollout.vllm.engine_args``
+is compared argument by argument: those that place the engine or size its memory and batches may
+change (``rollout.gpus`` with ``tensor_parallel_size``, say), any other may not."""
 
 
 class ConfigError(ValueError):
@@ -463,12 +468,16 @@ class RunConfig(Section):
                              "own loop")
         if self.env.verifiers is not None and (self.data.train is not None or self.env.agent):
             raise ValueError("env.verifiers brings its own tasks and rollout loop: leave data.train and env.agent unset")
-        window = self.rollout.vllm.max_model_len
-        if self.rollout.engine == "vllm" and window is not None and self.rollout.max_tokens >= window:
-            raise ValueError(f"rollout.max_tokens {self.rollout.max_tokens} leaves no room for a prompt in "
-                             f"rollout.vllm.max_model_len {window} (prompt and completion together): every rollout "
-                             "would end with an error")
         vllm = self.rollout.vllm
+        window, where = ((vllm.engine_args["max_model_len"], "rollout.vllm.engine_args.max_model_len")
+                         if "max_model_len" in vllm.engine_args else (vllm.max_model_len, "rollout.vllm.max_model_len"))
+        if (self.rollout.engine == "vllm" and isinstance(window, int) and not isinstance(window, bool)
+                and self.rollout.max_tokens >= window):
+            raise ValueError(f"rollout.max_tokens {self.rollout.max_tokens} leaves no room for a prompt in "
+                             f"{where} {window} (prompt and completion together): every rollout would end with an "
+                             "error")
+        if self.rollout.engine == "vllm" and self.rollout.gpus > 0:
+            self._check_parallel_sizes()
         if (self.rollout.engine == "vllm" and 0 < self.rollout.gpus < 1 and vllm.gpu_memory_utilization is None
                 and vllm.kv_cache_memory_bytes is None and "gpu_memory_utilization" not in vllm.engine_args):
             raise ValueError(f"rollout.gpus {self.rollout.gpus:g} shares a GPU, but vLLM would take 0.9 of its "
@@ -489,6 +498,22 @@ class RunConfig(Section):
         if self.value_pretraining.samples == 1:
             raise ValueError("value_pretraining.samples must be 0 (no value pretraining) or >= 2, got 1")
         return self
+
+    def _check_parallel_sizes(self) -> None:
+        """A vLLM replica on GPUs runs ``tensor_parallel_size`` x ``pipeline_parallel_size`` workers, one per
+        GPU, on the GPUs Ray gives the replica (``rollout.gpus``): with fewer, vLLM would ask Ray for more
+        while the replicas hold theirs."""
+        sizes = {}
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            size = self.rollout.vllm.engine_args.get(name, 1)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"rollout.vllm.engine_args.{name} must be a whole number >= 1, got {size!r}")
+            sizes[name] = size
+        workers = sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]
+        if workers > 1 and workers > self.rollout.gpus:  # one worker may share a GPU (rollout.gpus below 1)
+            raise ValueError(f"rollout.vllm.engine_args tensor_parallel_size {sizes['tensor_parallel_size']} x "
+                             f"pipeline_parallel_size {sizes['pipeline_parallel_size']} needs {workers} GPUs a replica, "
+                             f"but rollout.gpus gives each {self.rollout.gpus:g}: set rollout.gpus to {workers}")
 
     def _ignored_settings(self) -> list[str]:
         """The task, reward and tool settings set away from their defaults where nothing reads them:
@@ -832,7 +857,8 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tu
             node: Any = data
             for part in key.split("."):
                 node = node[part]
-            values[key] = node
+            if not (isinstance(node, Mapping) and not node and key not in _DICT_SETTINGS):
+                values[key] = node  # an empty mapping compared by its keys (engine_args) has none to compare
         return values
 
     before, after = flat(old), flat(new)

@@ -186,6 +186,23 @@ def test_a_resume_may_change_only_the_safe_keys(tmp_path):
     assert "train.steps" in RESUME_SAFE and "algorithm.eps_high" not in RESUME_SAFE
 
 
+def test_a_resume_may_move_a_vllm_replica_onto_more_gpus_but_change_no_other_engine_argument(tmp_path):
+    base = RunConfig(run_id="r", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")},
+                     rollout={"engine": "vllm", "gpus": 1})
+    assert runs.record_start(base) == "start"
+    wider = base.with_values({"rollout.gpus": 2, "rollout.vllm.engine_args": {"tensor_parallel_size": 2}})
+    assert runs.check_resume(wider) == {"rollout.gpus": (1.0, 2.0),
+                                        "rollout.vllm.engine_args.tensor_parallel_size": (None, 2)}
+    assert runs.record_start(wider) == "resume"
+    assert runs.check_resume(base) == {"rollout.gpus": (2.0, 1.0),  # and back: an argument dropped
+                                       "rollout.vllm.engine_args.tensor_parallel_size": (2, None)}
+    with pytest.raises(ConfigError) as error:
+        runs.check_resume(wider.with_values({"rollout.vllm.engine_args": {"tensor_parallel_size": 2,
+                                                                         "quantization": "fp8"}}))
+    assert "rollout.vllm.engine_args.quantization: recorded None, now 'fp8'" in str(error.value)
+    assert "tensor_parallel_size" not in str(error.value).split("Changed:")[1]
+
+
 def test_a_key_added_after_a_run_started_is_no_change_at_its_default(tmp_path, monkeypatch):
     base = RunConfig(run_id="r", workdir=str(tmp_path / "runs"), lake={"root": str(tmp_path / "lake")},
                      data={"train": str(tmp_path / "tasks.jsonl")})
@@ -279,6 +296,31 @@ def test_a_vllm_context_window_that_leaves_no_room_for_a_prompt_is_refused():
         RunConfig(rollout={"engine": "vllm", "max_tokens": 512, "vllm": {"max_model_len": 512}})
     assert RunConfig(rollout={"engine": "vllm", "max_tokens": 256, "vllm": {"max_model_len": 512}})
     assert RunConfig(rollout={"max_tokens": 512, "vllm": {"max_model_len": 512}})  # the torch engine: not read
+    # engine_args override the section's fields (VLLMEngineConfig.to_engine_args): theirs is the window.
+    with pytest.raises(ValidationError, match="rollout.max_tokens 512 leaves no room for a prompt in "
+                                              "rollout.vllm.engine_args.max_model_len 300"):
+        RunConfig(rollout={"engine": "vllm", "max_tokens": 512, "vllm": {"engine_args": {"max_model_len": 300}}})
+    assert RunConfig(rollout={"engine": "vllm", "max_tokens": 512,
+                              "vllm": {"max_model_len": 256, "engine_args": {"max_model_len": 1024}}})
+
+
+def test_a_vllm_replica_is_given_a_gpu_for_each_of_its_parallel_workers():
+    # vLLM runs tensor_parallel_size x pipeline_parallel_size workers, one a GPU; with fewer GPUs than that
+    # it asks Ray for more, which the replicas hold.
+    def vllm(gpus, **engine_args):
+        return RunConfig(rollout={"engine": "vllm", "gpus": gpus, "vllm": {"engine_args": engine_args}})
+
+    with pytest.raises(ValidationError, match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 needs 2 GPUs a "
+                                              r"replica, but rollout.gpus gives each 1: set rollout.gpus to 2"):
+        vllm(1, tensor_parallel_size=2)
+    with pytest.raises(ValidationError, match=r"2 x pipeline_parallel_size 2 needs 4 GPUs .* gives each 2"):
+        vllm(2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    for size in ("2", 0, True, 1.5):
+        with pytest.raises(ValidationError, match=r"engine_args.tensor_parallel_size must be a whole number >= 1"):
+            vllm(2, tensor_parallel_size=size)
+    assert vllm(2, tensor_parallel_size=2) and vllm(4, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert vllm(1) and vllm(0.5, gpu_memory_utilization=0.4)  # one worker, on a GPU of its own or a share
+    assert RunConfig(rollout={"engine": "vllm", "gpus": 0, "vllm": {"engine_args": {"tensor_parallel_size": 2}}})
 
 
 def test_a_vllm_replica_sharing_a_gpu_must_be_given_its_share_of_the_memory():
