@@ -141,7 +141,7 @@ def test_the_plain_chat_format_of_a_foreign_tokenizer():
 def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     path = model_directory(tmp_path, "llama")
     check_model_directory(path)
-    with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*Hermes JSON.*XML.*GLM-4.5.*bare JSON.*env.max_tool_calls: 0"):
+    with pytest.raises(ModelDirectoryError, match="lacks the tool-call tokens.*Hermes JSON.*XML.*GLM-4.5.*bare JSON.*Mistral.*env.max_tool_calls: 0"):
         check_model_directory(path, need_tools=True, own_format=True)
     with pytest.raises(ModelDirectoryError, match="no such folder"):
         check_model_directory(tmp_path / "missing")
@@ -178,6 +178,10 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     (glm / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))  # as GLM-4.5's checkpoints end
     accepted = check_model_directory(glm, need_tools=True, own_format=True)  # GLM-4.5's key-value lines
     assert set(ChatTokens.from_tokenizer(accepted).stop_token_ids) == set(ends)
+    from tests.rollout.test_chat_endpoint import mistral_style_tokenizer
+
+    mistral = model_directory(tmp_path / "mistral", "mistral", mistral_style_tokenizer())
+    check_model_directory(mistral, need_tools=True, own_format=True)  # Mistral's [TOOL_CALLS] lists
     nemotron = (TEMPLATES / "nemotron_3_nano.jinja").read_text()
     nemotron = model_directory(tmp_path / "nemotron", "qwen2", qwen_style_tokenizer(nemotron))
     with pytest.raises(ModelDirectoryError, match="cannot call tools in its own format: it renders the assistant's "
@@ -392,11 +396,13 @@ def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_sess
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("architecture, template", [("qwen2", "qwen2.5"), ("llama", "llama3.2"), ("qwen2", "glm4.5")])
+@pytest.mark.parametrize("architecture, template", [("qwen2", "qwen2.5"), ("llama", "llama3.2"), ("qwen2", "glm4.5"),
+                                                     ("mistral", "mistral")])
 def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, ray_session, architecture, template):
     """A model of one's own with a published chat template (Qwen2.5's: Hermes tool calls; Llama 3.2's:
     one bare JSON call a reply, the date read from the clock; GLM-4.5's: key-value lines, a turn that
-    calls ended by <|observation|>, a stop id of its generation config), none of this project's tool tokens, on
+    calls ended by <|observation|>, a stop id of its generation config), or one in Mistral's layout (a
+    [TOOL_CALLS] list, no generation prompt), none of this project's tool tokens, on
     tasks that allow tool calls: the replicas offer the python tool in every prompt, 3 SAO steps train
     through Serve, the lake and Ray Train, the lake's audit passes, and stored trajectories replay (the
     prompt re-rendered through the template, the reward and the end re-scored). The random model writes
@@ -409,11 +415,12 @@ def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, 
         QWEN25_TEMPLATE,
         glm_style_tokenizer,
         llama_style_tokenizer,
+        mistral_style_tokenizer,
         qwen_style_tokenizer,
     )
 
     tokenizer = {"qwen2.5": lambda: qwen_style_tokenizer(QWEN25_TEMPLATE), "llama3.2": llama_style_tokenizer,
-                 "glm4.5": glm_style_tokenizer}[template]()
+                 "glm4.5": glm_style_tokenizer, "mistral": mistral_style_tokenizer}[template]()
     model = model_directory(tmp_path, architecture, tokenizer, positions=2048)  # the tools' prompt is long
     if template == "glm4.5":  # its checkpoints end generation at <|user|> and <|observation|> as well
         ends = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])

@@ -46,6 +46,8 @@ IM_END = "<|im_end|>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 ANSWER_START, ANSWER_END = "<answer>", "</answer>"
+MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
+"""The token before a reply's calls in Mistral's layout (:func:`template_tool_calls`)."""
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Tokens that end an assistant turn in common chat templates (ChatML, Llama 3, Phi, Gemma, GPT-2)."""
 # Every special token of the format; the order fixes the ids of our tokenizer (0 .. len - 1).
@@ -82,6 +84,7 @@ __all__ = [
     "prompt_ids",
     "renders_tool_calls",
     "template_tool_calls",
+    "tool_call_layout",
     "tool_call_message",
     "tool_calls_problem",
     "without_turn_end",
@@ -252,9 +255,14 @@ def without_turn_end(text: str, ids: Sequence[int], ends: Collection[int],
 
 
 def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None, *, bare_json: bool = False,
-                        ) -> tuple[str, list[dict[str, Any]]] | None:
+                        mistral: bool = False) -> tuple[str, list[dict[str, Any]]] | None:
     """The tool calls of a reply in a layout that models' own chat templates render calls in: either, with
-    ``bare_json`` (a template that renders calls so: :func:`bare_json_calls`), one **bare JSON** call
+    ``mistral`` (a template that renders calls so: :func:`tool_call_layout`), **Mistral's** layout, as the
+    templates of Mistral 7B v0.3 and Mistral Small 3 write it: text, then ``[TOOL_CALLS]`` and one JSON
+    list of ``{"name": ..., "arguments": {...}, "id": ...}`` objects, then nothing (the templates render
+    a call's id, 9 letters and digits, which the model writes too: an ``"id"`` it wrote is kept in the
+    call, an ``"id"`` key beside ``name`` and ``arguments``; vLLM's ``mistral`` parser reads the list
+    so); or, with ``bare_json`` (a template that renders calls so), one **bare JSON** call
     that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates of Llama 3.1, 3.2
     and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>`` before it, as vLLM's
     ``llama3_json`` parser reads them: the templates render the call back without the tag, so the
@@ -286,6 +294,8 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     templates put them between the text and the first call) and the calls as ``{"name", "arguments"}``;
     None when the text holds no call, or a block is not a whole call (the reply is then plain text, as
     vLLM's parsers leave it)."""
+    if mistral:
+        return _mistral_calls(text)
     call = _json_call(text) if bare_json else None
     if call is not None:  # the whole reply (a <tool_call> inside its strings is its own)
         return "", [call]
@@ -302,6 +312,25 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
             return None
         calls.append(call)
     return text[: blocks[0].start()].rstrip("\n"), calls
+
+
+def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
+    """``text`` as a reply in Mistral's layout (:func:`template_tool_calls`), else None."""
+    head, marker, rest = text.partition(MISTRAL_TOOL_CALLS)
+    try:
+        listed = json.loads(rest) if marker else None
+    except ValueError:
+        return None
+    if not isinstance(listed, list) or not listed:
+        return None
+    calls = []
+    for item in listed:
+        if not (isinstance(item, dict) and set(item) <= {"name", "arguments", "id"} and isinstance(item.get("name"), str)
+                and item["name"] and isinstance(item.get("arguments", {}), dict) and isinstance(item.get("id", ""), str)):
+            return None
+        calls.append({"name": item["name"], "arguments": item.get("arguments", {})}
+                     | ({"id": item["id"]} if "id" in item else {}))
+    return head.rstrip(), calls
 
 
 def _hermes_call(block: str) -> dict[str, Any] | None:
@@ -421,7 +450,7 @@ def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt and
     renders an assistant's tool call in a layout that :func:`template_tool_calls` reads back (Hermes
     JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later; key-value lines: GLM-4.5; one
-    bare JSON call: Llama 3.1 to 3.3), and the tool's result
+    bare JSON call: Llama 3.1 to 3.3; a ``[TOOL_CALLS]`` list: Mistral 7B v0.3, Mistral Small 3), and the tool's result
     after it, with the reply rendered as it follows the generation prompt it was sampled after (Nemotron
     3's opens a thinking block there that its rendering of a reply drops: every episode would split): a
     model whose template does can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing. Why not:
@@ -435,26 +464,37 @@ def tool_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
     return _probe(tokenizer)[0]
 
 
+def tool_call_layout(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The layout the tokenizer's chat template renders a tool call in, when it can run the built-in tool
+    loop (:func:`renders_tool_calls`): "tagged" (``<tool_call>`` blocks: Hermes JSON, XML, GLM-4.5's),
+    "bare_json" (one bare JSON object that is the whole reply: Llama 3.1-3.3's) or "mistral" (a
+    ``[TOOL_CALLS]`` list: Mistral's); None when it cannot. :func:`template_tool_calls` reads the last
+    two only for a template that renders calls so (``bare_json``, ``mistral``): with any other such a
+    reply is text, as vLLM's parser for that template's layout leaves it."""
+    problem, layout = _probe(tokenizer)
+    return layout if problem is None else None
+
+
 def bare_json_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template renders a tool call as one bare JSON object that is the
-    whole reply (Llama 3.1-3.3's), so that :func:`template_tool_calls` reads such a reply as a call
-    (``bare_json``); with any other template such a reply is text, as vLLM's parser for that template's
-    layout leaves it."""
-    problem, layout = _probe(tokenizer)
-    return problem is None and layout == "bare_json"
+    whole reply (Llama 3.1-3.3's; :func:`tool_call_layout`)."""
+    return tool_call_layout(tokenizer) == "bare_json"
+
+
+_PROBE_ID = "call00000"
+"""The probe's call id: 9 letters and digits, as Mistral's templates require."""
 
 
 def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
-    """(what keeps the template from the tool loop or None, the layout it renders a call in: "tagged"
-    for ``<tool_call>`` blocks, "bare_json" for one JSON object that is the whole reply, or None), from
-    one probe conversation."""
+    """(what keeps the template from the tool loop or None, the layout it renders a call in:
+    :func:`tool_call_layout`'s, or None), from one probe conversation."""
     code, described = "print(6 * 7)", "Run Python code in the probe."
     tool = {"type": "function", "function": {"name": "python", "description": described, "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
     messages = [{"role": "user", "content": "What is 6 * 7?"},
                 {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "call_0", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
-                {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": "42"}]
+                    {"id": _PROBE_ID, "type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
+                {"role": "tool", "tool_call_id": _PROBE_ID, "name": "python", "content": "42"}]
     try:
         text = apply_template(tokenizer, messages, tools=[tool], add_generation_prompt=True, tokenize=False)
         prompt = apply_template(tokenizer, messages[:1], tools=[tool], add_generation_prompt=True, tokenize=False)
@@ -465,14 +505,15 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
     call = {"name": "python", "arguments": {"code": code}}
     found = next(((span, "tagged") for span in _tagged_calls(text, call, [tool])), None)
     if found is None and text.startswith(prompt):
-        span = _reply_call(text, len(prompt), call, tokenizer)
-        found = (span, "bare_json") if span is not None else None
+        found = next(((span, layout) for layout in ("bare_json", "mistral")
+                      if (span := _reply_call(text, len(prompt), call, tokenizer, layout)) is not None), None)
     if found is None:
         return ('it does not render tool calls in a layout the loop reads: Hermes JSON (<tool_call>{"name": ..., '
                 '"arguments": ...}</tool_call>, as Qwen2.5\'s and Qwen3\'s templates do), XML (<tool_call>'
                 "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does), "
-                "GLM-4.5's (<tool_call>NAME\\n<arg_key>...</arg_key>\\n<arg_value>...</arg_value></tool_call>) or a "
-                'reply that is one bare JSON call ({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s are)'), None
+                "GLM-4.5's (<tool_call>NAME\\n<arg_key>...</arg_key>\\n<arg_value>...</arg_value></tool_call>), a "
+                'reply that is one bare JSON call ({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s are) or '
+                'Mistral\'s ([TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}])'), None
     (start, end), layout = found
     if described not in text[:start]:
         return "it does not write the tools it is given into the prompt", layout
@@ -495,27 +536,37 @@ def _tagged_calls(text: str, call: dict[str, Any], tools: list[dict[str, Any]]) 
             yield block.span()
 
 
-def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> tuple[int, int] | None:
-    """(start, end) of ``call`` as one bare JSON object that is the whole reply rendered at ``at`` (after
-    the generation prompt): whitespace before it, and a special token of the tokenizer (the end of the
+def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedTokenizerBase,
+                layout: str) -> tuple[int, int] | None:
+    """(start, end) of ``call`` as the whole reply rendered at ``at`` (after the generation prompt) in
+    ``layout``: one bare JSON object ("bare_json"), or ``[TOOL_CALLS]`` and a list of the call, with the
+    probe's id or none ("mistral"); whitespace before it, and a special token of the tokenizer (the end of the
     turn) after it; None otherwise (a call in a list or behind a tag of the template's own is no reply
     the bare JSON layout reads)."""
     start = len(text) - len(text[at:].lstrip())
+    begin = start
+    if layout == "mistral":
+        if not text.startswith(MISTRAL_TOOL_CALLS, start):
+            return None
+        begin = len(text) - len(text[start + len(MISTRAL_TOOL_CALLS):].lstrip())
     try:
-        _, end = json.JSONDecoder().raw_decode(text, start)
+        _, end = json.JSONDecoder().raw_decode(text, begin)
     except ValueError:
         return None
     rest = text[end:].lstrip()
     specials = [token for token in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if token]
-    if _json_call(text[start:end]) != call or not any(rest.startswith(token) for token in specials):
+    read = (_json_call(text[start:end]) == call if layout == "bare_json"
+            else _mistral_calls(text[start:end]) in (("", [call]), ("", [call | {"id": _PROBE_ID}])))
+    if not read or not any(rest.startswith(token) for token in specials):
         return None
     return start, end
 
 
 def outside_tool_calls(text: str) -> str:
     """``text`` without its ``<tool_call>...</tool_call>`` blocks; "" for a reply that is one bare JSON
-    call (:func:`template_tool_calls`)."""
-    if _json_call(text) is not None:
+    call, or ``[TOOL_CALLS]`` and its list (:func:`template_tool_calls`)."""
+    mistral = _mistral_calls(text)
+    if _json_call(text) is not None or (mistral is not None and not mistral[0]):
         return ""
     return _TOOL_CALL.sub("", text)
 

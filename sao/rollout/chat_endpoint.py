@@ -47,8 +47,9 @@ whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), the XML one (Qwen3.5 and later,
 Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5's key-value lines
 (``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``) or, with a template that
-renders calls so (Llama 3.1 to 3.3's), a reply that is one bare JSON call (``{"name": ...,
-"parameters": ...}``) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
+renders calls so, a reply that is one bare JSON call (``{"name": ..., "parameters": ...}``: Llama 3.1 to
+3.3's) or a ``[TOOL_CALLS]`` list (Mistral's: a call keeps the id its model wrote, which the template
+renders) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
 offered tool's schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its
 content (a call's id is derived from the episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
 back, such a reply extends the record when the template renders it as it was sampled (the template's
@@ -66,6 +67,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -82,9 +84,9 @@ from sao.models.chat import (
     ChatTokens,
     Message,
     apply_template,
-    bare_json_calls,
     outside_tool_calls,
     template_tool_calls,
+    tool_call_layout,
     without_turn_end,
 )
 from sao.rollout.agent import AgentConfig, _Trace
@@ -347,11 +349,24 @@ def call_id(key: str, index: int) -> str:
     return f"call_{hashlib.sha256(f'{key}/{index}'.encode()).hexdigest()[:24]}"
 
 
-def _calling(content: str, calls: list[dict[str, Any]], key: str) -> tuple[Message, str]:
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+"""A call id as Mistral's templates render it (and its model writes it): 9 letters and digits."""
+
+
+def _calling(content: str, calls: list[dict[str, Any]], key: str, mistral: bool = False) -> tuple[Message, str]:
     """The assistant message that calls ``calls`` (``{"name", "arguments"}`` each, ids from ``key``:
-    :func:`call_id`) after ``content``, and its finish reason."""
+    :func:`call_id`) after ``content``, and its finish reason. In Mistral's layout (``mistral``) a call
+    keeps the ``"id"`` its model wrote, when that is 9 letters and digits (the template renders it back);
+    else it gets the last 9 characters of :func:`call_id`'s (its template takes those)."""
+    def id_of(k: int, call: dict[str, Any]) -> str:
+        if not mistral:
+            return call_id(key, k)
+        written = call.get("id")
+        return written if isinstance(written, str) and _MISTRAL_ID.fullmatch(written) else call_id(key, k)[-9:]
+
     return {"role": "assistant", "content": content, "tool_calls": [
-        {"id": call_id(key, k), "type": "function", "function": call} for k, call in enumerate(calls)]}, "tool_calls"
+        {"id": id_of(k, call), "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+        for k, call in enumerate(calls)]}, "tool_calls"
 
 
 _MARK = "\ue000"
@@ -375,10 +390,12 @@ class ChatRendering:
         self.tokens = tokens or ChatTokens.from_tokenizer(tokenizer)
 
     @functools.cached_property
-    def bare_json(self) -> bool:
-        """Whether a reply that is one bare JSON call is a call: the template renders calls so (Llama 3's;
-        :func:`sao.models.chat.bare_json_calls`, which renders a probe conversation: asked once)."""
-        return not self.tokens.supports_tools and bare_json_calls(self.tokenizer)
+    def layout(self) -> str | None:
+        """The layout the template renders a tool call in (:func:`sao.models.chat.tool_call_layout`, which
+        renders a probe conversation: asked once); None with this project's format. A reply that is one
+        bare JSON call, or a ``[TOOL_CALLS]`` list, is a call only where the template renders calls so
+        (Llama 3's, Mistral's)."""
+        return None if self.tokens.supports_tools else tool_call_layout(self.tokenizer)
 
     def render(self, messages: Sequence[Message], tools: list | None) -> str:
         """The chat template's text of ``messages`` and the assistant's generation prompt."""
@@ -440,9 +457,10 @@ class ChatRendering:
         """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
         chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
         and ``tools`` in the request, the calls in a reply that stopped, in the Hermes JSON, the XML,
-        GLM-4.5's or (with a template that renders calls so) the bare JSON layout, are its tool calls
-        (:func:`sao.models.chat.template_tool_calls`; an XML or GLM-4.5 call's arguments typed by the
-        offered tool's schema), with ids from ``key`` (:func:`call_id`)."""
+        GLM-4.5's or (with a template that renders calls so) the bare JSON or Mistral's layout, are its
+        tool calls (:func:`sao.models.chat.template_tool_calls`; an XML or GLM-4.5 call's arguments typed
+        by the offered tool's schema), with ids from ``key`` (:func:`call_id`; in Mistral's layout the id
+        its model wrote: :func:`_calling`)."""
         text = self.decode(ids)
         last = ids[-1] if ids else None
         head, opened, code = text.rpartition(TOOL_CALL_START)
@@ -451,13 +469,14 @@ class ChatRendering:
         ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
         if finish is FinishReason.STOP and last not in stop_ids:
             text = without_turn_end(text, ids, ends, self.tokenizer)
-            parsed = (template_tool_calls(text, tools, bare_json=self.bare_json)
+            parsed = (template_tool_calls(text, tools, bare_json=self.layout == "bare_json",
+                                          mistral=self.layout == "mistral")
                       if tools and not self.tokens.supports_tools else None)
             if parsed is not None:
                 if outside_tool_calls(text[len(parsed[0]):]).strip():
                     log.info("reply %s: text between or after its tool calls is not in its message (an OpenAI "
                              "message holds text before its calls only); sent back, the episode splits there", key)
-                return _calling(*parsed, key)
+                return _calling(*parsed, key, mistral=self.layout == "mistral")
         return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
 
 

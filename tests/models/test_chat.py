@@ -282,6 +282,35 @@ def test_template_tool_calls_of_a_template_that_renders_bare_json_calls(text, ex
     assert template_tool_calls(text) is None
 
 
+@pytest.mark.parametrize("text, expected", [
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2}, "id": "a1b2c3d4e"}]',
+     ("", [{"name": "add", "arguments": {"a": 2}, "id": "a1b2c3d4e"}])),  # as Mistral's template renders it
+    ('[TOOL_CALLS][{"name": "add", "arguments": {}}, {"name": "f"}] ',  # no id, no space, no arguments
+     ("", [{"name": "add", "arguments": {}}, {"name": "f", "arguments": {}}])),
+    ('Adding. [TOOL_CALLS] [{"name": "add", "arguments": {}, "id": "x"}]',  # text before: the content
+     ("Adding.", [{"name": "add", "arguments": {}, "id": "x"}])),
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {}}] done', None),  # text after: text
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {}, "type": "function"}]', None),  # another key
+    ('[TOOL_CALLS] [{"name": "add", "arguments": "{}"}]', None),  # arguments as a string
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {}, "id": 7}]', None),
+    ('[TOOL_CALLS] [{"name": "", "arguments": {}}]', None),
+    ('[TOOL_CALLS] []', None),
+    ('[TOOL_CALLS] {"name": "add", "arguments": {}}', None),  # not a list
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {}', None),  # cut off
+    ('[{"name": "add", "arguments": {}}]', None),  # no [TOOL_CALLS]
+], ids=["mistral", "no id", "after text", "before text", "other key", "string arguments", "numeric id", "empty name",
+        "empty list", "object", "cut off", "no marker"])
+def test_template_tool_calls_of_a_template_that_renders_mistrals_calls(text, expected):
+    """With a template that renders calls as a [TOOL_CALLS] list (Mistral's), such a reply is its calls,
+    an id the model wrote kept; with any other, it is text."""
+    from sao.models.chat import outside_tool_calls, template_tool_calls
+
+    assert template_tool_calls(text, mistral=True) == expected
+    assert template_tool_calls(text) is None
+    if expected is not None:  # the chat endpoint's check for text after the calls finds none
+        assert outside_tool_calls(text[len(expected[0]):]) == ""
+
+
 def test_a_glm_calls_values_take_the_types_the_tools_schema_gives():
     """GLM-4.5's template writes a string value as it is and anything else as JSON: read back by the
     offered tool's schema, as the XML layout's values are."""
@@ -403,6 +432,31 @@ def test_only_a_template_whose_reply_is_the_bare_json_call_reads_bare_json():
     assert listed.count("[{") == 1 and listed.count("}]") == 1
     assert tool_calls_problem(llama_style_tokenizer(listed)).startswith("it does not render tool calls in a layout")
     assert not bare_json_calls(llama_style_tokenizer(listed))
+
+
+def test_the_layout_of_a_templates_calls_is_told_by_the_probe():
+    """Each template renders the probe's call in its layout; Mistral's list is read with or without the
+    probe's id (a template that renders none), and a template that refuses the probe's conversation has
+    no layout the loop reads."""
+    from sao.models.chat import tool_call_layout
+    from tests.rollout.test_chat_endpoint import (
+        LLAMA32_TEMPLATE,
+        MISTRAL_TEMPLATE,
+        QWEN_STYLE,
+        glm_style_tokenizer,
+        llama_style_tokenizer,
+        mistral_style_tokenizer,
+        qwen_style_tokenizer,
+    )
+
+    assert tool_call_layout(qwen_style_tokenizer(QWEN_STYLE)) == "tagged"
+    assert tool_call_layout(glm_style_tokenizer()) == "tagged"
+    assert tool_call_layout(llama_style_tokenizer(LLAMA32_TEMPLATE)) == "bare_json"
+    assert tool_call_layout(mistral_style_tokenizer()) == "mistral"
+    idless = MISTRAL_TEMPLATE.replace("""[:-1] + ', "id": "' + tool_call.id + '"}'""", "")
+    assert idless != MISTRAL_TEMPLATE and tool_call_layout(mistral_style_tokenizer(idless)) == "mistral"
+    longer = MISTRAL_TEMPLATE.replace("tool_call.id | length != 9", "tool_call.id | length != 12")
+    assert longer != MISTRAL_TEMPLATE and tool_call_layout(mistral_style_tokenizer(longer)) is None
 
 
 def test_what_keeps_a_template_from_the_tool_loop_is_said_in_words():

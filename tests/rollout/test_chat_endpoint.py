@@ -396,6 +396,32 @@ def glm_style_tokenizer(chat_template: str = GLM45_TEMPLATE):
     return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
+MISTRAL_TEMPLATE = (TEMPLATES / "mistral_v3.jinja").read_text()
+"""Mistral's v3 layout (Mistral 7B Instruct v0.3, Mistral Small 3), written for these tests: the tools before
+the last user turn, a call as ``[TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}]`` with ids of 9
+characters (another length is refused, as Mistral's templates refuse it), a result as ``[TOOL_RESULTS]
+{"content": ..., "call_id": ...}[/TOOL_RESULTS]``, no generation prompt."""
+
+
+def mistral_style_tokenizer(chat_template: str = MISTRAL_TEMPLATE):
+    """A byte-level BPE tokenizer with Mistral's instruction and tool tokens and ``chat_template`` (its
+    EOS ``</s>``, which ends a turn that calls as well); none of this project's tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+    backend.train_from_iterator(['{"name": "python", "arguments": {"code": "print(2)"}, "id": "a1"} The sum is 5.'],
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 class ScriptedEngine:
     """An engine whose replies are given as text, one per call, each sampled with log-probability -0.5."""
 
@@ -419,12 +445,13 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two n
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
 
 
-@pytest.mark.parametrize("layout", ["xml", "glm", "json"])
+@pytest.mark.parametrize("layout", ["xml", "glm", "json", "mistral"])
 def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layout):
-    """With Qwen3.5's template (XML), GLM-4.5's (key-value lines) or Llama 3.2's (one bare JSON call), a
-    reply's call is an OpenAI tool call whose arguments have the types of the offered tool's schema
-    (numbers here: written as text by the first two layouts); sent back with the tool's result, the
-    template renders it as sampled: one trajectory."""
+    """With Qwen3.5's template (XML), GLM-4.5's (key-value lines), Llama 3.2's (one bare JSON call) or
+    Mistral's (a [TOOL_CALLS] list, the call's id the one its model wrote), a reply's call is an OpenAI
+    tool call whose arguments have the types of the offered tool's schema (numbers here: written as
+    text by the first two layouts); sent back with the tool's result, the template renders it as
+    sampled: one trajectory."""
     from tests.models.test_chat import xml_call
 
     if layout == "xml":
@@ -434,9 +461,12 @@ def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layou
         tokenizer, end = glm_style_tokenizer(), "<|user|>"
         call = ("\n<think></think>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>\n"
                 "<arg_key>b</arg_key>\n<arg_value>3.5</arg_value>\n</tool_call><|observation|>")
-    else:
+    elif layout == "json":
         tokenizer, end = llama_style_tokenizer(), "<|eot_id|>"
         call = '{"name": "add", "parameters": {"a": 2, "b": 3.5}}' + end
+    else:
+        tokenizer, end = mistral_style_tokenizer(), "</s>"
+        call = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3.5}, "id": "Xy7abc123"}]' + end
     engine = ScriptedEngine(tokenizer, [call, "The sum is 5.5." + end])
     seen = []
 
@@ -455,6 +485,7 @@ def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layou
     assert finish == "tool_calls" and tool_calls[0].function.name == "add"
     arguments = json.loads(tool_calls[0].function.arguments)
     assert arguments == {"a": 2, "b": 3.5} and type(arguments["a"]) is int
+    assert (tool_calls[0].id == "Xy7abc123") is (layout == "mistral")
     assert [s.kind for s in record.segments] == ["action", "observation", "action"]
     assert tokenizer.decode(list(record.completion_ids[:record.segments[0].end])) == call
 

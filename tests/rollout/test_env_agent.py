@@ -22,12 +22,14 @@ from tests.rollout.test_chat_endpoint import (
     LLAMA31_TEMPLATE,
     LLAMA32_TEMPLATE,
     LLAMA_TEMPLATES,
+    MISTRAL_TEMPLATE,
     QWEN3_TEMPLATE,
     QWEN25_TEMPLATE,
     QWEN_STYLE,
     TEMPLATES,
     glm_style_tokenizer,
     llama_style_tokenizer,
+    mistral_style_tokenizer,
 )
 from tests.test_user_agent import PROMPTS
 
@@ -106,7 +108,7 @@ OWN_OPTIONS = {"max_tool_calls": 2, "tools": ["examples.tool_use.shop:price"]}
 
 def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_STYLE, tokenizer=None):
     """One built-in dataset episode of OWN_TASK on a Qwen2.5-style tokenizer (a Llama 3 one for Llama's
-    templates, a GLM-4.5 one for GLM-4.5's) with ``template`` (no tool-call tokens of this project; or ``tokenizer``) whose engine
+    templates, a GLM-4.5 one for GLM-4.5's, a Mistral one for Mistral's) with ``template`` (no tool-call tokens of this project; or ``tokenizer``) whose engine
     replies ``replies`` in turn: (records, tokenizer, the tools offered)."""
     from sao.models.chat import ChatTokens
     from sao.rollout.env_agent import tool_schema
@@ -114,6 +116,7 @@ def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_
 
     tokenizer = tokenizer or (llama_style_tokenizer(template) if template in LLAMA_TEMPLATES
                               else glm_style_tokenizer(template) if template == GLM45_TEMPLATE
+                              else mistral_style_tokenizer(template) if template == MISTRAL_TEMPLATE
                               else qwen_style_tokenizer(template))
     engine = ScriptedEngine(tokenizer, replies)
     tools = concurrent.futures.ThreadPoolExecutor(2)
@@ -155,7 +158,11 @@ OWN_TEMPLATES = pytest.mark.parametrize(
 def calls(template, *called):
     """A reply that makes the calls ``called`` ((name, arguments) each) in ``template``'s layout, as its
     model samples them (Hermes JSON, XML for Qwen3.5's, one bare JSON call for Llama's, key-value lines
-    after an empty thinking block for GLM-4.5's), then ends its turn."""
+    after an empty thinking block for GLM-4.5's, a ``[TOOL_CALLS]`` list with ids of 9 characters for
+    Mistral's), then ends its turn."""
+    if template == MISTRAL_TEMPLATE:
+        listed = [{"name": name, "arguments": arguments, "id": f"call{k:05d}"} for k, (name, arguments) in enumerate(called)]
+        return "[TOOL_CALLS] " + json.dumps(listed) + "</s>"
     if template in LLAMA_TEMPLATES:
         ((name, arguments),) = called
         return json.dumps({"name": name, "parameters": arguments}) + "<|eot_id|>"
@@ -177,15 +184,15 @@ def python(code):
 def final(template, text):
     """A final reply ``text`` that ends its turn as ``template``'s model does."""
     return text + ("<|eot_id|>" if template in LLAMA_TEMPLATES else "<|user|>" if template == GLM45_TEMPLATE
-                   else "<|im_end|>")
+                   else "</s>" if template == MISTRAL_TEMPLATE else "<|im_end|>")
 
 
 ALL_TEMPLATES = pytest.mark.parametrize(
     "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, GLM45_TEMPLATE,
-                 LLAMA31_TEMPLATE, LLAMA32_TEMPLATE],
-    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5", "llama3.1", "llama3.2"])
-"""The templates of :data:`OWN_TEMPLATES`, GLM-4.5's, and Llama 3.1's and 3.2's (which render one call a
-reply)."""
+                 LLAMA31_TEMPLATE, LLAMA32_TEMPLATE, MISTRAL_TEMPLATE],
+    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5", "llama3.1", "llama3.2", "mistral"])
+"""The templates of :data:`OWN_TEMPLATES`, GLM-4.5's, Llama 3.1's and 3.2's (which render one call a
+reply) and Mistral's."""
 
 
 @OWN_TEMPLATES
@@ -443,6 +450,45 @@ def test_glm_45s_calls_run_the_built_in_tool_loop_as_one_trajectory():
     assert texts[1].startswith("\n<tool_response>\nerror: no tool 'add'")
     assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
     assert_replayed(record, tokenizer)
+
+
+def test_mistrals_calls_run_the_built_in_tool_loop_as_one_trajectory():
+    """Mistral's template writes the tools before the user's turn and renders a call as a ``[TOOL_CALLS]``
+    list with its id, each result naming that id: the ids the model wrote are the calls' ids, so the
+    conversation renders as it was sampled. An unknown tool is answered without a step, two python calls
+    in one reply run in order (a result that prints the closing tag is text), and the reply is scored:
+    one trajectory, and the replay renders the same observations."""
+    unknown = calls(MISTRAL_TEMPLATE, ("add", {"a": 2}))
+    two = calls(MISTRAL_TEMPLATE, python("print(2)"), python("print('[/TOOL_RESULTS]' + str(price('pen') - 115))"))
+    (record,), tokenizer, schema = own_format_episode([unknown, two, final(MISTRAL_TEMPLATE, "5")],
+                                                       template=MISTRAL_TEMPLATE)
+    prompt = tokenizer.decode(list(record.prompt_ids))
+    assert prompt.startswith("<s>[AVAILABLE_TOOLS] [") and '"name": "python"' in prompt
+    assert prompt.endswith("What is 2 + 3?[/INST]")
+    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
+    observations = [list(record.completion_ids[s.start:s.end]) for s in record.segments if s.kind == "observation"]
+    texts = [tokenizer.decode(ids) for ids in observations]
+    assert texts[0].startswith('[TOOL_RESULTS] {"content": error: no tool \'add\'')
+    assert texts[0].endswith(', "call_id": "call00000"}[/TOOL_RESULTS]')
+    assert texts[1] == ('[TOOL_RESULTS] {"content": 2, "call_id": "call00000"}[/TOOL_RESULTS][TOOL_RESULTS] '
+                        '{"content": [/TOOL_RESULTS]5, "call_id": "call00001"}[/TOOL_RESULTS]')
+    closing = tokenizer.convert_tokens_to_ids("[/TOOL_RESULTS]")
+    assert observations[1].count(closing) == 2  # the template's own; the printed one is text
+    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
+    assert_replayed(record, tokenizer)
+
+
+def test_a_mistral_call_without_a_written_id_gets_one_and_splits_the_episode():
+    """A call whose model wrote no id (or not one of 9 letters and digits) gets the last 9 characters of
+    the derived id, which the template renders and the model did not sample: the episode goes on in a
+    second part, the result naming that id."""
+    from sao.rollout.chat_endpoint import call_id
+
+    bare = '[TOOL_CALLS] [{"name": "python", "arguments": {"code": "print(5)"}}]</s>'
+    records, tokenizer, _ = own_format_episode([bare, final(MISTRAL_TEMPLATE, "5")], template=MISTRAL_TEMPLATE)
+    assert [r.episode_part for r in records] == [0, 1] and records[0].reward == 1.0
+    second = tokenizer.decode(list(records[1].prompt_ids))
+    assert f', "id": "{call_id("ep-own/1", 0)[-9:]}"}}]</s>[TOOL_RESULTS] {{"content": 5, "call_id"' in second
 
 
 def test_a_bare_json_call_after_the_python_tag_runs_and_splits_the_episode():
