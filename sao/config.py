@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import sys
 import typing
@@ -70,13 +71,15 @@ __all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "RUN_OWN", "TASK_KEYS", "Conf
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 """The laptop demo's config (``sao demo``, ``make demo``), in the source checkout."""
 
+_ENGINE_SIZES = ("max_num_seqs", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager")
+_PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+"""vLLM's engine arguments whose product is the GPUs one engine runs on, one worker each."""
+
 RESUME_SAFE = ("train.steps", "eval.tasks", "eval.seed", "ray.address", "ray.num_cpus", "rollout.num_replicas",
                "rollout.resources", "rollout.max_in_flight", "rollout.cancel_stale", "rollout.gpus",
                "rollout.engine", "rollout.python",
-               *(f"rollout.vllm.{key}" for key in ("max_num_seqs", "gpu_memory_utilization", "kv_cache_memory_bytes",
-                                                   "enforce_eager", "startup_timeout_s")),
-               *(f"rollout.vllm.engine_args.{key}" for key in ("tensor_parallel_size", "pipeline_parallel_size",
-                                                               "distributed_executor_backend", "max_num_batched_tokens",
+               *(f"rollout.vllm.{key}" for key in (*_ENGINE_SIZES, "startup_timeout_s")),
+               *(f"rollout.vllm.engine_args.{key}" for key in (*_ENGINE_SIZES, *_PARALLEL_SIZES, "max_num_batched_tokens",
                                                                "swap_space", "cpu_offload_gb")),
                "train.workers", "train.resources", "train.device", "train.gpus_per_worker")
 """Keys a resumed run may change (how far to train, where it runs, how it is evaluated); any other
@@ -476,7 +479,7 @@ class RunConfig(Section):
             raise ValueError(f"rollout.max_tokens {self.rollout.max_tokens} leaves no room for a prompt in "
                              f"{where} {window} (prompt and completion together): every rollout would end with an "
                              "error")
-        if self.rollout.engine == "vllm" and self.rollout.gpus > 0:
+        if self.rollout.engine == "vllm":
             self._check_parallel_sizes()
         if (self.rollout.engine == "vllm" and 0 < self.rollout.gpus < 1 and vllm.gpu_memory_utilization is None
                 and vllm.kv_cache_memory_bytes is None and "gpu_memory_utilization" not in vllm.engine_args):
@@ -500,20 +503,21 @@ class RunConfig(Section):
         return self
 
     def _check_parallel_sizes(self) -> None:
-        """A vLLM replica on GPUs runs ``tensor_parallel_size`` x ``pipeline_parallel_size`` workers, one per
-        GPU, on the GPUs Ray gives the replica (``rollout.gpus``): with fewer, vLLM would ask Ray for more
-        while the replicas hold theirs."""
+        """A vLLM replica on GPUs runs the product of its :data:`_PARALLEL_SIZES` in workers, one a GPU, on
+        the GPUs Ray gives the replica (``rollout.gpus``): with fewer, vLLM would ask Ray for more while
+        the replicas hold theirs."""
         sizes = {}
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in _PARALLEL_SIZES:
             size = self.rollout.vllm.engine_args.get(name, 1)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"rollout.vllm.engine_args.{name} must be a whole number >= 1, got {size!r}")
             sizes[name] = size
-        workers = sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]
-        if workers > 1 and workers > self.rollout.gpus:  # one worker may share a GPU (rollout.gpus below 1)
-            raise ValueError(f"rollout.vllm.engine_args tensor_parallel_size {sizes['tensor_parallel_size']} x "
-                             f"pipeline_parallel_size {sizes['pipeline_parallel_size']} needs {workers} GPUs a replica, "
-                             f"but rollout.gpus gives each {self.rollout.gpus:g}: set rollout.gpus to {workers}")
+        workers = math.prod(sizes.values())
+        # One worker may share a GPU (rollout.gpus below 1); on a CPU (rollout.gpus 0) vLLM places them itself.
+        if self.rollout.gpus > 0 and workers > 1 and workers > self.rollout.gpus:
+            product = " x ".join(f"{name} {size}" for name, size in sizes.items())
+            raise ValueError(f"rollout.vllm.engine_args {product} needs {workers} GPUs a replica, but rollout.gpus "
+                             f"gives each {self.rollout.gpus:g}: set rollout.gpus to {workers}")
 
     def _ignored_settings(self) -> list[str]:
         """The task, reward and tool settings set away from their defaults where nothing reads them:
@@ -862,5 +866,8 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tu
         return values
 
     before, after = flat(old), flat(new)
+    # A key one side lacks is a change even where the other holds null (an engine argument added as
+    # null); the caller tells a key that a later version of sao added (RunConfig's defaults have it).
     return {key: (before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
-            if json.dumps(before.get(key), sort_keys=True) != json.dumps(after.get(key), sort_keys=True)}
+            if (key in before) != (key in after)
+            or json.dumps(before[key], sort_keys=True) != json.dumps(after[key], sort_keys=True)}

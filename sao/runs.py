@@ -272,10 +272,12 @@ def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple
     # at its default.
     changed = {key: (before, after) for key, (before, after) in changed_keys(without_unread(stored),
                                                                            config.public()).items()
-               if not (before is None and key not in setting_keys(stored) and after == defaults.get(key))}
+               if not (before is None and key not in setting_keys(stored) and key in defaults and after == defaults[key])}
     refused = {key: values for key, values in changed.items() if key not in RESUME_SAFE}
     if refused:
-        lines = "\n".join(f"  {key}: recorded {before!r}, now {after!r}" for key, (before, after) in refused.items())
+        recorded, now = setting_keys(stored), setting_keys(config.public())
+        lines = "\n".join(f"  {key}: recorded {repr(before) if key in recorded else 'nothing'}, "
+                          f"now {repr(after) if key in now else 'nothing'}" for key, (before, after) in refused.items())
         raise ConfigError(
             f"run {config.run_id!r} exists with other settings; a resumed run may change only "
             f"{', '.join(RESUME_SAFE)}. Changed:\n{lines}\nResume with the recorded settings "

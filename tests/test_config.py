@@ -199,8 +199,17 @@ def test_a_resume_may_move_a_vllm_replica_onto_more_gpus_but_change_no_other_eng
     with pytest.raises(ConfigError) as error:
         runs.check_resume(wider.with_values({"rollout.vllm.engine_args": {"tensor_parallel_size": 2,
                                                                          "quantization": "fp8"}}))
-    assert "rollout.vllm.engine_args.quantization: recorded None, now 'fp8'" in str(error.value)
+    assert "rollout.vllm.engine_args.quantization: recorded nothing, now 'fp8'" in str(error.value)
     assert "tensor_parallel_size" not in str(error.value).split("Changed:")[1]
+    # An argument added as null is a change too (vLLM would be given max_model_len None: the model's window).
+    with pytest.raises(ConfigError, match=r"engine_args.max_model_len: recorded nothing, now None"):
+        runs.check_resume(wider.with_values({"rollout.vllm.engine_args": {"tensor_parallel_size": 2,
+                                                                         "max_model_len": None}}))
+    # What a replica's memory and batches are sized by may change, through the section or engine_args.
+    assert runs.check_resume(wider.with_values({"rollout.vllm.engine_args": {
+        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.5, "max_num_seqs": 8}})) == {
+        "rollout.vllm.engine_args.gpu_memory_utilization": (None, 0.5),
+        "rollout.vllm.engine_args.max_num_seqs": (None, 8)}
 
 
 def test_a_key_added_after_a_run_started_is_no_change_at_its_default(tmp_path, monkeypatch):
@@ -213,7 +222,7 @@ def test_a_key_added_after_a_run_started_is_no_change_at_its_default(tmp_path, m
     assert changed_keys(older, base.public()) == {"env.tools": (None, [])}
     monkeypatch.setattr(runs, "latest_config", lambda lake, run_id: older)  # as an older sao recorded it
     assert runs.check_resume(base, lake) == {}
-    with pytest.raises(ConfigError, match=r"env.tools: recorded None, now \['x:y'\]"):
+    with pytest.raises(ConfigError, match=r"env.tools: recorded nothing, now \['x:y'\]"):
         runs.check_resume(base.with_values({"env.tools": ["x:y"]}), lake)
 
 
@@ -310,17 +319,22 @@ def test_a_vllm_replica_is_given_a_gpu_for_each_of_its_parallel_workers():
     def vllm(gpus, **engine_args):
         return RunConfig(rollout={"engine": "vllm", "gpus": gpus, "vllm": {"engine_args": engine_args}})
 
-    with pytest.raises(ValidationError, match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 needs 2 GPUs a "
-                                              r"replica, but rollout.gpus gives each 1: set rollout.gpus to 2"):
+    with pytest.raises(ValidationError, match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 x data_parallel_size 1 "
+                                              r"needs 2 GPUs a replica, but rollout.gpus gives each 1: set rollout.gpus to 2"):
         vllm(1, tensor_parallel_size=2)
-    with pytest.raises(ValidationError, match=r"2 x pipeline_parallel_size 2 needs 4 GPUs .* gives each 2"):
+    with pytest.raises(ValidationError, match=r"2 x pipeline_parallel_size 2 x data_parallel_size 1 needs 4 GPUs .* each 2"):
         vllm(2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValidationError, match=r"data_parallel_size 2 needs 4 GPUs"):
+        vllm(3, tensor_parallel_size=2, data_parallel_size=2)
     for size in ("2", 0, True, 1.5):
         with pytest.raises(ValidationError, match=r"engine_args.tensor_parallel_size must be a whole number >= 1"):
             vllm(2, tensor_parallel_size=size)
+        with pytest.raises(ValidationError, match=r"engine_args.pipeline_parallel_size must be a whole number >= 1"):
+            vllm(0, pipeline_parallel_size=size)  # on a CPU too
     assert vllm(2, tensor_parallel_size=2) and vllm(4, tensor_parallel_size=2, pipeline_parallel_size=2)
     assert vllm(1) and vllm(0.5, gpu_memory_utilization=0.4)  # one worker, on a GPU of its own or a share
-    assert RunConfig(rollout={"engine": "vllm", "gpus": 0, "vllm": {"engine_args": {"tensor_parallel_size": 2}}})
+    assert vllm(0, tensor_parallel_size=2)  # on a CPU vLLM places its workers itself
+    assert RunConfig(rollout={"vllm": {"engine_args": {"tensor_parallel_size": "2"}}})  # the torch engine: not read
 
 
 def test_a_vllm_replica_sharing_a_gpu_must_be_given_its_share_of_the_memory():

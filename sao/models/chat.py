@@ -319,7 +319,7 @@ def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
     head, marker, rest = text.partition(MISTRAL_TOOL_CALLS)
     try:
         listed = json.loads(rest) if marker else None
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth
         return None
     if not isinstance(listed, list) or not listed:
         return None
@@ -336,7 +336,7 @@ def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
 def _hermes_call(block: str) -> dict[str, Any] | None:
     try:
         call = json.loads(block)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]
             and isinstance(call.get("arguments", {}), dict)):
@@ -379,7 +379,7 @@ def _json_call(text: str) -> dict[str, Any] | None:
         return None
     try:
         call = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]):
         return None
@@ -439,7 +439,7 @@ def _typed(value: str, schema: Any) -> Any:
     if wanted:
         try:
             parsed = json.loads(word)
-        except ValueError:
+        except (ValueError, RecursionError):
             return value
         if isinstance(parsed, wanted):
             return parsed
@@ -551,7 +551,7 @@ def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedT
         begin = len(text) - len(text[start + len(MISTRAL_TOOL_CALLS):].lstrip())
     try:
         _, end = json.JSONDecoder().raw_decode(text, begin)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     rest = text[end:].lstrip()
     specials = [token for token in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if token]
@@ -565,8 +565,7 @@ def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedT
 def outside_tool_calls(text: str) -> str:
     """``text`` without its ``<tool_call>...</tool_call>`` blocks; "" for a reply that is one bare JSON
     call, or ``[TOOL_CALLS]`` and its list (:func:`template_tool_calls`)."""
-    mistral = _mistral_calls(text)
-    if _json_call(text) is not None or (mistral is not None and not mistral[0]):
+    if _json_call(text) is not None or (text.lstrip().startswith(MISTRAL_TOOL_CALLS) and _mistral_calls(text)):
         return ""
     return _TOOL_CALL.sub("", text)
 

@@ -49,7 +49,8 @@ Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5'
 (``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``) or, with a template that
 renders calls so, a reply that is one bare JSON call (``{"name": ..., "parameters": ...}``: Llama 3.1 to
 3.3's) or a ``[TOOL_CALLS]`` list (Mistral's: a call keeps the id its model wrote, which the template
-renders) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
+renders; an agent that sends back other ids has them rendered, and Mistral 7B v0.3's template refuses
+one that is not 9 characters long: the call is answered 400) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
 offered tool's schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its
 content (a call's id is derived from the episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
 back, such a reply extends the record when the template renders it as it was sampled (the template's
@@ -67,7 +68,6 @@ import functools
 import hashlib
 import json
 import logging
-import re
 import secrets
 import time
 import uuid
@@ -349,23 +349,21 @@ def call_id(key: str, index: int) -> str:
     return f"call_{hashlib.sha256(f'{key}/{index}'.encode()).hexdigest()[:24]}"
 
 
-_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
-"""A call id as Mistral's templates render it (and its model writes it): 9 letters and digits."""
-
-
 def _calling(content: str, calls: list[dict[str, Any]], key: str, mistral: bool = False) -> tuple[Message, str]:
     """The assistant message that calls ``calls`` (``{"name", "arguments"}`` each, ids from ``key``:
     :func:`call_id`) after ``content``, and its finish reason. In Mistral's layout (``mistral``) a call
-    keeps the ``"id"`` its model wrote, when that is 9 letters and digits (the template renders it back);
-    else it gets the last 9 characters of :func:`call_id`'s (its template takes those)."""
-    def id_of(k: int, call: dict[str, Any]) -> str:
-        if not mistral:
-            return call_id(key, k)
-        written = call.get("id")
-        return written if isinstance(written, str) and _MISTRAL_ID.fullmatch(written) else call_id(key, k)[-9:]
-
+    keeps the ``"id"`` its model wrote, when the template can render it back as written (9 characters,
+    none that JSON escapes, as Mistral's templates require) and no earlier call of the reply has it (a
+    result answers its call by id); else it gets the last 9 characters of :func:`call_id`'s (Mistral
+    Small 3's template takes those of a longer id)."""
+    ids: list[str] = []
+    for k, call in enumerate(calls):
+        written = call.get("id") if mistral else None
+        kept = (isinstance(written, str) and len(written) == 9 and json.dumps(written)[1:-1] == written
+                and written not in ids)
+        ids.append(written if kept else call_id(key, k)[-9:] if mistral else call_id(key, k))
     return {"role": "assistant", "content": content, "tool_calls": [
-        {"id": id_of(k, call), "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+        {"id": ids[k], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
         for k, call in enumerate(calls)]}, "tool_calls"
 
 
@@ -476,6 +474,9 @@ class ChatRendering:
                 if outside_tool_calls(text[len(parsed[0]):]).strip():
                     log.info("reply %s: text between or after its tool calls is not in its message (an OpenAI "
                              "message holds text before its calls only); sent back, the episode splits there", key)
+                if self.layout == "mistral" and parsed[0].strip():
+                    log.info("reply %s: Mistral's templates render a message that calls tools without its text; "
+                             "sent back, the episode splits there", key)
                 return _calling(*parsed, key, mistral=self.layout == "mistral")
         return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
 

@@ -288,8 +288,9 @@ class VLLMEngineConfig:
             chunked = torch.cuda.is_available()
         if not chunked:
             args["enable_chunked_prefill"] = False
-            if self.max_model_len is not None:  # vLLM's default (2048) must hold a whole prompt
-                args["max_num_batched_tokens"] = max(2048, self.max_model_len)
+            window = self.engine_args.get("max_model_len", self.max_model_len)  # engine_args override
+            if window is not None:  # vLLM's default (2048) must hold a whole prompt
+                args["max_num_batched_tokens"] = max(2048, window)
         if "worker_extension_cls" in self.engine_args:
             raise ValueError(
                 f"engine_args may not set worker_extension_cls: weight updates need {WORKER_EXTENSION}"

@@ -311,6 +311,19 @@ def test_template_tool_calls_of_a_template_that_renders_mistrals_calls(text, exp
         assert outside_tool_calls(text[len(expected[0]):]) == ""
 
 
+def test_a_reply_nested_past_the_json_parsers_depth_is_text():
+    """A model can write a list nested thousands deep: each layout's reader says "no call", as for any
+    other text that is not one, rather than raising."""
+    from sao.models.chat import outside_tool_calls, template_tool_calls
+
+    deep = "[" * 5000
+    assert template_tool_calls(f"<tool_call>{{\"name\": \"f\", \"arguments\": {{\"a\": {deep}}}}}</tool_call>") is None
+    assert template_tool_calls(f'{{"name": "f", "parameters": {{"a": {deep}}}}}', bare_json=True) is None
+    assert template_tool_calls(f"[TOOL_CALLS] {deep}", mistral=True) is None
+    assert template_tool_calls(xml_call("f", a=deep), TYPED)[1] == [{"name": "f", "arguments": {"a": deep}}]  # as text
+    assert outside_tool_calls(f"[TOOL_CALLS] {deep}") == f"[TOOL_CALLS] {deep}"
+
+
 def test_a_glm_calls_values_take_the_types_the_tools_schema_gives():
     """GLM-4.5's template writes a string value as it is and anything else as JSON: read back by the
     offered tool's schema, as the XML layout's values are."""

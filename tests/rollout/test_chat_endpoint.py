@@ -490,6 +490,29 @@ def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layou
     assert tokenizer.decode(list(record.completion_ids[:record.segments[0].end])) == call
 
 
+def test_a_mistral_reply_keeps_each_id_its_template_renders_back_as_written():
+    """An id the model wrote is kept when the template renders it as written (9 characters, none that
+    JSON escapes) and is the reply's first with it; another gets the last 9 characters of the derived
+    id. A list nested past the JSON parser's depth is text, not an error."""
+    from sao.rollout.chat_endpoint import ChatRendering, call_id
+    from sao.rollout.engine import FinishReason
+
+    tokenizer = mistral_style_tokenizer()
+    rendering = ChatRendering(tokenizer)
+
+    def reply(text):
+        return rendering.reply(tokenizer.encode(text, add_special_tokens=False), FinishReason.STOP, (), [ADD], "ep/1")
+
+    written = ["call_0001", "call_0001", "x", 'ab"cdefgh', "abcdefghij", "Xy7abc123"]
+    listed = [{"name": "add", "arguments": {"a": k}, "id": i} for k, i in enumerate(written)]
+    message, finish = reply("[TOOL_CALLS] " + json.dumps(listed) + "</s>")
+    assert finish == "tool_calls" and [c["function"]["arguments"]["a"] for c in message["tool_calls"]] == list(range(6))
+    assert [c["id"] for c in message["tool_calls"]] == [
+        "call_0001", *(call_id("ep/1", k)[-9:] for k in range(1, 5)), "Xy7abc123"]
+    message, finish = reply("[TOOL_CALLS] " + "[" * 5000 + "</s>")
+    assert finish == "stop" and message == {"role": "assistant", "content": "[TOOL_CALLS] " + "[" * 5000}
+
+
 def test_what_an_agent_adds_is_encoded_as_text_where_the_template_trims_or_quotes_it():
     """Llama 3.2's template trims a user turn's content and writes a tool result as a JSON string: an
     agent's user turn and tool result that hold the end-of-turn token's text (and whitespace, quotes

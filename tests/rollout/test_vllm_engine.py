@@ -97,6 +97,11 @@ def test_configuration_errors_name_the_problem(tmp_path):
     args = VLLMEngineConfig(logprob_kind="raw", engine_args={"max_num_seqs": 4}).to_engine_args("m")
     assert args["logprobs_mode"] == "raw_logprobs" and args["max_num_seqs"] == 4 and args["skip_tokenizer_init"]
     assert VLLMEngineConfig().to_engine_args("m")["logprobs_mode"] == "processed_logprobs"
+    # Without chunked prefill one step must hold a whole prompt: the window engine_args give counts.
+    unchunked = VLLMEngineConfig(enable_chunked_prefill=False, max_model_len=1024, engine_args={"max_model_len": 4096})
+    assert unchunked.to_engine_args("m")["max_num_batched_tokens"] == 4096
+    assert VLLMEngineConfig(enable_chunked_prefill=False, max_model_len=4096).to_engine_args("m")[
+        "max_num_batched_tokens"] == 4096
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         VLLMEngine(tmp_path)
 
