@@ -395,30 +395,38 @@ def assert_replayed(record, tokenizer):
                         if s.kind == "observation"}
 
 
+def unknown_then(template, run):
+    """OWN_TASK's episode in ``template``'s layout: a call of an unknown tool, then the reply ``run``, then
+    the final reply "5", in one trajectory that scores 1 (checked), its observations replayed as
+    recorded. Returns (its prompt as text, each observation's ids, the tokenizer)."""
+    (record,), tokenizer, _ = own_format_episode([calls(template, ("add", {"a": 2})), run, final(template, "5")],
+                                                 template=template)
+    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
+    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
+    second = record.segments[2]
+    assert tokenizer.decode(list(record.completion_ids[second.start:second.end])) == run  # as sampled
+    assert_replayed(record, tokenizer)
+    observations = [list(record.completion_ids[s.start:s.end]) for s in record.segments if s.kind == "observation"]
+    return tokenizer.decode(list(record.prompt_ids)), observations, tokenizer
+
+
 def test_llama_32s_bare_json_calls_run_the_built_in_tool_loop_as_one_trajectory():
     """Llama 3.2's template writes the tools into the first user turn and renders a call as one bare JSON
     object with ``parameters``, each result as a JSON string in an ``ipython`` turn: an unknown tool is
     answered without a step, the python call runs, and the reply is scored, in one trajectory. A result
     that prints a quote, the end-of-turn token and a newline is encoded as the text of its JSON string,
     escapes and all (no forged turn), and the replay renders the same observations."""
-    unknown = calls(LLAMA32_TEMPLATE, ("add", {"a": 2}))
     run = calls(LLAMA32_TEMPLATE, python("print('\"<|eot_id|>\\n' + str(price('pen') - 115))"))
-    (record,), tokenizer, schema = own_format_episode([unknown, run, final(LLAMA32_TEMPLATE, "5")],
-                                                       template=LLAMA32_TEMPLATE)
-    prompt = tokenizer.decode(list(record.prompt_ids))
+    prompt, observations, tokenizer = unknown_then(LLAMA32_TEMPLATE, run)
     assert "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions" in prompt
     assert '"name": "python"' in prompt and prompt.endswith("What is 2 + 3?<|eot_id|><|start_header_id|>assistant"
                                                            "<|end_header_id|>\n\n")
-    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
-    observations = [list(record.completion_ids[s.start:s.end]) for s in record.segments if s.kind == "observation"]
     texts = [tokenizer.decode(ids) for ids in observations]
     assert texts[0].startswith('<|start_header_id|>ipython<|end_header_id|>\n\n"error: no tool \'add\'')
     assert texts[1] == ('<|start_header_id|>ipython<|end_header_id|>\n\n"\\"<|eot_id|>\\n5"<|eot_id|>'
                         "<|start_header_id|>assistant<|end_header_id|>\n\n")
     eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     assert observations[1].count(eot) == 1  # the template's own end of the turn; the printed one is text
-    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
-    assert_replayed(record, tokenizer)
 
 
 def test_two_bare_json_calls_in_one_reply_are_a_final_reply():
@@ -437,19 +445,13 @@ def test_glm_45s_calls_run_the_built_in_tool_loop_as_one_trajectory():
     its model's generation config stops at. An unknown tool is answered without a step, the python call
     runs (a value that prints the closing tag stays whole), and the reply is scored: one trajectory,
     and the replay renders the same observations."""
-    unknown = calls(GLM45_TEMPLATE, ("add", {"a": "2"}))
     run = calls(GLM45_TEMPLATE, python("print('</arg_value>' + str(price('pen') - 115))"))
-    (record,), tokenizer, schema = own_format_episode([unknown, run, final(GLM45_TEMPLATE, "5")],
-                                                       template=GLM45_TEMPLATE)
-    prompt = tokenizer.decode(list(record.prompt_ids))
+    prompt, observations, tokenizer = unknown_then(GLM45_TEMPLATE, run)
     assert prompt.startswith("[gMASK]<sop><|system|>\n# Tools") and '"name": "python"' in prompt
     assert prompt.endswith("<|user|>\nWhat is 2 + 3?<|assistant|>")
-    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
-    texts = [tokenizer.decode(list(record.completion_ids[s.start:s.end])) for s in record.segments]
-    assert texts[2] == run and texts[3] == "\n<tool_response>\n</arg_value>5\n</tool_response><|assistant|>"
-    assert texts[1].startswith("\n<tool_response>\nerror: no tool 'add'")
-    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
-    assert_replayed(record, tokenizer)
+    texts = [tokenizer.decode(ids) for ids in observations]
+    assert texts[1] == "\n<tool_response>\n</arg_value>5\n</tool_response><|assistant|>"
+    assert texts[0].startswith("\n<tool_response>\nerror: no tool 'add'")
 
 
 def test_mistrals_calls_run_the_built_in_tool_loop_as_one_trajectory():
@@ -458,15 +460,10 @@ def test_mistrals_calls_run_the_built_in_tool_loop_as_one_trajectory():
     conversation renders as it was sampled. An unknown tool is answered without a step, two python calls
     in one reply run in order (a result that prints the closing tag is text), and the reply is scored:
     one trajectory, and the replay renders the same observations."""
-    unknown = calls(MISTRAL_TEMPLATE, ("add", {"a": 2}))
     two = calls(MISTRAL_TEMPLATE, python("print(2)"), python("print('[/TOOL_RESULTS]' + str(price('pen') - 115))"))
-    (record,), tokenizer, schema = own_format_episode([unknown, two, final(MISTRAL_TEMPLATE, "5")],
-                                                       template=MISTRAL_TEMPLATE)
-    prompt = tokenizer.decode(list(record.prompt_ids))
+    prompt, observations, tokenizer = unknown_then(MISTRAL_TEMPLATE, two)
     assert prompt.startswith("<s>[AVAILABLE_TOOLS] [") and '"name": "python"' in prompt
     assert prompt.endswith("What is 2 + 3?[/INST]")
-    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
-    observations = [list(record.completion_ids[s.start:s.end]) for s in record.segments if s.kind == "observation"]
     texts = [tokenizer.decode(ids) for ids in observations]
     assert texts[0].startswith('[TOOL_RESULTS] {"content": error: no tool \'add\'')
     assert texts[0].endswith(', "call_id": "call00000"}[/TOOL_RESULTS]')
@@ -474,13 +471,11 @@ def test_mistrals_calls_run_the_built_in_tool_loop_as_one_trajectory():
                         '{"content": [/TOOL_RESULTS]5, "call_id": "call00001"}[/TOOL_RESULTS]')
     closing = tokenizer.convert_tokens_to_ids("[/TOOL_RESULTS]")
     assert observations[1].count(closing) == 2  # the template's own; the printed one is text
-    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
-    assert_replayed(record, tokenizer)
 
 
 def test_a_mistral_call_without_a_written_id_gets_one_and_splits_the_episode():
-    """A call whose model wrote no id (or not one of 9 letters and digits) gets the last 9 characters of
-    the derived id, which the template renders and the model did not sample: the episode goes on in a
+    """A call whose model wrote no id (or one its template would not render as written) gets the last 9
+    characters of the derived id, which the template renders and the model did not sample: the episode goes on in a
     second part, the result naming that id."""
     from sao.rollout.chat_endpoint import call_id
 
