@@ -258,8 +258,8 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
                         mistral: bool = False) -> tuple[str, list[dict[str, Any]]] | None:
     """The tool calls of a reply in a layout that models' own chat templates render calls in: either, with
     ``mistral`` (a template that renders calls so: :func:`tool_call_layout`), **Mistral's** layout, as the
-    templates of Mistral 7B v0.3 and Mistral Small 3 write it: text, then ``[TOOL_CALLS]`` and one JSON
-    list of ``{"name": ..., "arguments": {...}, "id": ...}`` objects, then nothing (the templates render
+    template of Mistral 7B Instruct v0.3 writes it: text, then ``[TOOL_CALLS]`` and one JSON
+    list of ``{"name": ..., "arguments": {...}, "id": ...}`` objects, then nothing (the template renders
     a call's id, 9 letters and digits, which the model writes too: an ``"id"`` it wrote is kept in the
     call, an ``"id"`` key beside ``name`` and ``arguments``; vLLM's ``mistral`` parser reads the list
     so); or, with ``bare_json`` (a template that renders calls so), one **bare JSON** call
@@ -450,7 +450,7 @@ def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt and
     renders an assistant's tool call in a layout that :func:`template_tool_calls` reads back (Hermes
     JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later; key-value lines: GLM-4.5; one
-    bare JSON call: Llama 3.1 to 3.3; a ``[TOOL_CALLS]`` list: Mistral 7B v0.3, Mistral Small 3), and the tool's result
+    bare JSON call: Llama 3.1 to 3.3; a ``[TOOL_CALLS]`` list: Mistral 7B Instruct v0.3), and the tool's result
     after it, with the reply rendered as it follows the generation prompt it was sampled after (Nemotron
     3's opens a thinking block there that its rendering of a reply drops: every episode would split): a
     model whose template does can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing. Why not:

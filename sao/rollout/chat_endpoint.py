@@ -49,8 +49,8 @@ Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5'
 (``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``) or, with a template that
 renders calls so, a reply that is one bare JSON call (``{"name": ..., "parameters": ...}``: Llama 3.1 to
 3.3's) or a ``[TOOL_CALLS]`` list (Mistral's: a call keeps the id its model wrote, which the template
-renders; an agent that sends back other ids has them rendered, and Mistral 7B v0.3's template refuses
-one that is not 9 characters long: the call is answered 400) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
+renders; an agent that sends back other ids has them rendered, and Mistral 7B Instruct v0.3's template
+refuses one that is not 9 characters long: the call is answered 400) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
 offered tool's schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its
 content (a call's id is derived from the episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
 back, such a reply extends the record when the template renders it as it was sampled (the template's
@@ -353,9 +353,8 @@ def _calling(content: str, calls: list[dict[str, Any]], key: str, mistral: bool 
     """The assistant message that calls ``calls`` (``{"name", "arguments"}`` each, ids from ``key``:
     :func:`call_id`) after ``content``, and its finish reason. In Mistral's layout (``mistral``) a call
     keeps the ``"id"`` its model wrote, when the template can render it back as written (9 characters,
-    none that JSON escapes, as Mistral's templates require) and no earlier call of the reply has it (a
-    result answers its call by id); else it gets the last 9 characters of :func:`call_id`'s (Mistral
-    Small 3's template takes those of a longer id)."""
+    as Mistral 7B Instruct v0.3's requires, none that JSON escapes) and no earlier call of the reply has
+    it (a result answers its call by id); else it gets the last 9 characters of :func:`call_id`'s."""
     ids: list[str] = []
     for k, call in enumerate(calls):
         written = call.get("id") if mistral else None

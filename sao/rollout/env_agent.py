@@ -17,8 +17,8 @@ the same ends (the environment's ``stop`` and ``turns``; the endpoint's ``length
 (a model of one's own) calls the sandboxed Python tool in its own format, when its chat template
 renders tool calls in a layout the loop reads (:func:`sao.models.chat.renders_tool_calls`: Hermes JSON,
 as Qwen2.5, Qwen3 and others write it; XML, as Qwen3.5 and later do; key-value lines, as GLM-4.5's
-does; one bare JSON call a reply, as Llama 3.1 to 3.3 do; a ``[TOOL_CALLS]`` list, as Mistral 7B v0.3 and
-Mistral Small 3 do, each call with an id its model writes) and the environment allows tool
+does; one bare JSON call a reply, as Llama 3.1 to 3.3 do; a ``[TOOL_CALLS]`` list, as Mistral 7B Instruct
+v0.3's does, each call with an id its model writes) and the environment allows tool
 calls (``max_tool_calls`` > 0): every request offers the one tool :func:`python_tool` (``python``,
 argument ``code``; the template writes it into the prompt), each ``python`` call of a reply is one
 environment step (several calls in a reply run in order), and each result goes back as a ``tool``

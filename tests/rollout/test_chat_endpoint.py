@@ -397,7 +397,7 @@ def glm_style_tokenizer(chat_template: str = GLM45_TEMPLATE):
 
 
 MISTRAL_TEMPLATE = (TEMPLATES / "mistral_v3.jinja").read_text()
-"""Mistral's v3 layout (Mistral 7B Instruct v0.3, Mistral Small 3), written for these tests: the tools before
+"""Mistral's v3 layout (Mistral 7B Instruct v0.3's template), written for these tests: the tools before
 the last user turn, a call as ``[TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}]`` with ids of 9
 characters (another length is refused, as Mistral's templates refuse it), a result as ``[TOOL_RESULTS]
 {"content": ..., "call_id": ...}[/TOOL_RESULTS]``, no generation prompt."""
