@@ -12,7 +12,10 @@ process group of its own).
 
 Points: ``mid-step`` (the update is computed, nothing of it saved), ``after-commit`` (the step's row is
 committed, its version's row is not), ``before-publish`` (both rows committed, weights not yet
-published to the replicas).
+published to the replicas), each at a step; ``after-issue`` at the n-th append of launches to
+``rollout_tasks`` one :class:`sao.lake.issued.IssueLog` makes (a run's driver keeps one): those launches are committed and
+none of their records is (a record is never committed before its launch), so each is a rollout a resume
+must close out and launch again, whenever the kill lands.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ __all__ = ["CRASH_AT_ENV", "CRASH_PGID_ENV", "POINTS", "crash_point"]
 
 CRASH_AT_ENV = "SAO_CRASH_AT"
 CRASH_PGID_ENV = "SAO_CRASH_PGID"
-POINTS = ("mid-step", "after-commit", "before-publish")
+POINTS = ("mid-step", "after-commit", "before-publish", "after-issue")
 
 
 def crash_point(name: str, step: int) -> None:
-    """SIGKILL the process group in ``SAO_CRASH_PGID`` if ``SAO_CRASH_AT`` is ``name:step``."""
+    """SIGKILL the process group in ``SAO_CRASH_PGID`` if ``SAO_CRASH_AT`` is ``name:step`` (``step``: the
+    step, or for ``after-issue`` the count of appends)."""
     target = os.environ.get(CRASH_AT_ENV)
     if not target or target != f"{name}:{step}":
         return

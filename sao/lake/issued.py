@@ -27,6 +27,7 @@ from collections.abc import Collection, Iterable
 import pyarrow as pa
 from deltalake import DeltaTable
 
+from sao.faults import crash_point
 from sao.lake.commit import append_blind
 from sao.lake.config import WriterConfig
 from sao.lake.records import utc_now
@@ -83,6 +84,7 @@ class IssueLog:
         self._oldest: float | None = None
         self._lock = threading.Lock()
         self._table: DeltaTable | None = None  # rollout_tasks, kept loaded between appends
+        self._appends = 0
 
     def add_many(self, rollouts: Iterable[IssuedRollout]) -> None:
         """Buffer launched rollouts; flush if the batch is full or old."""
@@ -138,6 +140,8 @@ class IssueLog:
         count = len(self._buffer)
         self.written += count
         self._buffer, self._oldest = [], None
+        self._appends += 1
+        crash_point("after-issue", self._appends)  # the crash harness: launches committed, no record of them
         return count
 
 

@@ -8,8 +8,11 @@ Each chain is one run id; each moment is a kill in a stage of the run:
   a step in progress, the final evaluation);
 * from inside, at a named crash point (:mod:`sao.faults`) for the moments too short to hit from outside:
   a step's update computed but not saved (``mid-step``), between a step's ``train_steps`` row and its
-  ``policy_versions`` row (``after-commit``), and before the step's weights are published
-  (``before-publish``). The run then kills its own process group, as ``kill -9 -PGID`` would.
+  ``policy_versions`` row (``after-commit``), before the step's weights are published
+  (``before-publish``), and just after launches were logged in ``rollout_tasks``, before any of their
+  records (``after-issue``: rollouts a resume must close out and launch again, which a kill from
+  outside hits only when it lands while rollouts run). The run then kills its own process group, as
+  ``kill -9 -PGID`` would.
 
 After every chain: the run has exactly its steps; no trajectory was consumed twice; every step replays
 bit for bit (``sao replay``). A step of the two-worker chain summed its gradients across two processes,
@@ -345,14 +348,17 @@ def test_killed_at_random_moments_with_two_trainer_workers_a_run_resumes(tmp_pat
     copy_warm_start(policy_dir, workdir, run_id)
     run = UserRun(tmp_path, train_args(run_id, workdir, "lake", steps, "--value-samples", "0",
                                        "--num-replicas", "1", "--trainer-workers", "2"), os.environ | prefect_api)
-    # One while the trainer starts (the rollouts of the first batches may all be stored by then: the
-    # staleness gate holds the rest back), one once steps are being taken (rollouts always in flight).
-    moments = [Moment("random-start", TRAINING, (2.0, 30.0)), Moment("random-step", ANY_STEP, (0.0, 2.5))]
+    # One while the trainer starts, one once steps are being taken: each may or may not find rollouts
+    # in flight (the staleness gate holds launches back while the trainer catches up; a step's 8
+    # rollouts of 96 tokens may all be stored within a second). So one more kill lands at the third
+    # append of launches, which leaves rollouts without records whenever it comes.
+    moments = [Moment("random-start", TRAINING, (2.0, 30.0)), Moment("after-issue", crash_at="after-issue:3"),
+               Moment("random-step", ANY_STEP, (0.0, 2.5))]
     killed = crash_chain(run, moments, seed=21)
     assert killed == [moment.name for moment in moments], killed
     stats = assert_run_accounted_for(run, run_id, steps, Lake.open(LakeConfig(root=str(tmp_path / "lake"))),
                                      "lake", data_run=False, workers=2)
-    assert stats["abandoned"] > 0  # a kill mid-training left rollouts in flight: closed out, launched again
+    assert stats["abandoned"] > 0  # the kills left rollouts without records: closed out, launched again
     assert stats["relaunched"] == stats["abandoned"]
     print(json.dumps({"chain": "random", "killed": killed, **stats}))
 

@@ -33,8 +33,8 @@ def lake(tmp_path) -> Lake:
     return opened
 
 
-def start_child(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+def start_child(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), **(env or {}))
     return subprocess.Popen([sys.executable, "-m", _children.__name__, *args], stdout=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)  # fmt: skip
 
@@ -91,6 +91,22 @@ def test_a_killed_writer_then_a_full_redelivery_stores_each_trajectory_once(lake
     assert writer.stats.duplicates == committed_before
     assert writer.stats.written == BATCH * BATCHES - committed_before
     assert_stored_exactly_once(lake)
+
+
+def test_the_after_issue_crash_point_kills_with_launches_committed_and_their_records_not(lake):
+    """The crash harness's ``after-issue:3`` (:mod:`sao.faults`): the third append of launches is committed,
+    then the process group is killed before those rollouts' records: they are open launches, which a
+    resume closes out and launches again."""
+    from sao.lake.issued import unresolved_rollouts
+
+    child = start_child("write", lake.root, RUN, "0", env={"SAO_CRASH_AT": "after-issue:3", "SAO_CRASH_PGID": "session"})
+    output, _ = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, output
+    assert output.split() == ["committed", "0", "committed", "1"]
+    assert lake.read("rollout_tasks", columns=["trajectory_id"]).num_rows == 3 * BATCH
+    assert lake.read("trajectories", columns=["trajectory_id"]).num_rows == 2 * BATCH
+    open_, _ = unresolved_rollouts(lake, RUN)
+    assert sorted(r.trajectory_id for r in open_) == sorted(r.trajectory_id for r in batch(RUN, 2))
 
 
 def test_a_retried_delivery_after_a_timeout_is_stored_once(lake, monkeypatch):
