@@ -66,7 +66,7 @@ from schemas.trajectories import RUN_ID_PATTERN
 
 __all__ = ["BUILDS", "DEMO_CONFIG", "RESUME_SAFE", "RUN_OWN", "TASK_KEYS", "ConfigError", "RunConfig", "changed_keys",
            "default_of", "demo_config", "from_data", "setting_keys", "leaves", "show",
-           "load_file", "resolve", "unread_keys", "without_unread"]
+           "load_file", "resolve", "under_free_mapping", "unread_keys", "without_unread"]
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 """The laptop demo's config (``sao demo``, ``make demo``), in the source checkout."""
@@ -474,8 +474,10 @@ class RunConfig(Section):
         vllm = self.rollout.vllm
         window, where = ((vllm.engine_args["max_model_len"], "rollout.vllm.engine_args.max_model_len")
                          if "max_model_len" in vllm.engine_args else (vllm.max_model_len, "rollout.vllm.max_model_len"))
-        if (self.rollout.engine == "vllm" and isinstance(window, int) and not isinstance(window, bool)
-                and self.rollout.max_tokens >= window):
+        if self.rollout.engine == "vllm" and window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                                                     or window < 1):
+            raise ValueError(f"{where} must be a whole number >= 1 (or null: the model's own), got {window!r}")
+        if self.rollout.engine == "vllm" and window is not None and self.rollout.max_tokens >= window:
             raise ValueError(f"rollout.max_tokens {self.rollout.max_tokens} leaves no room for a prompt in "
                              f"{where} {window} (prompt and completion together): every rollout would end with an "
                              "error")
@@ -683,6 +685,14 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[str]:
 
 
 _DICT_SETTINGS = frozenset({"rollout.resources", "train.resources", "env.verifiers.args", "model.chat_template_kwargs"})
+"""Settings that are mappings compared whole; the one other mapping, ``rollout.vllm.engine_args``, is
+compared argument by argument (:func:`under_free_mapping`)."""
+
+
+def under_free_mapping(key: str) -> bool:
+    """Whether dotted ``key`` is an argument of ``rollout.vllm.engine_args``, a mapping compared argument
+    by argument: such an argument has no default, so one that a config lacks is never at it."""
+    return key.startswith("rollout.vllm.engine_args.")
 
 
 def setting_keys(data: Mapping[str, Any]) -> set[str]:
@@ -854,7 +864,9 @@ def without_unread(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Dotted keys whose values differ between two configs' JSON data (:meth:`RunConfig.public`)."""
+    """Dotted keys whose values differ between two configs' JSON data (:meth:`RunConfig.public`), or that
+    one of them lacks (a key one side lacks and the other holds as null is a change too: the caller
+    tells a key that a later version of sao added)."""
     def flat(data: Mapping[str, Any]) -> dict[str, Any]:
         values: dict[str, Any] = {}
         for key in _flatten(data):

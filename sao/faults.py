@@ -12,10 +12,13 @@ process group of its own).
 
 Points: ``mid-step`` (the update is computed, nothing of it saved), ``after-commit`` (the step's row is
 committed, its version's row is not), ``before-publish`` (both rows committed, weights not yet
-published to the replicas), each at a step; ``after-issue`` at the n-th append of launches to
-``rollout_tasks`` one :class:`sao.lake.issued.IssueLog` makes (a run's driver keeps one): those launches are committed and
-none of their records is (a record is never committed before its launch), so each is a rollout a resume
-must close out and launch again, whenever the kill lands.
+published to the replicas), each at a step; ``after-issue`` at the n-th append to
+``rollout_tasks`` that one :class:`sao.lake.issued.IssueLog` makes. Each log counts its own: the training
+driver's, value pretraining's collection's and a resume's close-out (one append, of ``abandoned`` rows)
+each keep one, so the harness sets the point on a start whose first log with n appends is the driver's
+(a first start without value pretraining). There, the n-th append's launches are committed and none
+of their records is (a record is never committed before its launch): rollouts a resume must close out
+and launch again.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from sao.config import (
     changed_keys,
     leaves,
     setting_keys,
+    under_free_mapping,
     without_unread,
 )
 from sao.envs.base import Split, Task
@@ -267,12 +268,15 @@ def check_resume(config: RunConfig, lake: Lake | None = None) -> dict[str, tuple
     if stored is None:
         return None
     defaults = leaves(RunConfig(), json_values=True)
-    # A key the recorded config lacks (added by a later version of sao) at its default is no change; a
-    # setting recorded where nothing read it (before such settings were refused) is compared as it ran,
-    # at its default.
+    # A key the recorded config lacks (added by a later version of sao) at its default is no change (a
+    # field of an optional section has none in the defaults: null); a setting recorded where nothing read
+    # it (before such settings were refused) is compared as it ran, at its default. An argument of a
+    # setting that is a free mapping (rollout.vllm.engine_args) has no default: added, even as null, it
+    # is a change.
     changed = {key: (before, after) for key, (before, after) in changed_keys(without_unread(stored),
                                                                            config.public()).items()
-               if not (before is None and key not in setting_keys(stored) and key in defaults and after == defaults[key])}
+               if not (before is None and key not in setting_keys(stored) and not under_free_mapping(key)
+                       and after == defaults.get(key))}
     refused = {key: values for key, values in changed.items() if key not in RESUME_SAFE}
     if refused:
         recorded, now = setting_keys(stored), setting_keys(config.public())

@@ -311,11 +311,14 @@ def test_a_vllm_context_window_that_leaves_no_room_for_a_prompt_is_refused():
         RunConfig(rollout={"engine": "vllm", "max_tokens": 512, "vllm": {"engine_args": {"max_model_len": 300}}})
     assert RunConfig(rollout={"engine": "vllm", "max_tokens": 512,
                               "vllm": {"max_model_len": 256, "engine_args": {"max_model_len": 1024}}})
+    assert RunConfig(rollout={"engine": "vllm", "vllm": {"max_model_len": 256, "engine_args": {"max_model_len": None}}})
+    with pytest.raises(ValidationError, match=r"engine_args.max_model_len must be a whole number >= 1 .* got '32k'"):
+        RunConfig(rollout={"engine": "vllm", "vllm": {"engine_args": {"max_model_len": "32k"}}})
 
 
 def test_a_vllm_replica_is_given_a_gpu_for_each_of_its_parallel_workers():
-    # vLLM runs tensor_parallel_size x pipeline_parallel_size workers, one a GPU; with fewer GPUs than that
-    # it asks Ray for more, which the replicas hold.
+    # vLLM runs tensor_parallel_size x pipeline_parallel_size x data_parallel_size workers, one a GPU; with
+    # fewer GPUs than that it asks Ray for more, which the replicas hold.
     def vllm(gpus, **engine_args):
         return RunConfig(rollout={"engine": "vllm", "gpus": gpus, "vllm": {"engine_args": engine_args}})
 

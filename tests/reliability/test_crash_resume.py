@@ -341,18 +341,21 @@ def test_killed_with_an_s3_lake_a_run_resumes(tmp_path, prefect_api, policy_dir)
 
 @pytest.mark.crash
 def test_killed_at_random_moments_with_two_trainer_workers_a_run_resumes(tmp_path, prefect_api, policy_dir):
-    """Two Ray Train workers; kills at seeded random times after the rollout app is up, wherever they
-    land (starting the trainer, waiting for a batch, mid-update, committing, publishing)."""
+    """Two Ray Train workers; a kill just after the driver's third append of launches (rollouts without
+    records, which the resume must close out and launch again), then kills at seeded random times after
+    the rollout app is up, wherever they land (starting the trainer, waiting for a batch, mid-update,
+    committing, publishing)."""
     run_id, steps = "crash-random", 6
     workdir = tmp_path / "runs"
     copy_warm_start(policy_dir, workdir, run_id)
     run = UserRun(tmp_path, train_args(run_id, workdir, "lake", steps, "--value-samples", "0",
                                        "--num-replicas", "1", "--trainer-workers", "2"), os.environ | prefect_api)
-    # One while the trainer starts, one once steps are being taken: each may or may not find rollouts
-    # in flight (the staleness gate holds launches back while the trainer catches up; a step's 8
-    # rollouts of 96 tokens may all be stored within a second). So one more kill lands at the third
-    # append of launches, which leaves rollouts without records whenever it comes.
-    moments = [Moment("random-start", TRAINING, (2.0, 30.0)), Moment("after-issue", crash_at="after-issue:3"),
+    # The random kills (one while the trainer starts, one once steps are being taken) may or may not find
+    # rollouts in flight: the staleness gate holds launches back while the trainer catches up, and a
+    # step's 8 rollouts of 96 tokens may all be stored within a second. So the first start is killed at
+    # its third append of launches, which leaves rollouts without records wherever it comes, with the
+    # run's steps all ahead.
+    moments = [Moment("after-issue", crash_at="after-issue:3"), Moment("random-start", TRAINING, (2.0, 30.0)),
                Moment("random-step", ANY_STEP, (0.0, 2.5))]
     killed = crash_chain(run, moments, seed=21)
     assert killed == [moment.name for moment in moments], killed
