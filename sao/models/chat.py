@@ -75,6 +75,7 @@ __all__ = [
     "action_text",
     "apply_template",
     "bare_json_calls",
+    "bare_name_calls",
     "generation_end_ids",
     "observation_ids",
     "observation_text",
@@ -255,7 +256,7 @@ def without_turn_end(text: str, ids: Sequence[int], ends: Collection[int],
 
 
 def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None, *, bare_json: bool = False,
-                        mistral: bool = False) -> tuple[str, list[dict[str, Any]]] | None:
+                        mistral: bool = False, bare_names: bool = False) -> tuple[str, list[dict[str, Any]]] | None:
     """The tool calls of a reply in a layout that models' own chat templates render calls in: either, with
     ``mistral`` (a template that renders calls so: :func:`tool_call_layout`), **Mistral's** layout, as the
     template of Mistral 7B Instruct v0.3 writes it: text, then ``[TOOL_CALLS]`` and one JSON
@@ -284,7 +285,10 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     - **GLM-4.5's** key-value lines, as its template writes them:
       ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>`` (the
       name on the block's first line, the newline after it optional before a first key, as vLLM's
-      ``glm47`` parser reads GLM-4.7's; a block that holds a word alone is text; a value ends at the
+      ``glm47`` parser reads GLM-4.7's; a block that holds a word alone is text, unless ``bare_names``
+      (a template that renders a call without arguments so, as GLM-4.7's does:
+      :func:`bare_name_calls`) and the word names an offered tool: a call of it without arguments;
+      a value ends at the
       ``</arg_value>`` that the next key or the block's end follows), each value typed by the tool's
       schema as an XML value is (the template writes a string as it is and anything else as JSON), as
       vLLM's ``glm45`` parser reads it.
@@ -299,12 +303,18 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     call = _json_call(text) if bare_json else None
     if call is not None:  # the whole reply (a <tool_call> inside its strings is its own)
         return "", [call]
-    blocks = list(_TEMPLATE_CALL.finditer(text))
+    blocks = list((_TEMPLATE_CALL_OR_NAME if bare_names else _TEMPLATE_CALL).finditer(text))
     if not blocks:
         return None
+    offered = {name for name in (_offered_name(tool) for tool in tools or ()) if name}
     calls = []
     for block in blocks:
         body = block.group(1)
+        if bare_names and _WORD.fullmatch(body):
+            if body.strip() not in offered:
+                return None
+            calls.append({"name": body.strip(), "arguments": {}})
+            continue
         start = body.lstrip()
         call = (_hermes_call(body) if start.startswith("{") else _xml_call(body, tools) if start.startswith("<function=")
                 else _glm_call(body, tools))
@@ -389,9 +399,15 @@ def _json_call(text: str) -> dict[str, Any] | None:
     return {"name": call["name"], "arguments": call.get("parameters", call.get("arguments"))}
 
 
-_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(?=\s*(?:\{|<function=)|[ \t]*[A-Za-z_][\w.\-]*(?:[ \t]*\n\s*"
-                            + re.escape(TOOL_CALL_END) + r"|\s*<arg_key>))(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+_NAME = r"[A-Za-z_][\w.\-]*"
+_CALL_BEGINS = (r"\s*(?:\{|<function=)|[ \t]*" + _NAME + r"(?:[ \t]*\n\s*" + re.escape(TOOL_CALL_END)
+                + r"|\s*<arg_key>)")
+_TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + f"(?={_CALL_BEGINS})(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 """A ``<tool_call>`` block that begins as a call of one of the layouts :func:`template_tool_calls` reads."""
+_TEMPLATE_CALL_OR_NAME = re.compile(re.escape(TOOL_CALL_START) + rf"(?={_CALL_BEGINS}|\s*{_NAME}\s*"
+                                    + re.escape(TOOL_CALL_END) + ")(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+"""The same, or a block that holds a word alone (:func:`template_tool_calls`' ``bare_names``)."""
+_WORD = re.compile(rf"\s*{_NAME}\s*")
 _FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>\n?(.*?)\n?</parameter>\s*(?=<parameter=|\Z)", re.DOTALL)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
@@ -404,6 +420,12 @@ def _xml_call(block: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str
     name, body = function.group(1), function.group(2)
     arguments = _pairs(_PARAMETER, body, 0, _parameter_schema(name, tools))
     return {"name": name, "arguments": arguments} if arguments is not None else None
+
+
+def _offered_name(tool: Any) -> str | None:
+    function = tool.get("function") if isinstance(tool, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    return name if isinstance(name, str) else None
 
 
 def _parameter_schema(name: str, tools: Sequence[Mapping[str, Any]] | None) -> Mapping[str, Any]:
@@ -479,6 +501,24 @@ def bare_json_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template renders a tool call as one bare JSON object that is the
     whole reply (Llama 3.1-3.3's; :func:`tool_call_layout`)."""
     return tool_call_layout(tokenizer) == "bare_json"
+
+
+def bare_name_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template renders a call without arguments as ``<tool_call>NAME</tool_call>``
+    (GLM-4.7's key-value layout), so that :func:`template_tool_calls` reads a word alone in the tags as
+    a call of the offered tool it names (``bare_names``); with any other template it is text. Renders
+    one probe conversation."""
+    messages = [{"role": "user", "content": "What time is it?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": _PROBE_ID, "type": "function", "function": {"name": "clock", "arguments": {}}}]},
+                {"role": "tool", "tool_call_id": _PROBE_ID, "name": "clock", "content": "noon"}]
+    tool = {"type": "function", "function": {"name": "clock", "description": "The time.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        text = apply_template(tokenizer, messages, tools=[tool], add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render it renders no such call
+        return False
+    return isinstance(text, str) and f"{TOOL_CALL_START}clock{TOOL_CALL_END}" in text
 
 
 _PROBE_ID = "call00000"

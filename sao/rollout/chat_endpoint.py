@@ -46,8 +46,9 @@ whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a
 ``tools`` in the request, the calls of a reply in the Hermes JSON layout (Qwen2.5, Qwen3 and others:
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), the XML one (Qwen3.5 and later,
 Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5's key-value lines
-(``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``) or, with a template that
-renders calls so, a reply that is one bare JSON call (``{"name": ..., "parameters": ...}``: Llama 3.1 to
+(``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``; with a template that renders
+a call without arguments as ``<tool_call>NAME</tool_call>``, as GLM-4.7's does, that too) or, with a
+template that renders calls so, a reply that is one bare JSON call (``{"name": ..., "parameters": ...}``: Llama 3.1 to
 3.3's) or a ``[TOOL_CALLS]`` list (Mistral's: a call keeps the id its model wrote, which the template
 renders; an agent that sends back other ids has them rendered, and Mistral 7B Instruct v0.3's template
 refuses one that is not 9 characters long: the call is answered 400) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
@@ -84,6 +85,7 @@ from sao.models.chat import (
     ChatTokens,
     Message,
     apply_template,
+    bare_name_calls,
     outside_tool_calls,
     template_tool_calls,
     tool_call_layout,
@@ -394,6 +396,12 @@ class ChatRendering:
         (Llama 3's, Mistral's)."""
         return None if self.tokens.supports_tools else tool_call_layout(self.tokenizer)
 
+    @functools.cached_property
+    def bare_names(self) -> bool:
+        """Whether a word alone in ``<tool_call>`` tags is a call without arguments of the offered tool it
+        names: the template renders such a call so (GLM-4.7's; :func:`sao.models.chat.bare_name_calls`)."""
+        return self.layout == "tagged" and bare_name_calls(self.tokenizer)
+
     def render(self, messages: Sequence[Message], tools: list | None) -> str:
         """The chat template's text of ``messages`` and the assistant's generation prompt."""
         try:
@@ -467,7 +475,7 @@ class ChatRendering:
         if finish is FinishReason.STOP and last not in stop_ids:
             text = without_turn_end(text, ids, ends, self.tokenizer)
             parsed = (template_tool_calls(text, tools, bare_json=self.layout == "bare_json",
-                                          mistral=self.layout == "mistral")
+                                          mistral=self.layout == "mistral", bare_names=self.bare_names)
                       if tools and not self.tokens.supports_tools else None)
             if parsed is not None:
                 if outside_tool_calls(text[len(parsed[0]):]).strip():

@@ -311,6 +311,47 @@ def test_template_tool_calls_of_a_template_that_renders_mistrals_calls(text, exp
         assert outside_tool_calls(text[len(expected[0]):]) == ""
 
 
+CLOCK = {"type": "function", "function": {"name": "clock", "description": "The time.",
+                                          "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<tool_call>clock</tool_call>", ("", [{"name": "clock", "arguments": {}}])),  # GLM-4.7's, no arguments
+    ("Checking.\n<tool_call> clock </tool_call>", ("Checking.", [{"name": "clock", "arguments": {}}])),
+    ("<tool_call>clock</tool_call><tool_call>f<arg_key>n</arg_key><arg_value>5</arg_value></tool_call>",
+     ("", [{"name": "clock", "arguments": {}}, {"name": "f", "arguments": {"n": 5}}])),
+    ("<tool_call>alarm</tool_call>", None),  # no tool of that name is offered: text
+    ("<tool_call>clock</tool_call> and <tool_call>two words</tool_call>", ("", [{"name": "clock", "arguments": {}}])),
+], ids=["alone", "after text", "beside a call with arguments", "not offered", "prose in tags"])
+def test_a_word_alone_in_the_tags_is_a_call_where_the_template_renders_one_so(text, expected):
+    """With a template that renders a call without arguments as <tool_call>NAME</tool_call> (GLM-4.7's),
+    a word alone in the tags is a call of the offered tool it names; with any other (where it is prose,
+    or the name is one an XML or Hermes block would hold), it is text."""
+    from sao.models.chat import template_tool_calls
+
+    assert template_tool_calls(text, [CLOCK, *TYPED], bare_names=True) == expected
+    if expected is not None:  # without bare_names the word alone is no call
+        assert template_tool_calls(text, [CLOCK, *TYPED]) != expected
+
+
+def test_only_a_template_that_renders_a_call_without_arguments_as_its_name_reads_a_word_alone():
+    from sao.models.chat import bare_name_calls
+    from tests.rollout.test_chat_endpoint import (
+        GLM47_STYLE,
+        LLAMA32_TEMPLATE,
+        QWEN_STYLE,
+        glm_style_tokenizer,
+        llama_style_tokenizer,
+        mistral_style_tokenizer,
+        qwen_style_tokenizer,
+    )
+
+    assert bare_name_calls(glm_style_tokenizer(GLM47_STYLE))
+    assert not bare_name_calls(glm_style_tokenizer())  # GLM-4.5's: the name, then a newline
+    assert not any(bare_name_calls(tokenizer) for tokenizer in (
+        qwen_style_tokenizer(QWEN_STYLE), llama_style_tokenizer(LLAMA32_TEMPLATE), mistral_style_tokenizer()))
+
+
 def test_a_reply_nested_past_the_json_parsers_depth_is_text():
     """A model can write a list nested thousands deep: each layout's reader says "no call", as for any
     other text that is not one, rather than raising."""

@@ -365,6 +365,18 @@ GLM45_TEMPLATE = (TEMPLATES / "glm4moe.jinja").read_text()
 results after ``<|observation|>``, which ends a turn that calls."""
 
 
+GLM47_STYLE = GLM45_TEMPLATE.replace("""{{ '\\n<tool_call>' + tc.name }}
+{% set _args = tc.arguments %}
+{% for k, v in _args.items() %}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor %}
+</tool_call>{% endfor %}""", """{{ '\\n<tool_call>' + tc.name }}{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>\
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>{% endfor %}</tool_call>{% endfor %}""")
+"""GLM-4.5's template with each call on one line, as GLM-4.7's writes it: the first key right after the
+name, and a call without arguments as ``<tool_call>NAME</tool_call>``."""
+
+
 @functools.cache
 def glm_style_tokenizer(chat_template: str = GLM45_TEMPLATE):
     """A byte-level BPE tokenizer with GLM-4.5's role, thinking and tool-call tokens and ``chat_template``,
@@ -488,6 +500,41 @@ def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layou
     assert (tool_calls[0].id == "Xy7abc123") is (layout == "mistral")
     assert [s.kind for s in record.segments] == ["action", "observation", "action"]
     assert tokenizer.decode(list(record.completion_ids[:record.segments[0].end])) == call
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["glm4.7-style", "glm4.5"])
+def test_a_call_without_arguments_in_glm_47s_layout_reaches_the_agent_and_extends_the_record(read):
+    """GLM-4.7's layout writes a call without arguments as its name alone in the tags: a reply that calls
+    the offered ``clock`` so is a tool call with arguments {}, and sent back with its result it renders
+    as sampled (one trajectory). With GLM-4.5's template, which renders such a call with a newline after
+    the name, the same reply stays text."""
+    from tests.models.test_chat import CLOCK
+
+    call = "\n<think></think>\n<tool_call>clock</tool_call><|observation|>"
+    tokenizer = glm_style_tokenizer(GLM47_STYLE if read else GLM45_TEMPLATE)
+    engine = ScriptedEngine(tokenizer, [call, "\n<think></think>\nIt is noon.<|user|>"])
+    seen = []
+
+    async def agent(client, task):
+        messages = list(task["messages"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CLOCK])
+        message = reply.choices[0].message
+        seen.append((reply.choices[0].finish_reason, message.tool_calls))
+        if message.tool_calls:
+            messages += [message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "noon"}]
+            await client.chat.completions.create(model="policy", messages=messages, tools=[CLOCK])
+        return 1.0
+
+    records, _ = episode(engine, tokenizer, agent)
+    ((finish, tool_calls),) = seen
+    if not read:
+        assert finish == "stop" and tool_calls is None
+        return
+    assert finish == "tool_calls" and tool_calls[0].function.name == "clock"
+    assert json.loads(tool_calls[0].function.arguments) == {}
+    (record,) = records
+    assert [s.kind for s in record.segments] == ["action", "observation", "action"]
 
 
 def test_a_mistral_reply_keeps_each_id_its_template_renders_back_as_written():

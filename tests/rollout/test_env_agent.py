@@ -19,6 +19,7 @@ from sao.rollout.user_agent import UserAgentRunner
 from tests.models.test_chat import xml_call
 from tests.rollout.test_chat_endpoint import (
     GLM45_TEMPLATE,
+    GLM47_STYLE,
     LLAMA31_TEMPLATE,
     LLAMA32_TEMPLATE,
     LLAMA_TEMPLATES,
@@ -115,7 +116,7 @@ def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_
     from tests.rollout.test_chat_endpoint import ScriptedEngine, qwen_style_tokenizer
 
     tokenizer = tokenizer or (llama_style_tokenizer(template) if template in LLAMA_TEMPLATES
-                              else glm_style_tokenizer(template) if template == GLM45_TEMPLATE
+                              else glm_style_tokenizer(template) if template in (GLM45_TEMPLATE, GLM47_STYLE)
                               else mistral_style_tokenizer(template) if template == MISTRAL_TEMPLATE
                               else qwen_style_tokenizer(template))
     engine = ScriptedEngine(tokenizer, replies)
@@ -163,6 +164,11 @@ def calls(template, *called):
     if template == MISTRAL_TEMPLATE:
         listed = [{"name": name, "arguments": arguments, "id": f"call{k:05d}"} for k, (name, arguments) in enumerate(called)]
         return "[TOOL_CALLS] " + json.dumps(listed) + "</s>"
+    if template == GLM47_STYLE:  # each call on one line
+        return "\n<think></think>" + "".join(
+            f"\n<tool_call>{name}" + "".join(f"<arg_key>{key}</arg_key><arg_value>{value}</arg_value>"
+                                             for key, value in arguments.items()) + "</tool_call>"
+            for name, arguments in called) + "<|observation|>"
     if template in LLAMA_TEMPLATES:
         ((name, arguments),) = called
         return json.dumps({"name": name, "parameters": arguments}) + "<|eot_id|>"
@@ -183,16 +189,16 @@ def python(code):
 
 def final(template, text):
     """A final reply ``text`` that ends its turn as ``template``'s model does."""
-    return text + ("<|eot_id|>" if template in LLAMA_TEMPLATES else "<|user|>" if template == GLM45_TEMPLATE
+    return text + ("<|eot_id|>" if template in LLAMA_TEMPLATES else "<|user|>" if template in (GLM45_TEMPLATE, GLM47_STYLE)
                    else "</s>" if template == MISTRAL_TEMPLATE else "<|im_end|>")
 
 
 ALL_TEMPLATES = pytest.mark.parametrize(
-    "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, GLM45_TEMPLATE,
+    "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, GLM45_TEMPLATE, GLM47_STYLE,
                  LLAMA31_TEMPLATE, LLAMA32_TEMPLATE, MISTRAL_TEMPLATE],
-    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5", "llama3.1", "llama3.2", "mistral"])
-"""The templates of :data:`OWN_TEMPLATES`, GLM-4.5's, Llama 3.1's and 3.2's (which render one call a
-reply) and Mistral's."""
+    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5", "glm4.7-style", "llama3.1", "llama3.2", "mistral"])
+"""The templates of :data:`OWN_TEMPLATES`, GLM-4.5's and a GLM-4.7-style one (each call on one line),
+Llama 3.1's and 3.2's (which render one call a reply) and Mistral's."""
 
 
 @OWN_TEMPLATES
@@ -452,6 +458,21 @@ def test_glm_45s_calls_run_the_built_in_tool_loop_as_one_trajectory():
     texts = [tokenizer.decode(ids) for ids in observations]
     assert texts[1] == "\n<tool_response>\n</arg_value>5\n</tool_response><|assistant|>"
     assert texts[0].startswith("\n<tool_response>\nerror: no tool 'add'")
+
+
+def test_a_call_without_arguments_in_glm_47s_layout_is_answered_and_the_episode_goes_on():
+    """GLM-4.7's layout writes a call without arguments as its name alone in the tags: the built-in loop
+    reads it as a call of python without code, answers it without a step, and the episode goes on as
+    one trajectory."""
+    bare = "\n<think></think>\n<tool_call>python</tool_call><|observation|>"
+    run = calls(GLM47_STYLE, python("print(price('pen') - 115)"))
+    (record,), tokenizer, _ = own_format_episode([bare, run, final(GLM47_STYLE, "5")], template=GLM47_STYLE)
+    assert [s.kind for s in record.segments] == ["action", "observation", "action", "observation", "action"]
+    first = record.segments[1]
+    assert tokenizer.decode(list(record.completion_ids[first.start:first.end])).startswith(
+        "\n<tool_response>\nerror: no tool 'python' with these arguments")
+    assert (record.reward, record.termination_reason, record.num_turns) == (1.0, "stop", 3)
+    assert_replayed(record, tokenizer)
 
 
 def test_mistrals_calls_run_the_built_in_tool_loop_as_one_trajectory():
