@@ -46,6 +46,8 @@ IM_END = "<|im_end|>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 ANSWER_START, ANSWER_END = "<answer>", "</answer>"
+THINK_END = "</think>"
+"""Where a reply's reasoning ends in the templates that open it with ``<think>`` (Qwen3, GLM-4.5 and others)."""
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 """The token before a reply's calls in Mistral's layout (:func:`template_tool_calls`)."""
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -287,7 +289,9 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
       name on the block's first line, the newline after it optional before a first key, as vLLM's
       ``glm47`` parser reads GLM-4.7's; a block that holds a word alone is text, unless ``bare_names``
       (a template that renders a call without arguments so, as GLM-4.7's does:
-      :func:`bare_name_calls`) and the word names an offered tool: a call of it without arguments;
+      :func:`bare_name_calls`), the word names an offered tool and the block comes after the reply's
+      reasoning (its last ``</think>``): a call of that tool without arguments, as vLLM's ``glm47``
+      parser reads one (it drops a word that names no offered tool, which stays text here);
       a value ends at the
       ``</arg_value>`` that the next key or the block's end follows), each value typed by the tool's
       schema as an XML value is (the template writes a string as it is and anything else as JSON), as
@@ -303,25 +307,24 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     call = _json_call(text) if bare_json else None
     if call is not None:  # the whole reply (a <tool_call> inside its strings is its own)
         return "", [call]
-    blocks = list((_TEMPLATE_CALL_OR_NAME if bare_names else _TEMPLATE_CALL).finditer(text))
-    if not blocks:
-        return None
     offered = {name for name in (_offered_name(tool) for tool in tools or ()) if name}
-    calls = []
-    for block in blocks:
+    reasoned = text.rfind(THINK_END)  # a word alone before the reasoning's end is prose
+    first, calls = None, []
+    for block in (_TEMPLATE_CALL_OR_NAME if bare_names else _TEMPLATE_CALL).finditer(text):
         body = block.group(1)
-        if bare_names and _WORD.fullmatch(body):
-            if body.strip() not in offered:
+        if _TEMPLATE_CALL.fullmatch(block.group(0)) is None:  # a word alone (bare_names): a call of an offered tool
+            if body.strip() not in offered or block.start() < reasoned:
+                continue
+            call = {"name": body.strip(), "arguments": {}}
+        else:
+            start = body.lstrip()
+            call = (_hermes_call(body) if start.startswith("{") else _xml_call(body, tools) if start.startswith("<function=")
+                    else _glm_call(body, tools))
+            if call is None:
                 return None
-            calls.append({"name": body.strip(), "arguments": {}})
-            continue
-        start = body.lstrip()
-        call = (_hermes_call(body) if start.startswith("{") else _xml_call(body, tools) if start.startswith("<function=")
-                else _glm_call(body, tools))
-        if call is None:
-            return None
+        first = block.start() if first is None else first
         calls.append(call)
-    return text[: blocks[0].start()].rstrip("\n"), calls
+    return (text[:first].rstrip("\n"), calls) if calls else None
 
 
 def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
@@ -516,9 +519,13 @@ def bare_name_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
                                              "parameters": {"type": "object", "properties": {}}}}
     try:
         text = apply_template(tokenizer, messages, tools=[tool], add_generation_prompt=True, tokenize=False)
+        prompt = apply_template(tokenizer, messages[:1], tools=[tool], add_generation_prompt=True, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that cannot render it renders no such call
         return False
-    return isinstance(text, str) and f"{TOOL_CALL_START}clock{TOOL_CALL_END}" in text
+    if not isinstance(text, str) or not isinstance(prompt, str):
+        return False
+    reply = text[len(os.path.commonprefix([prompt, text])):]  # not an example in the tools' instructions
+    return f"{TOOL_CALL_START}clock{TOOL_CALL_END}" in reply
 
 
 _PROBE_ID = "call00000"

@@ -47,7 +47,8 @@ whose arguments are ``{"code": ...}`` (``finish_reason`` ``tool_calls``); with a
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), the XML one (Qwen3.5 and later,
 Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5's key-value lines
 (``<tool_call>NAME\n<arg_key>...</arg_key>\n<arg_value>...</arg_value>``; with a template that renders
-a call without arguments as ``<tool_call>NAME</tool_call>``, as GLM-4.7's does, that too) or, with a
+a call without arguments as ``<tool_call>NAME</tool_call>``, as GLM-4.7's does, that too, NAME an offered
+tool) or, with a
 template that renders calls so, a reply that is one bare JSON call (``{"name": ..., "parameters": ...}``: Llama 3.1 to
 3.3's) or a ``[TOOL_CALLS]`` list (Mistral's: a call keeps the id its model wrote, which the template
 renders; an agent that sends back other ids has them rendered, and Mistral 7B Instruct v0.3's template

@@ -321,22 +321,30 @@ CLOCK = {"type": "function", "function": {"name": "clock", "description": "The t
     ("<tool_call>clock</tool_call><tool_call>f<arg_key>n</arg_key><arg_value>5</arg_value></tool_call>",
      ("", [{"name": "clock", "arguments": {}}, {"name": "f", "arguments": {"n": 5}}])),
     ("<tool_call>alarm</tool_call>", None),  # no tool of that name is offered: text
+    ("<tool_call>alarm</tool_call> or <tool_call>clock</tool_call>", ("<tool_call>alarm</tool_call> or ",
+                                                                       [{"name": "clock", "arguments": {}}])),
     ("<tool_call>clock</tool_call> and <tool_call>two words</tool_call>", ("", [{"name": "clock", "arguments": {}}])),
-], ids=["alone", "after text", "beside a call with arguments", "not offered", "prose in tags"])
+    ("<think>I could ask <tool_call>clock</tool_call>.</think>\nNoon.", None),  # in the reasoning: prose
+    ("<think>Ask it.</think>\n<tool_call>clock</tool_call>", ("<think>Ask it.</think>", [{"name": "clock",
+                                                                                          "arguments": {}}])),
+    ("<tool_call>alarm\n</tool_call>", ("", [{"name": "alarm", "arguments": {}}])),  # GLM-4.5's, as before
+], ids=["alone", "after text", "beside a call with arguments", "not offered", "beside one not offered",
+        "prose in tags", "in the reasoning", "after the reasoning", "glm4.5's"])
 def test_a_word_alone_in_the_tags_is_a_call_where_the_template_renders_one_so(text, expected):
     """With a template that renders a call without arguments as <tool_call>NAME</tool_call> (GLM-4.7's),
-    a word alone in the tags is a call of the offered tool it names; with any other (where it is prose,
-    or the name is one an XML or Hermes block would hold), it is text."""
+    a word alone in the tags after the reasoning is a call of the offered tool it names (a word that
+    names none stays prose, as vLLM's glm47 parser drops it); without, it is text."""
     from sao.models.chat import template_tool_calls
 
     assert template_tool_calls(text, [CLOCK, *TYPED], bare_names=True) == expected
-    if expected is not None:  # without bare_names the word alone is no call
+    if expected is not None and "\n</tool_call>" not in text:  # without bare_names the word alone is no call
         assert template_tool_calls(text, [CLOCK, *TYPED]) != expected
 
 
 def test_only_a_template_that_renders_a_call_without_arguments_as_its_name_reads_a_word_alone():
     from sao.models.chat import bare_name_calls
     from tests.rollout.test_chat_endpoint import (
+        GLM45_TEMPLATE,
         GLM47_STYLE,
         LLAMA32_TEMPLATE,
         QWEN_STYLE,
@@ -348,6 +356,8 @@ def test_only_a_template_that_renders_a_call_without_arguments_as_its_name_reads
 
     assert bare_name_calls(glm_style_tokenizer(GLM47_STYLE))
     assert not bare_name_calls(glm_style_tokenizer())  # GLM-4.5's: the name, then a newline
+    example = GLM45_TEMPLATE.replace("<tool_call>{function-name}", "<tool_call>clock</tool_call><tool_call>{function-name}")
+    assert example != GLM45_TEMPLATE and not bare_name_calls(glm_style_tokenizer(example))  # in the instructions
     assert not any(bare_name_calls(tokenizer) for tokenizer in (
         qwen_style_tokenizer(QWEN_STYLE), llama_style_tokenizer(LLAMA32_TEMPLATE), mistral_style_tokenizer()))
 

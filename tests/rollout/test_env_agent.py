@@ -159,7 +159,7 @@ OWN_TEMPLATES = pytest.mark.parametrize(
 def calls(template, *called):
     """A reply that makes the calls ``called`` ((name, arguments) each) in ``template``'s layout, as its
     model samples them (Hermes JSON, XML for Qwen3.5's, one bare JSON call for Llama's, key-value lines
-    after an empty thinking block for GLM-4.5's, a ``[TOOL_CALLS]`` list with ids of 9 characters for
+    after an empty thinking block for GLM-4.5's, the same on one line for the GLM-4.7-style one, a ``[TOOL_CALLS]`` list with ids of 9 characters for
     Mistral's), then ends its turn."""
     if template == MISTRAL_TEMPLATE:
         listed = [{"name": name, "arguments": arguments, "id": f"call{k:05d}"} for k, (name, arguments) in enumerate(called)]
