@@ -457,6 +457,25 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two n
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
 
 
+def answering_agent(tools, result, seen):
+    """An agent of one's own that asks the policy with ``tools`` offered and notes the reply's finish
+    reason and tool calls in ``seen``; a reply that calls gets ``result`` for its first call, and the
+    policy is asked once more."""
+
+    async def agent(client, task):
+        messages = list(task["messages"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        message = reply.choices[0].message
+        seen.append((reply.choices[0].finish_reason, message.tool_calls))
+        if message.tool_calls:
+            messages += [message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result}]
+            await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        return 1.0
+
+    return agent
+
+
 @pytest.mark.parametrize("layout", ["xml", "glm", "json", "mistral"])
 def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layout):
     """With Qwen3.5's template (XML), GLM-4.5's (key-value lines), Llama 3.2's (one bare JSON call) or
@@ -481,18 +500,7 @@ def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layou
         call = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3.5}, "id": "Xy7abc123"}]' + end
     engine = ScriptedEngine(tokenizer, [call, "The sum is 5.5." + end])
     seen = []
-
-    async def agent(client, task):
-        messages = list(task["messages"])
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
-        message = reply.choices[0].message
-        seen.append((reply.choices[0].finish_reason, message.tool_calls))
-        messages += [message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5.5"}]
-        await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
-        return 1.0
-
-    (record,), _ = episode(engine, tokenizer, agent)
+    (record,), _ = episode(engine, tokenizer, answering_agent([ADD], "5.5", seen))
     ((finish, tool_calls),) = seen
     assert finish == "tool_calls" and tool_calls[0].function.name == "add"
     arguments = json.loads(tool_calls[0].function.arguments)
@@ -514,19 +522,7 @@ def test_a_call_without_arguments_in_glm_47s_layout_reaches_the_agent_and_extend
     tokenizer = glm_style_tokenizer(GLM47_STYLE if read else GLM45_TEMPLATE)
     engine = ScriptedEngine(tokenizer, [call, "\n<think></think>\nIt is noon.<|user|>"])
     seen = []
-
-    async def agent(client, task):
-        messages = list(task["messages"])
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CLOCK])
-        message = reply.choices[0].message
-        seen.append((reply.choices[0].finish_reason, message.tool_calls))
-        if message.tool_calls:
-            messages += [message.model_dump(exclude_none=True),
-                         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "noon"}]
-            await client.chat.completions.create(model="policy", messages=messages, tools=[CLOCK])
-        return 1.0
-
-    records, _ = episode(engine, tokenizer, agent)
+    records, _ = episode(engine, tokenizer, answering_agent([CLOCK], "noon", seen))
     ((finish, tool_calls),) = seen
     if not read:
         assert finish == "stop" and tool_calls is None
