@@ -474,8 +474,7 @@ class RunConfig(Section):
         vllm = self.rollout.vllm
         window, where = ((vllm.engine_args["max_model_len"], "rollout.vllm.engine_args.max_model_len")
                          if "max_model_len" in vllm.engine_args else (vllm.max_model_len, "rollout.vllm.max_model_len"))
-        if self.rollout.engine == "vllm" and window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                                                     or window < 1):
+        if self.rollout.engine == "vllm" and window is not None and not _whole(window):
             raise ValueError(f"{where} must be a whole number >= 1 (or null: the model's own), got {window!r}")
         if self.rollout.engine == "vllm" and window is not None and self.rollout.max_tokens >= window:
             raise ValueError(f"rollout.max_tokens {self.rollout.max_tokens} leaves no room for a prompt in "
@@ -511,7 +510,7 @@ class RunConfig(Section):
         sizes = {}
         for name in _PARALLEL_SIZES:
             size = self.rollout.vllm.engine_args.get(name, 1)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not _whole(size):
                 raise ValueError(f"rollout.vllm.engine_args.{name} must be a whole number >= 1, got {size!r}")
             sizes[name] = size
         workers = math.prod(sizes.values())
@@ -682,6 +681,11 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[str]:
             yield from _flatten(value, f"{prefix}{key}.")
         else:
             yield prefix + key
+
+
+def _whole(value: Any) -> bool:
+    """Whether ``value`` is a whole number >= 1 (a boolean is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 _DICT_SETTINGS = frozenset({"rollout.resources", "train.resources", "env.verifiers.args", "model.chat_template_kwargs"})

@@ -307,8 +307,8 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     call = _json_call(text) if bare_json else None
     if call is not None:  # the whole reply (a <tool_call> inside its strings is its own)
         return "", [call]
-    offered = {name for name in (_offered_name(tool) for tool in tools or ()) if name}
-    reasoned = text.rfind(THINK_END)  # a word alone before the reasoning's end is prose
+    offered = {name for name in (_offered_name(tool) for tool in tools or ()) if name} if bare_names else set()
+    reasoned = text.rfind(THINK_END) if bare_names else -1  # a word alone before the reasoning's end is prose
     first, calls = None, []
     for block in (_TEMPLATE_CALL_OR_NAME if bare_names else _TEMPLATE_CALL).finditer(text):
         body = block.group(1)
@@ -511,15 +511,10 @@ def bare_name_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     (GLM-4.7's key-value layout), so that :func:`template_tool_calls` reads a word alone in the tags as
     a call of the offered tool it names (``bare_names``); with any other template it is text. Renders
     one probe conversation."""
-    messages = [{"role": "user", "content": "What time is it?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": _PROBE_ID, "type": "function", "function": {"name": "clock", "arguments": {}}}]},
-                {"role": "tool", "tool_call_id": _PROBE_ID, "name": "clock", "content": "noon"}]
     tool = {"type": "function", "function": {"name": "clock", "description": "The time.",
                                              "parameters": {"type": "object", "properties": {}}}}
     try:
-        text = apply_template(tokenizer, messages, tools=[tool], add_generation_prompt=True, tokenize=False)
-        prompt = apply_template(tokenizer, messages[:1], tools=[tool], add_generation_prompt=True, tokenize=False)
+        text, prompt = _probe_renderings(tokenizer, tool, {}, "noon")
     except Exception:  # noqa: BLE001 - a template that cannot render it renders no such call
         return False
     if not isinstance(text, str) or not isinstance(prompt, str):
@@ -532,19 +527,28 @@ _PROBE_ID = "call00000"
 """The probe's call id: 9 letters and digits, as Mistral's templates require."""
 
 
+def _probe_renderings(tokenizer: PreTrainedTokenizerBase, tool: dict[str, Any], arguments: dict[str, Any],
+                      result: str) -> tuple[Any, Any]:
+    """The template's renderings, with ``tool`` offered, of a user's question, a call of ``tool`` with
+    ``arguments`` and its ``result`` (then the generation prompt), and of the question alone (its
+    generation prompt); raises what the template raises."""
+    name = tool["function"]["name"]
+    messages = [{"role": "user", "content": "What is 6 * 7?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": _PROBE_ID, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": _PROBE_ID, "name": name, "content": result}]
+    return tuple(apply_template(tokenizer, shown, tools=[tool], add_generation_prompt=True, tokenize=False)
+                 for shown in (messages, messages[:1]))
+
+
 def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
     """(what keeps the template from the tool loop or None, the layout it renders a call in:
     :func:`tool_call_layout`'s, or None), from one probe conversation."""
     code, described = "print(6 * 7)", "Run Python code in the probe."
     tool = {"type": "function", "function": {"name": "python", "description": described, "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
-    messages = [{"role": "user", "content": "What is 6 * 7?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": _PROBE_ID, "type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
-                {"role": "tool", "tool_call_id": _PROBE_ID, "name": "python", "content": "42"}]
     try:
-        text = apply_template(tokenizer, messages, tools=[tool], add_generation_prompt=True, tokenize=False)
-        prompt = apply_template(tokenizer, messages[:1], tools=[tool], add_generation_prompt=True, tokenize=False)
+        text, prompt = _probe_renderings(tokenizer, tool, {"code": code}, "42")
     except Exception as error:  # noqa: BLE001 - whatever the template raises, said as it said it
         return f"it fails on a conversation with a tool call and its result ({type(error).__name__}: {error})", None
     if not isinstance(text, str) or not isinstance(prompt, str):

@@ -475,17 +475,18 @@ class ChatRendering:
         ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
         if finish is FinishReason.STOP and last not in stop_ids:
             text = without_turn_end(text, ids, ends, self.tokenizer)
-            parsed = (template_tool_calls(text, tools, bare_json=self.layout == "bare_json",
-                                          mistral=self.layout == "mistral", bare_names=self.bare_names)
+            mistral = self.layout == "mistral"
+            parsed = (template_tool_calls(text, tools, bare_json=self.layout == "bare_json", mistral=mistral,
+                                          bare_names=self.bare_names)
                       if tools and not self.tokens.supports_tools else None)
             if parsed is not None:
                 if outside_tool_calls(text[len(parsed[0]):]).strip():
                     log.info("reply %s: text between or after its tool calls is not in its message (an OpenAI "
                              "message holds text before its calls only); sent back, the episode splits there", key)
-                if self.layout == "mistral" and parsed[0].strip():
+                if mistral and parsed[0].strip():
                     log.info("reply %s: Mistral's templates render a message that calls tools without its text; "
                              "sent back, the episode splits there", key)
-                return _calling(*parsed, key, mistral=self.layout == "mistral")
+                return _calling(*parsed, key, mistral=mistral)
         return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
 
 
