@@ -272,7 +272,7 @@ class EnvSection(Section):
     max_tool_calls: int = Field(default_of(DatasetEnvConfig, "max_tool_calls"), ge=0)
     """Sandboxed Python tool calls allowed per episode (0: single-turn, the first action is the answer). A
     model of your own calls the tool in its own format if its chat template renders tool calls in
-    the Hermes JSON, the XML, GLM-4.5's, the bare JSON (Llama 3.1-3.3) or Mistral's layout
+    the Hermes JSON, the XML, GLM-4.5's, the bare JSON (Llama 3.1-3.3) or one of Mistral's layouts
     (sao.models.chat.template_tool_calls)."""
     tools: list[str] = Field(default_factory=lambda: list(default_of(DatasetEnvConfig, "tools")))
     """Tool functions of your own, module:function each: defined in the sandbox before each tool call's

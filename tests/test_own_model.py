@@ -45,10 +45,11 @@ def train_tokenizer(chat_template: str | None = CHATML) -> PreTrainedTokenizerFa
     return tokenizer
 
 
-def _others(vocab: int) -> dict:
-    """Builders of architectures beyond the three trained end to end (run through the engine only)."""
+def _others(vocab: int, positions: int = 256) -> dict:
+    """Builders of architectures beyond the three trained end to end (run through the engine only), each
+    ``positions`` long at most."""
     small = {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "max_position_embeddings": 256}
+             "max_position_embeddings": positions}
     gqa = small | {"intermediate_size": 64, "num_key_value_heads": 2}
     moe = gqa | {"num_experts_per_tok": 2}
     return {
@@ -58,7 +59,7 @@ def _others(vocab: int) -> dict:
         "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**gqa)),
         "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(intermediate_size=64, **small)),
         "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2,
-                                                                              n_head=4, n_positions=256)),
+                                                                              n_head=4, n_positions=positions)),
         "phi": lambda: transformers.PhiForCausalLM(transformers.PhiConfig(intermediate_size=64, **small)),
         "starcoder2": lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**gqa)),
         "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **small)),
@@ -105,7 +106,7 @@ def build(architecture: str, vocab: int, positions: int = 256):
     common = {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": positions, "tie_word_embeddings": False}
     torch.manual_seed(0)
-    others = _others(vocab)
+    others = _others(vocab, positions)
     if architecture in others:
         return others[architecture]()
     if architecture == "llama":
@@ -178,10 +179,12 @@ def test_a_model_directory_is_checked_before_anything_starts(tmp_path):
     (glm / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))  # as GLM-4.5's checkpoints end
     accepted = check_model_directory(glm, need_tools=True, own_format=True)  # GLM-4.5's key-value lines
     assert set(ChatTokens.from_tokenizer(accepted).stop_token_ids) == set(ends)
-    from tests.rollout.test_chat_endpoint import mistral_style_tokenizer
+    from tests.rollout.test_chat_endpoint import MISTRAL13_TEMPLATE, mistral_style_tokenizer
 
     mistral = model_directory(tmp_path / "mistral", "mistral", mistral_style_tokenizer())
     check_model_directory(mistral, need_tools=True, own_format=True)  # Mistral's [TOOL_CALLS] lists
+    ministral = model_directory(tmp_path / "ministral", "mistral", mistral_style_tokenizer(MISTRAL13_TEMPLATE))
+    check_model_directory(ministral, need_tools=True, own_format=True)  # [TOOL_CALLS] before each call
     nemotron = (TEMPLATES / "nemotron_3_nano.jinja").read_text()
     nemotron = model_directory(tmp_path / "nemotron", "qwen2", qwen_style_tokenizer(nemotron))
     with pytest.raises(ModelDirectoryError, match="cannot call tools in its own format: it renders the assistant's "
@@ -397,12 +400,13 @@ def test_three_sao_steps_on_a_model_of_ones_own(architecture, tmp_path, ray_sess
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("architecture, template", [("qwen2", "qwen2.5"), ("llama", "llama3.2"), ("qwen2", "glm4.5"),
-                                                     ("mistral", "mistral")])
+                                                     ("mistral", "mistral"), ("mistral", "ministral3")])
 def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, ray_session, architecture, template):
     """A model of one's own with a published chat template (Qwen2.5's: Hermes tool calls; Llama 3.2's:
     one bare JSON call a reply, the date read from the clock; GLM-4.5's: key-value lines, a turn that
-    calls ended by <|observation|>, a stop id of its generation config), or one in Mistral's layout (a
-    [TOOL_CALLS] list, no generation prompt), none of this project's tool tokens, on
+    calls ended by <|observation|>, a stop id of its generation config), or one in Mistral's layouts (a
+    [TOOL_CALLS] list, or [TOOL_CALLS] before each call after a system prompt that reads the date; no
+    generation prompt), none of this project's tool tokens, on
     tasks that allow tool calls: the replicas offer the python tool in every prompt, 3 SAO steps train
     through Serve, the lake and Ray Train, the lake's audit passes, and stored trajectories replay (the
     prompt re-rendered through the template, the reward and the end re-scored). The random model writes
@@ -412,6 +416,7 @@ def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, 
     from sao.train.trajectory_replay import replay_trajectory
     from tests._runs import train_and_audit
     from tests.rollout.test_chat_endpoint import (
+        MISTRAL13_TEMPLATE,
         QWEN25_TEMPLATE,
         glm_style_tokenizer,
         llama_style_tokenizer,
@@ -420,7 +425,8 @@ def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, 
     )
 
     tokenizer = {"qwen2.5": lambda: qwen_style_tokenizer(QWEN25_TEMPLATE), "llama3.2": llama_style_tokenizer,
-                 "glm4.5": glm_style_tokenizer, "mistral": mistral_style_tokenizer}[template]()
+                 "glm4.5": glm_style_tokenizer, "mistral": mistral_style_tokenizer,
+                 "ministral3": lambda: mistral_style_tokenizer(MISTRAL13_TEMPLATE)}[template]()
     model = model_directory(tmp_path, architecture, tokenizer, positions=2048)  # the tools' prompt is long
     if template == "glm4.5":  # its checkpoints end generation at <|user|> and <|observation|> as well
         ends = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
@@ -432,6 +438,8 @@ def test_sao_steps_with_the_built_in_tool_loop_in_a_models_own_format(tmp_path, 
     assert all('"name": "python"' in prompt and "Run Python code in a sandbox" in prompt for prompt in prompts)
     if template == "llama3.2":
         assert all(f"Today Date: {TEMPLATE_CLOCK:%d %b %Y}\n" in prompt for prompt in prompts)
+    if template == "ministral3":
+        assert all(f"Today is {TEMPLATE_CLOCK:%Y-%m-%d}.[/SYSTEM_PROMPT]" in prompt for prompt in prompts)
     lake = Lake.open(config.lake.root)
     for row in rows[:4]:
         report = replay_trajectory(lake, row["trajectory_id"], run_id=config.run_id)

@@ -49,7 +49,10 @@ ANSWER_START, ANSWER_END = "<answer>", "</answer>"
 THINK_END = "</think>"
 """Where a reply's reasoning ends in the templates that open it with ``<think>`` (Qwen3, GLM-4.5 and others)."""
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
-"""The token before a reply's calls in Mistral's layout (:func:`template_tool_calls`)."""
+"""The token before a reply's calls in Mistral's layouts (:func:`template_tool_calls`): before its list,
+or before each call."""
+MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"
+"""The tokens before a call's arguments and before its id in Mistral's per-call layout (:func:`template_tool_calls`)."""
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Tokens that end an assistant turn in common chat templates (ChatML, Llama 3, Phi, Gemma, GPT-2)."""
 # Every special token of the format; the order fixes the ids of our tokenizer (0 .. len - 1).
@@ -257,21 +260,34 @@ def without_turn_end(text: str, ids: Sequence[int], ends: Collection[int],
     return text
 
 
-def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None, *, bare_json: bool = False,
-                        mistral: bool = False, bare_names: bool = False) -> tuple[str, list[dict[str, Any]]] | None:
-    """The tool calls of a reply in a layout that models' own chat templates render calls in: either, with
-    ``mistral`` (a template that renders calls so: :func:`tool_call_layout`), **Mistral's** layout, as the
-    template of Mistral 7B Instruct v0.3 writes it: text, then ``[TOOL_CALLS]`` and one JSON
-    list of ``{"name": ..., "arguments": {...}, "id": ...}`` objects, then nothing (the template renders
-    a call's id, 9 letters and digits, which the model writes too: an ``"id"`` it wrote is kept in the
-    call, an ``"id"`` key beside ``name`` and ``arguments``; vLLM's ``mistral`` parser reads the list
-    so); or, with ``bare_json`` (a template that renders calls so), one **bare JSON** call
-    that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates of Llama 3.1, 3.2
-    and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>`` before it, as vLLM's
-    ``llama3_json`` parser reads them: the templates render the call back without the tag, so the
-    episode splits there; no other key, and nothing but whitespace around it; those templates render
-    one call a reply), or calls that are each a ``<tool_call>...</tool_call>`` block after optional
-    text, holding either
+def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None, *, layout: str | None = None,
+                        bare_names: bool = False) -> tuple[str, list[dict[str, Any]]] | None:
+    """The tool calls of a reply in a layout that models' own chat templates render calls in. ``layout``
+    is :func:`tool_call_layout`'s for the template: three layouts are read only where the template
+    renders calls so, as vLLM reads each only with its model's parser:
+
+    - "mistral": **Mistral's list**, as the templates of Mistral 7B Instruct v0.3 and Mistral Small 3.1
+      write it: text, then ``[TOOL_CALLS]`` and one JSON list of ``{"name": ..., "arguments": {...},
+      "id": ...}`` objects, then nothing (the template renders a call's id, 9 letters and digits, which
+      the model writes too: an ``"id"`` it wrote is kept in the call, an ``"id"`` key beside ``name``
+      and ``arguments``; vLLM's ``mistral`` parser reads the list so);
+    - "mistral_args": **Mistral's calls one by one**, as the templates of its tokenizers from version 11
+      on write them (version 11 with ids: Devstral Small 1.1's and others'; version 13 without: Ministral
+      3's, Devstral 2's): text, then for each call ``[TOOL_CALLS]NAME[ARGS]{...}``, or
+      ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` with the id the model wrote (letters and digits, kept
+      in the call as ``"id"``), then nothing; the text before the first call is kept as it is (those
+      templates render it right before the calls); whitespace around the names, ids and arguments is
+      read (a template renders none: the episode splits there); vLLM's ``mistral`` parser reads the
+      same calls from a version-11 tokenizer;
+    - "bare_json": one **bare JSON** call
+      that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates of Llama 3.1, 3.2
+      and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>`` before it, as vLLM's
+      ``llama3_json`` parser reads them: the templates render the call back without the tag, so the
+      episode splits there; no other key, and nothing but whitespace around it; those templates render
+      one call a reply).
+
+    With any other layout (None, "tagged"), the calls are each a ``<tool_call>...</tool_call>`` block
+    after optional text, holding either
 
     - **Hermes JSON**, as the templates of Qwen2.5, Qwen3, Hermes and others write it:
       ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (whitespace around the JSON);
@@ -299,12 +315,15 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
 
     Only blocks that begin as a call of one of these layouts count (``<tool_call>`` named in a reply's
     reasoning is text). Returns the text before the first call (the newlines that end it stripped:
-    templates put them between the text and the first call) and the calls as ``{"name", "arguments"}``;
+    templates put them between the text and the first call; in Mistral's layouts the text as it is, or
+    less its trailing whitespace before a list) and the calls as ``{"name", "arguments"}``;
     None when the text holds no call, or a block is not a whole call (the reply is then plain text, as
     vLLM's parsers leave it)."""
-    if mistral:
+    if layout == "mistral":
         return _mistral_calls(text)
-    call = _json_call(text) if bare_json else None
+    if layout == "mistral_args":
+        return _mistral_args_calls(text)
+    call = _json_call(text) if layout == "bare_json" else None
     if call is not None:  # the whole reply (a <tool_call> inside its strings is its own)
         return "", [call]
     offered = {name for name in (_offered_name(tool) for tool in tools or ()) if name} if bare_names else set()
@@ -328,7 +347,7 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
 
 
 def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
-    """``text`` as a reply in Mistral's layout (:func:`template_tool_calls`), else None."""
+    """``text`` as a reply in Mistral's list layout (:func:`template_tool_calls`), else None."""
     head, marker, rest = text.partition(MISTRAL_TOOL_CALLS)
     try:
         listed = json.loads(rest) if marker else None
@@ -344,6 +363,33 @@ def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
         calls.append({"name": item["name"], "arguments": item.get("arguments", {})}
                      | ({"id": item["id"]} if "id" in item else {}))
     return head.rstrip(), calls
+
+
+def _mistral_args_span(text: str, at: int) -> tuple[list[dict[str, Any]], int] | None:
+    """The calls in Mistral's per-call layout that begin at ``at`` of ``text``, one after another (whitespace
+    between them), and where the last one ends; None when no whole call begins there."""
+    calls: list[dict[str, Any]] = []
+    decoder = json.JSONDecoder()
+    while (start := _MISTRAL_CALL.match(text, at)) is not None:
+        try:
+            arguments, end = decoder.raw_decode(text, start.end())
+        except (ValueError, RecursionError):  # not JSON, cut off, or nested past the parser's depth
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        calls.append({"name": start.group(1), "arguments": arguments}
+                     | ({"id": start.group(2)} if start.group(2) else {}))
+        at = len(text) - len(text[end:].lstrip())
+    return (calls, len(text[:at].rstrip())) if calls else None
+
+
+def _mistral_args_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
+    """``text`` as a reply in Mistral's per-call layout (:func:`template_tool_calls`), else None."""
+    at = text.find(MISTRAL_TOOL_CALLS)
+    read = _mistral_args_span(text, at) if at >= 0 else None
+    if read is None or text[read[1]:].strip():
+        return None
+    return text[:at], read[0]
 
 
 def _hermes_call(block: str) -> dict[str, Any] | None:
@@ -403,6 +449,9 @@ def _json_call(text: str) -> dict[str, Any] | None:
 
 
 _NAME = r"[A-Za-z_][\w.\-]*"
+_MISTRAL_CALL = re.compile(re.escape(MISTRAL_TOOL_CALLS) + rf"\s*({_NAME})\s*(?:" + re.escape(MISTRAL_CALL_ID)
+                           + r"\s*([A-Za-z0-9]+)\s*)?" + re.escape(MISTRAL_ARGS) + r"\s*")
+"""A call's start in Mistral's per-call layout: ``[TOOL_CALLS]``, its name, an id and ``[ARGS]``."""
 _CALL_BEGINS = (r"\s*(?:\{|<function=)|[ \t]*" + _NAME + r"(?:[ \t]*\n\s*" + re.escape(TOOL_CALL_END)
                 + r"|\s*<arg_key>)")
 _TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + f"(?={_CALL_BEGINS})(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
@@ -475,7 +524,8 @@ def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt and
     renders an assistant's tool call in a layout that :func:`template_tool_calls` reads back (Hermes
     JSON: Qwen2.5, Qwen3, Hermes and others; XML: Qwen3.5 and later; key-value lines: GLM-4.5; one
-    bare JSON call: Llama 3.1 to 3.3; a ``[TOOL_CALLS]`` list: Mistral 7B Instruct v0.3), and the tool's result
+    bare JSON call: Llama 3.1 to 3.3; a ``[TOOL_CALLS]`` list: Mistral 7B Instruct v0.3 and Mistral Small 3.1;
+    ``[TOOL_CALLS]`` before each call: Mistral's templates from tokenizer version 11 on), and the tool's result
     after it, with the reply rendered as it follows the generation prompt it was sampled after (Nemotron
     3's opens a thinking block there that its rendering of a reply drops: every episode would split): a
     model whose template does can run the built-in tool loop in its own format (:mod:`sao.rollout.env_agent`). Renders one probe conversation; loads nothing. Why not:
@@ -492,10 +542,12 @@ def tool_calls_problem(tokenizer: PreTrainedTokenizerBase) -> str | None:
 def tool_call_layout(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The layout the tokenizer's chat template renders a tool call in, when it can run the built-in tool
     loop (:func:`renders_tool_calls`): "tagged" (``<tool_call>`` blocks: Hermes JSON, XML, GLM-4.5's),
-    "bare_json" (one bare JSON object that is the whole reply: Llama 3.1-3.3's) or "mistral" (a
-    ``[TOOL_CALLS]`` list: Mistral's); None when it cannot. :func:`template_tool_calls` reads the last
-    two only for a template that renders calls so (``bare_json``, ``mistral``): with any other such a
-    reply is text, as vLLM's parser for that template's layout leaves it."""
+    "bare_json" (one bare JSON object that is the whole reply: Llama 3.1-3.3's), "mistral" (a
+    ``[TOOL_CALLS]`` list: Mistral 7B Instruct v0.3's and Mistral Small 3.1's) or "mistral_args"
+    (``[TOOL_CALLS]NAME[ARGS]{...}`` for each call, an id between them or not: Mistral's templates from
+    tokenizer version 11 on); None when it cannot. :func:`template_tool_calls` reads the last three only
+    for a template that renders calls so: with any other such a reply is text, as vLLM's parser for that
+    template's layout leaves it."""
     problem, layout = _probe(tokenizer)
     return layout if problem is None else None
 
@@ -556,7 +608,7 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
     call = {"name": "python", "arguments": {"code": code}}
     found = next(((span, "tagged") for span in _tagged_calls(text, call, [tool])), None)
     if found is None and text.startswith(prompt):
-        found = next(((span, layout) for layout in ("bare_json", "mistral")
+        found = next(((span, layout) for layout in ("bare_json", "mistral", "mistral_args")
                       if (span := _reply_call(text, len(prompt), call, tokenizer, layout)) is not None), None)
     if found is None:
         return ('it does not render tool calls in a layout the loop reads: Hermes JSON (<tool_call>{"name": ..., '
@@ -564,7 +616,8 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
                 "<function=...><parameter=...>...</parameter></function></tool_call>, as Qwen3.5's does), "
                 "GLM-4.5's (<tool_call>NAME\\n<arg_key>...</arg_key>\\n<arg_value>...</arg_value></tool_call>), a "
                 'reply that is one bare JSON call ({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s are) or '
-                'Mistral\'s ([TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}])'), None
+                'Mistral\'s ([TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}], or [TOOL_CALLS]NAME[ARGS]{...} '
+                "for each call)"), None
     (start, end), layout = found
     if described not in text[:start]:
         return "it does not write the tools it is given into the prompt", layout
@@ -590,24 +643,31 @@ def _tagged_calls(text: str, call: dict[str, Any], tools: list[dict[str, Any]]) 
 def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedTokenizerBase,
                 layout: str) -> tuple[int, int] | None:
     """(start, end) of ``call`` as the whole reply rendered at ``at`` (after the generation prompt) in
-    ``layout``: one bare JSON object ("bare_json"), or ``[TOOL_CALLS]`` and a list of the call, with the
-    probe's id or none ("mistral"); whitespace before it, and a special token of the tokenizer (the end of the
-    turn) after it; None otherwise (a call in a list or behind a tag of the template's own is no reply
-    the bare JSON layout reads)."""
+    ``layout``: one bare JSON object ("bare_json"), ``[TOOL_CALLS]`` and a list of the call ("mistral"),
+    or ``[TOOL_CALLS]`` and the call ("mistral_args"), with the probe's id or none; whitespace before
+    it, and a special token of the tokenizer (the end of the turn) after it; None otherwise (a call in a
+    list or behind a tag of the template's own is no reply the bare JSON layout reads)."""
     start = len(text) - len(text[at:].lstrip())
-    begin = start
-    if layout == "mistral":
-        if not text.startswith(MISTRAL_TOOL_CALLS, start):
+    if layout == "mistral_args":
+        read = _mistral_args_span(text, start)
+        if read is None:
             return None
-        begin = len(text) - len(text[start + len(MISTRAL_TOOL_CALLS):].lstrip())
-    try:
-        _, end = json.JSONDecoder().raw_decode(text, begin)
-    except (ValueError, RecursionError):
-        return None
+        calls, end = read
+    else:
+        begin = start
+        if layout == "mistral":
+            if not text.startswith(MISTRAL_TOOL_CALLS, start):
+                return None
+            begin = len(text) - len(text[start + len(MISTRAL_TOOL_CALLS):].lstrip())
+        try:
+            _, end = json.JSONDecoder().raw_decode(text, begin)
+        except (ValueError, RecursionError):
+            return None
+        calls = ([_json_call(text[start:end])] if layout == "bare_json"
+                 else (_mistral_calls(text[start:end]) or ("", None))[1])
     rest = text[end:].lstrip()
     specials = [token for token in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if token]
-    read = (_json_call(text[start:end]) == call if layout == "bare_json"
-            else _mistral_calls(text[start:end]) in (("", [call]), ("", [call | {"id": _PROBE_ID}])))
+    read = calls == [call] if layout == "bare_json" else calls in ([call], [call | {"id": _PROBE_ID}])
     if not read or not any(rest.startswith(token) for token in specials):
         return None
     return start, end
@@ -615,8 +675,9 @@ def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedT
 
 def outside_tool_calls(text: str) -> str:
     """``text`` without its ``<tool_call>...</tool_call>`` blocks; "" for a reply that is one bare JSON
-    call, or ``[TOOL_CALLS]`` and its list (:func:`template_tool_calls`)."""
-    if _json_call(text) is not None or (text.lstrip().startswith(MISTRAL_TOOL_CALLS) and _mistral_calls(text)):
+    call, or ``[TOOL_CALLS]`` and its list, or calls each after ``[TOOL_CALLS]`` (:func:`template_tool_calls`)."""
+    if _json_call(text) is not None or (text.lstrip().startswith(MISTRAL_TOOL_CALLS)
+                                        and (_mistral_calls(text) or _mistral_args_calls(text))):
         return ""
     return _TOOL_CALL.sub("", text)
 

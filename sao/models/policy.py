@@ -339,7 +339,7 @@ def check_model_directory(path: str | Path, *, need_tools: bool = False, own_for
         raise ModelDirectoryError(
             f"model.path {path}: the tokenizer lacks the tool-call tokens of this project's chat format "
             "(<tool_call>, <answer>, ...) that the built-in math_tool task is written in: give your tasks in "
-            "data.train (a model whose chat template renders tool calls in the Hermes JSON, XML, GLM-4.5, bare JSON or Mistral layout "
+            "data.train (a model whose chat template renders tool calls in the Hermes JSON, XML, GLM-4.5, bare JSON or a Mistral layout "
             "calls the tool in its own format there), or set env.max_tool_calls: 0 with them for single-turn")
     problem = tool_calls_problem(tokenizer) if need_tools and not tokens.supports_tools else None
     if problem is not None:

@@ -50,9 +50,11 @@ Qwen3-Coder, Nemotron 3: ``<tool_call><function=...><parameter=...>``), GLM-4.5'
 a call without arguments as ``<tool_call>NAME</tool_call>``, as GLM-4.7's does, that too, NAME an offered
 tool) or, with a
 template that renders calls so, a reply that is one bare JSON call (``{"name": ..., "parameters": ...}``: Llama 3.1 to
-3.3's) or a ``[TOOL_CALLS]`` list (Mistral's: a call keeps the id its model wrote, which the template
-renders; an agent that sends back other ids has them rendered, and Mistral 7B Instruct v0.3's template
-refuses one that is not 9 characters long: the call is answered 400) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
+3.3's), a ``[TOOL_CALLS]`` list (Mistral 7B Instruct v0.3's and Mistral Small 3.1's) or calls each after
+``[TOOL_CALLS]`` (``NAME[ARGS]{...}``, an id before ``[ARGS]`` or not: Mistral's templates from tokenizer
+version 11 on) (in Mistral's layouts a call keeps the id its model wrote, which the template renders; an
+agent that sends back other ids has them rendered, and Mistral's templates refuse one that is not 9
+characters long: the call is answered 400) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
 offered tool's schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its
 content (a call's id is derived from the episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
 back, such a reply extends the record when the template renders it as it was sampled (the template's
@@ -352,12 +354,18 @@ def call_id(key: str, index: int) -> str:
     return f"call_{hashlib.sha256(f'{key}/{index}'.encode()).hexdigest()[:24]}"
 
 
-def _calling(content: str, calls: list[dict[str, Any]], key: str, mistral: bool = False) -> tuple[Message, str]:
+MISTRAL_LAYOUTS = frozenset({"mistral", "mistral_args"})
+"""Mistral's tool-call layouts (:func:`sao.models.chat.tool_call_layout`), whose templates render a call's
+id of 9 characters."""
+
+
+def _calling(content: str, calls: list[dict[str, Any]], key: str, layout: str | None = None) -> tuple[Message, str]:
     """The assistant message that calls ``calls`` (``{"name", "arguments"}`` each, ids from ``key``:
-    :func:`call_id`) after ``content``, and its finish reason. In Mistral's layout (``mistral``) a call
+    :func:`call_id`) after ``content``, and its finish reason. In Mistral's layouts (``layout``) a call
     keeps the ``"id"`` its model wrote, when the template can render it back as written (9 characters,
-    as Mistral 7B Instruct v0.3's requires, none that JSON escapes) and no earlier call of the reply has
+    as Mistral's templates require, none that JSON escapes) and no earlier call of the reply has
     it (a result answers its call by id); else it gets the last 9 characters of :func:`call_id`'s."""
+    mistral = layout in MISTRAL_LAYOUTS
     ids: list[str] = []
     for k, call in enumerate(calls):
         written = call.get("id") if mistral else None
@@ -393,8 +401,8 @@ class ChatRendering:
     def layout(self) -> str | None:
         """The layout the template renders a tool call in (:func:`sao.models.chat.tool_call_layout`, which
         renders a probe conversation: asked once); None with this project's format. A reply that is one
-        bare JSON call, or a ``[TOOL_CALLS]`` list, is a call only where the template renders calls so
-        (Llama 3's, Mistral's)."""
+        bare JSON call, or a ``[TOOL_CALLS]`` list or calls each after ``[TOOL_CALLS]``, is a call only
+        where the template renders calls so (Llama 3's, Mistral's)."""
         return None if self.tokens.supports_tools else tool_call_layout(self.tokenizer)
 
     @functools.cached_property
@@ -463,9 +471,9 @@ class ChatRendering:
         """The assistant message of sampled ``ids`` and its OpenAI finish reason: with this project's
         chat format, a ``<tool_call>`` that ends the reply is a ``python`` call; with a model's own format
         and ``tools`` in the request, the calls in a reply that stopped, in the Hermes JSON, the XML,
-        GLM-4.5's or (with a template that renders calls so) the bare JSON or Mistral's layout, are its
+        GLM-4.5's or (with a template that renders calls so) the bare JSON or one of Mistral's layouts, are its
         tool calls (:func:`sao.models.chat.template_tool_calls`; an XML or GLM-4.5 call's arguments typed
-        by the offered tool's schema), with ids from ``key`` (:func:`call_id`; in Mistral's layout the id
+        by the offered tool's schema), with ids from ``key`` (:func:`call_id`; in Mistral's layouts the id
         its model wrote: :func:`_calling`)."""
         text = self.decode(ids)
         last = ids[-1] if ids else None
@@ -475,18 +483,17 @@ class ChatRendering:
         ends = set(self.tokens.end_ids) | ({self.tokens.im_end_id} if self.tokens.im_end_id is not None else set())
         if finish is FinishReason.STOP and last not in stop_ids:
             text = without_turn_end(text, ids, ends, self.tokenizer)
-            mistral = self.layout == "mistral"
-            parsed = (template_tool_calls(text, tools, bare_json=self.layout == "bare_json", mistral=mistral,
-                                          bare_names=self.bare_names)
+            parsed = (template_tool_calls(text, tools, layout=self.layout, bare_names=self.bare_names)
                       if tools and not self.tokens.supports_tools else None)
             if parsed is not None:
                 if outside_tool_calls(text[len(parsed[0]):]).strip():
                     log.info("reply %s: text between or after its tool calls is not in its message (an OpenAI "
                              "message holds text before its calls only); sent back, the episode splits there", key)
-                if mistral and parsed[0].strip():
-                    log.info("reply %s: Mistral's templates render a message that calls tools without its text; "
-                             "sent back, the episode splits there", key)
-                return _calling(*parsed, key, mistral=mistral)
+                if self.layout == "mistral" and parsed[0].strip():
+                    log.info("reply %s: the templates that render Mistral's [TOOL_CALLS] list (Mistral 7B Instruct "
+                             "v0.3's, Mistral Small 3.1's) render a message that calls tools without its text; sent "
+                             "back, the episode splits there", key)
+                return _calling(*parsed, key, layout=self.layout)
         return {"role": "assistant", "content": text}, "stop" if finish is FinishReason.STOP else "length"
 
 

@@ -18,7 +18,8 @@ the same ends (the environment's ``stop`` and ``turns``; the endpoint's ``length
 renders tool calls in a layout the loop reads (:func:`sao.models.chat.renders_tool_calls`: Hermes JSON,
 as Qwen2.5, Qwen3 and others write it; XML, as Qwen3.5 and later do; key-value lines, as GLM-4.5's
 does; one bare JSON call a reply, as Llama 3.1 to 3.3 do; a ``[TOOL_CALLS]`` list, as Mistral 7B Instruct
-v0.3's does, each call with an id its model writes) and the environment allows tool
+v0.3's and Mistral Small 3.1's do, or ``[TOOL_CALLS]`` before each call, as Mistral's templates from
+tokenizer version 11 on do, each call with an id its model writes where the template renders one) and the environment allows tool
 calls (``max_tool_calls`` > 0): every request offers the one tool :func:`python_tool` (``python``,
 argument ``code``; the template writes it into the prompt), each ``python`` call of a reply is one
 environment step (several calls in a reply run in order), and each result goes back as a ``tool``

@@ -278,7 +278,7 @@ def test_template_tool_calls_of_a_template_that_renders_bare_json_calls(text, ex
     with any other, it is text."""
     from sao.models.chat import template_tool_calls
 
-    assert template_tool_calls(text, bare_json=True) == expected
+    assert template_tool_calls(text, layout="bare_json") == expected
     assert template_tool_calls(text) is None
 
 
@@ -305,8 +305,40 @@ def test_template_tool_calls_of_a_template_that_renders_mistrals_calls(text, exp
     an id the model wrote kept; with any other, it is text."""
     from sao.models.chat import outside_tool_calls, template_tool_calls
 
-    assert template_tool_calls(text, mistral=True) == expected
+    assert template_tool_calls(text, layout="mistral") == expected
     assert template_tool_calls(text) is None
+    if expected is not None:  # the chat endpoint's check for text after the calls finds none
+        assert outside_tool_calls(text[len(expected[0]):]) == ""
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[TOOL_CALLS]add[ARGS]{"a": 2}', ("", [{"name": "add", "arguments": {"a": 2}}])),  # as version 13 renders it
+    ('[TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{"a": 2}',  # version 11: the id the model wrote
+     ("", [{"name": "add", "arguments": {"a": 2}, "id": "a1b2c3d4e"}])),
+    ('Adding. [TOOL_CALLS]add[ARGS]{}[TOOL_CALLS]f.g[ARGS]{"s": "[TOOL_CALLS]x[ARGS]{}"}\n',  # text before: as it is
+     ("Adding. ", [{"name": "add", "arguments": {}}, {"name": "f.g", "arguments": {"s": "[TOOL_CALLS]x[ARGS]{}"}}])),
+    ('[TOOL_CALLS] add [ARGS] {"a": 2} [TOOL_CALLS]f[ARGS]{}', ("", [{"name": "add", "arguments": {"a": 2}},
+                                                                  {"name": "f", "arguments": {}}])),  # whitespace
+    ('[TOOL_CALLS]add[ARGS]{} done', None),  # text after: text
+    ('[TOOL_CALLS]add{"a": 2}', None),  # no [ARGS]
+    ('[TOOL_CALLS]add[ARGS]"{}"', None),  # arguments not an object
+    ('[TOOL_CALLS]add[ARGS]{"a": 2', None),  # cut off
+    ('[TOOL_CALLS]two words[ARGS]{}', None),  # not a name
+    ('[TOOL_CALLS]add[CALL_ID]a-b[ARGS]{}', None),  # an id of other characters
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {}}]', None),  # the list layout
+    ('add[ARGS]{}', None),  # no [TOOL_CALLS]
+], ids=["version 13", "version 11", "after text", "whitespace", "before text", "no args token", "string arguments",
+        "cut off", "not a name", "other id", "list", "no marker"])
+def test_template_tool_calls_of_a_template_that_renders_mistrals_calls_one_by_one(text, expected):
+    """With a template that renders each call as [TOOL_CALLS]NAME[ARGS]{...} (Mistral's from tokenizer
+    version 11 on, an id between them or not), such a reply is its calls, an id the model wrote kept; with
+    any other, it is text."""
+    from sao.models.chat import outside_tool_calls, template_tool_calls
+
+    assert template_tool_calls(text, layout="mistral_args") == expected
+    assert template_tool_calls(text) is None
+    if "[ARGS]" in text:  # no list either
+        assert template_tool_calls(text, layout="mistral") is None
     if expected is not None:  # the chat endpoint's check for text after the calls finds none
         assert outside_tool_calls(text[len(expected[0]):]) == ""
 
@@ -369,8 +401,9 @@ def test_a_reply_nested_past_the_json_parsers_depth_is_text():
 
     deep = "[" * 5000
     assert template_tool_calls(f"<tool_call>{{\"name\": \"f\", \"arguments\": {{\"a\": {deep}}}}}</tool_call>") is None
-    assert template_tool_calls(f'{{"name": "f", "parameters": {{"a": {deep}}}}}', bare_json=True) is None
-    assert template_tool_calls(f"[TOOL_CALLS] {deep}", mistral=True) is None
+    assert template_tool_calls(f'{{"name": "f", "parameters": {{"a": {deep}}}}}', layout="bare_json") is None
+    assert template_tool_calls(f"[TOOL_CALLS] {deep}", layout="mistral") is None
+    assert template_tool_calls(f"[TOOL_CALLS]f[ARGS]{{\"a\": {deep}", layout="mistral_args") is None
     assert template_tool_calls(xml_call("f", a=deep), TYPED)[1] == [{"name": "f", "arguments": {"a": deep}}]  # as text
     assert outside_tool_calls(f"[TOOL_CALLS] {deep}") == f"[TOOL_CALLS] {deep}"
 
@@ -499,12 +532,14 @@ def test_only_a_template_whose_reply_is_the_bare_json_call_reads_bare_json():
 
 
 def test_the_layout_of_a_templates_calls_is_told_by_the_probe():
-    """Each template renders the probe's call in its layout; Mistral's list is read with or without the
-    probe's id (a template that renders none), and a template that refuses the probe's conversation has
-    no layout the loop reads."""
+    """Each template renders the probe's call in its layout; Mistral's list, and its calls one by one, are
+    read with or without the probe's id (a template that renders none), and a template that refuses the
+    probe's conversation, or renders text after the call, has no layout the loop reads."""
     from sao.models.chat import tool_call_layout
     from tests.rollout.test_chat_endpoint import (
         LLAMA32_TEMPLATE,
+        MISTRAL11_TEMPLATE,
+        MISTRAL13_TEMPLATE,
         MISTRAL_TEMPLATE,
         QWEN_STYLE,
         glm_style_tokenizer,
@@ -521,6 +556,10 @@ def test_the_layout_of_a_templates_calls_is_told_by_the_probe():
     assert idless != MISTRAL_TEMPLATE and tool_call_layout(mistral_style_tokenizer(idless)) == "mistral"
     longer = MISTRAL_TEMPLATE.replace("tool_call.id | length != 9", "tool_call.id | length != 12")
     assert longer != MISTRAL_TEMPLATE and tool_call_layout(mistral_style_tokenizer(longer)) is None
+    assert tool_call_layout(mistral_style_tokenizer(MISTRAL11_TEMPLATE)) == "mistral_args"  # with the probe's id
+    assert tool_call_layout(mistral_style_tokenizer(MISTRAL13_TEMPLATE)) == "mistral_args"  # without
+    spaced = MISTRAL13_TEMPLATE.replace('"[ARGS]" + arguments', '"[ARGS]" + arguments + " ok"')
+    assert spaced != MISTRAL13_TEMPLATE and tool_call_layout(mistral_style_tokenizer(spaced)) is None  # text after
 
 
 def test_what_keeps_a_template_from_the_tool_loop_is_said_in_words():

@@ -413,11 +413,21 @@ MISTRAL_TEMPLATE = (TEMPLATES / "mistral_v3.jinja").read_text()
 the last user turn, a call as ``[TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}]`` with ids of 9
 characters (another length is refused, as Mistral's templates refuse it), a result as ``[TOOL_RESULTS]
 {"content": ..., "call_id": ...}[/TOOL_RESULTS]``, no generation prompt."""
+MISTRAL11_TEMPLATE = (TEMPLATES / "mistral_v11.jinja").read_text()
+"""Mistral's layout of tokenizer version 11 (Devstral Small 1.1's template and others'), written for these
+tests: a system prompt that reads the date, the tools after it, the text and then each call as
+``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` with an id of 9 characters, a result as
+``[TOOL_RESULTS]ID[TOOL_CONTENT]...[/TOOL_RESULTS]``, no generation prompt."""
+MISTRAL13_TEMPLATE = (TEMPLATES / "mistral_v13.jinja").read_text()
+"""The same layout as tokenizer version 13 has it (Ministral 3's, Devstral 2's templates): calls as
+``[TOOL_CALLS]NAME[ARGS]{...}`` without ids, a result as ``[TOOL_RESULTS]...[/TOOL_RESULTS]``."""
+MISTRAL_TEMPLATES = (MISTRAL_TEMPLATE, MISTRAL11_TEMPLATE, MISTRAL13_TEMPLATE)
 
 
 def mistral_style_tokenizer(chat_template: str = MISTRAL_TEMPLATE):
-    """A byte-level BPE tokenizer with Mistral's instruction and tool tokens and ``chat_template`` (its
-    EOS ``</s>``, which ends a turn that calls as well); none of this project's tokens."""
+    """A byte-level BPE tokenizer with Mistral's instruction, system-prompt and tool tokens (those of its
+    tokenizer versions 3 to 13) and ``chat_template`` (its EOS ``</s>``, which ends a turn that calls as
+    well); none of this project's tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -425,7 +435,8 @@ def mistral_style_tokenizer(chat_template: str = MISTRAL_TEMPLATE):
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-                "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+                "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]", "[CALL_ID]",
+                "[TOOL_CONTENT]"]
     backend.train_from_iterator(['{"name": "python", "arguments": {"code": "print(2)"}, "id": "a1"} The sum is 5.'],
                                 trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
@@ -476,13 +487,13 @@ def answering_agent(tools, result, seen):
     return agent
 
 
-@pytest.mark.parametrize("layout", ["xml", "glm", "json", "mistral"])
+@pytest.mark.parametrize("layout", ["xml", "glm", "json", "mistral", "mistral11", "mistral13"])
 def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layout):
     """With Qwen3.5's template (XML), GLM-4.5's (key-value lines), Llama 3.2's (one bare JSON call) or
-    Mistral's (a [TOOL_CALLS] list, the call's id the one its model wrote), a reply's call is an OpenAI
-    tool call whose arguments have the types of the offered tool's schema (numbers here: written as
-    text by the first two layouts); sent back with the tool's result, the template renders it as
-    sampled: one trajectory."""
+    Mistral's (a [TOOL_CALLS] list, or [TOOL_CALLS] before each call: the call's id the one its model
+    wrote, where the template renders ids), a reply's call is an OpenAI tool call whose arguments have
+    the types of the offered tool's schema (numbers here: written as text by the first two layouts);
+    sent back with the tool's result, the template renders it as sampled: one trajectory."""
     from tests.models.test_chat import xml_call
 
     if layout == "xml":
@@ -495,9 +506,15 @@ def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layou
     elif layout == "json":
         tokenizer, end = llama_style_tokenizer(), "<|eot_id|>"
         call = '{"name": "add", "parameters": {"a": 2, "b": 3.5}}' + end
-    else:
+    elif layout == "mistral":
         tokenizer, end = mistral_style_tokenizer(), "</s>"
         call = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3.5}, "id": "Xy7abc123"}]' + end
+    elif layout == "mistral11":
+        tokenizer, end = mistral_style_tokenizer(MISTRAL11_TEMPLATE), "</s>"
+        call = '[TOOL_CALLS]add[CALL_ID]Xy7abc123[ARGS]{"a": 2, "b": 3.5}' + end
+    else:
+        tokenizer, end = mistral_style_tokenizer(MISTRAL13_TEMPLATE), "</s>"
+        call = '[TOOL_CALLS]add[ARGS]{"a": 2, "b": 3.5}' + end
     engine = ScriptedEngine(tokenizer, [call, "The sum is 5.5." + end])
     seen = []
     (record,), _ = episode(engine, tokenizer, answering_agent([ADD], "5.5", seen))
@@ -505,7 +522,7 @@ def test_a_models_own_tool_calls_reach_the_agent_typed_by_the_tools_schema(layou
     assert finish == "tool_calls" and tool_calls[0].function.name == "add"
     arguments = json.loads(tool_calls[0].function.arguments)
     assert arguments == {"a": 2, "b": 3.5} and type(arguments["a"]) is int
-    assert (tool_calls[0].id == "Xy7abc123") is (layout == "mistral")
+    assert (tool_calls[0].id == "Xy7abc123") is (layout in ("mistral", "mistral11"))
     assert [s.kind for s in record.segments] == ["action", "observation", "action"]
     assert tokenizer.decode(list(record.completion_ids[:record.segments[0].end])) == call
 

@@ -23,7 +23,10 @@ from tests.rollout.test_chat_endpoint import (
     LLAMA31_TEMPLATE,
     LLAMA32_TEMPLATE,
     LLAMA_TEMPLATES,
+    MISTRAL11_TEMPLATE,
+    MISTRAL13_TEMPLATE,
     MISTRAL_TEMPLATE,
+    MISTRAL_TEMPLATES,
     QWEN3_TEMPLATE,
     QWEN25_TEMPLATE,
     QWEN_STYLE,
@@ -117,7 +120,7 @@ def own_format_episode(replies, options=OWN_OPTIONS, config=None, template=QWEN_
 
     tokenizer = tokenizer or (llama_style_tokenizer(template) if template in LLAMA_TEMPLATES
                               else glm_style_tokenizer(template) if template in (GLM45_TEMPLATE, GLM47_STYLE)
-                              else mistral_style_tokenizer(template) if template == MISTRAL_TEMPLATE
+                              else mistral_style_tokenizer(template) if template in MISTRAL_TEMPLATES
                               else qwen_style_tokenizer(template))
     engine = ScriptedEngine(tokenizer, replies)
     tools = concurrent.futures.ThreadPoolExecutor(2)
@@ -160,10 +163,14 @@ def calls(template, *called):
     """A reply that makes the calls ``called`` ((name, arguments) each) in ``template``'s layout, as its
     model samples them (Hermes JSON, XML for Qwen3.5's, one bare JSON call for Llama's, key-value lines
     after an empty thinking block for GLM-4.5's, the same on one line for the GLM-4.7-style one, a ``[TOOL_CALLS]`` list with ids of 9 characters for
-    Mistral's), then ends its turn."""
+    Mistral's, ``[TOOL_CALLS]`` before each call for Mistral's later ones, with such ids where the template
+    renders them), then ends its turn."""
     if template == MISTRAL_TEMPLATE:
         listed = [{"name": name, "arguments": arguments, "id": f"call{k:05d}"} for k, (name, arguments) in enumerate(called)]
         return "[TOOL_CALLS] " + json.dumps(listed) + "</s>"
+    if template in MISTRAL_TEMPLATES:
+        return "".join(f"[TOOL_CALLS]{name}" + (f"[CALL_ID]call{k:05d}" if template == MISTRAL11_TEMPLATE else "")
+                       + f"[ARGS]{json.dumps(arguments)}" for k, (name, arguments) in enumerate(called)) + "</s>"
     if template == GLM47_STYLE:  # each call on one line
         return "\n<think></think>" + "".join(
             f"\n<tool_call>{name}" + "".join(f"<arg_key>{key}</arg_key><arg_value>{value}</arg_value>"
@@ -190,15 +197,17 @@ def python(code):
 def final(template, text):
     """A final reply ``text`` that ends its turn as ``template``'s model does."""
     return text + ("<|eot_id|>" if template in LLAMA_TEMPLATES else "<|user|>" if template in (GLM45_TEMPLATE, GLM47_STYLE)
-                   else "</s>" if template == MISTRAL_TEMPLATE else "<|im_end|>")
+                   else "</s>" if template in MISTRAL_TEMPLATES else "<|im_end|>")
 
 
 ALL_TEMPLATES = pytest.mark.parametrize(
     "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, GLM45_TEMPLATE, GLM47_STYLE,
-                 LLAMA31_TEMPLATE, LLAMA32_TEMPLATE, MISTRAL_TEMPLATE],
-    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5", "glm4.7-style", "llama3.1", "llama3.2", "mistral"])
+                 LLAMA31_TEMPLATE, LLAMA32_TEMPLATE, *MISTRAL_TEMPLATES],
+    ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5", "glm4.7-style", "llama3.1", "llama3.2", "mistral",
+         "mistral11", "mistral13"])
 """The templates of :data:`OWN_TEMPLATES`, GLM-4.5's and a GLM-4.7-style one (each call on one line),
-Llama 3.1's and 3.2's (which render one call a reply) and Mistral's."""
+Llama 3.1's and 3.2's (which render one call a reply) and Mistral's (its list; its calls one by one, with
+ids and without)."""
 
 
 @OWN_TEMPLATES
@@ -490,6 +499,28 @@ def test_mistrals_calls_run_the_built_in_tool_loop_as_one_trajectory():
     assert texts[0].endswith(', "call_id": "call00000"}[/TOOL_RESULTS]')
     assert texts[1] == ('[TOOL_RESULTS] {"content": 2, "call_id": "call00000"}[/TOOL_RESULTS][TOOL_RESULTS] '
                         '{"content": [/TOOL_RESULTS]5, "call_id": "call00001"}[/TOOL_RESULTS]')
+    closing = tokenizer.convert_tokens_to_ids("[/TOOL_RESULTS]")
+    assert observations[1].count(closing) == 2  # the template's own; the printed one is text
+
+
+@pytest.mark.parametrize("template", [MISTRAL11_TEMPLATE, MISTRAL13_TEMPLATE], ids=["mistral11", "mistral13"])
+def test_mistrals_calls_one_by_one_run_the_built_in_tool_loop_as_one_trajectory(template):
+    """Mistral's later templates write a system prompt that reads the date and the tools after it, and
+    render each call after ``[TOOL_CALLS]``, its id before ``[ARGS]`` or none, each result after its
+    call's id or alone: an unknown tool is answered without a step, two python calls in one reply run
+    in order (a result that prints the closing tag is text), and the reply is scored: one trajectory,
+    and the replay renders the same observations."""
+    from sao.models.chat import TEMPLATE_CLOCK
+
+    two = calls(template, python("print(2)"), python("print('[/TOOL_RESULTS]' + str(price('pen') - 115))"))
+    prompt, observations, tokenizer = unknown_then(template, two)
+    assert prompt.startswith(f"<s>[SYSTEM_PROMPT]You are a helpful assistant. Today is {TEMPLATE_CLOCK:%Y-%m-%d}."
+                             "[/SYSTEM_PROMPT][AVAILABLE_TOOLS]") and '"name": "python"' in prompt
+    assert prompt.endswith("[INST]What is 2 + 3?[/INST]")
+    texts = [tokenizer.decode(ids) for ids in observations]
+    ids = ("call00000[TOOL_CONTENT]", "call00001[TOOL_CONTENT]") if template == MISTRAL11_TEMPLATE else ("", "")
+    assert texts[0].startswith(f"[TOOL_RESULTS]{ids[0]}error: no tool 'add'") and texts[0].endswith("[/TOOL_RESULTS]")
+    assert texts[1] == f"[TOOL_RESULTS]{ids[0]}2[/TOOL_RESULTS][TOOL_RESULTS]{ids[1]}[/TOOL_RESULTS]5[/TOOL_RESULTS]"
     closing = tokenizer.convert_tokens_to_ids("[/TOOL_RESULTS]")
     assert observations[1].count(closing) == 2  # the template's own; the printed one is text
 
