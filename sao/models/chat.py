@@ -53,6 +53,8 @@ MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 or before each call."""
 MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"
 """The tokens before a call's arguments and before its id in Mistral's per-call layout (:func:`template_tool_calls`)."""
+MISTRAL_THINK_END = "[/THINK]"
+"""Where a reply's reasoning ends in Mistral's reasoning models (Magistral's, Ministral 3's): its calls come after."""
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Tokens that end an assistant turn in common chat templates (ChatML, Llama 3, Phi, Gemma, GPT-2)."""
 # Every special token of the format; the order fixes the ids of our tokenizer (0 .. len - 1).
@@ -274,11 +276,14 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     - "mistral_args": **Mistral's calls one by one**, as the templates of its tokenizers from version 11
       on write them (version 11 with ids: Devstral Small 1.1's and others'; version 13 without: Ministral
       3's, Devstral 2's): text, then for each call ``[TOOL_CALLS]NAME[ARGS]{...}``, or
-      ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` with the id the model wrote (letters and digits, kept
-      in the call as ``"id"``), then nothing; the text before the first call is kept as it is (those
-      templates render it right before the calls); whitespace around the names, ids and arguments is
-      read (a template renders none: the episode splits there); vLLM's ``mistral`` parser reads the
-      same calls from a version-11 tokenizer;
+      ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` with the id the model wrote (kept in the call as
+      ``"id"``), then nothing; the text before the first call is kept as it is (those templates render
+      it right before the calls); whitespace around the names, ids and arguments is read (a template
+      renders none: the episode splits there); vLLM's ``mistral`` parser reads the same calls from a
+      version-11 tokenizer.
+
+    In both of Mistral's layouts the calls come after the reply's reasoning, if any (its last
+    ``[/THINK]``: a ``[TOOL_CALLS]`` before it is text);
     - "bare_json": one **bare JSON** call
       that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates of Llama 3.1, 3.2
       and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>`` before it, as vLLM's
@@ -346,9 +351,17 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     return (text[:first].rstrip("\n"), calls) if calls else None
 
 
+def _after_mistral_reasoning(text: str) -> int:
+    """Where the calls of a reply in Mistral's layouts may begin: after its reasoning's last ``[/THINK]``."""
+    end = text.rfind(MISTRAL_THINK_END)
+    return 0 if end < 0 else end + len(MISTRAL_THINK_END)
+
+
 def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
     """``text`` as a reply in Mistral's list layout (:func:`template_tool_calls`), else None."""
-    head, marker, rest = text.partition(MISTRAL_TOOL_CALLS)
+    reasoned = _after_mistral_reasoning(text)
+    head, marker, rest = text[reasoned:].partition(MISTRAL_TOOL_CALLS)
+    head = text[:reasoned] + head
     try:
         listed = json.loads(rest) if marker else None
     except (ValueError, RecursionError):  # nested past the parser's depth
@@ -378,14 +391,14 @@ def _mistral_args_span(text: str, at: int) -> tuple[list[dict[str, Any]], int] |
         if not isinstance(arguments, dict):
             return None
         calls.append({"name": start.group(1), "arguments": arguments}
-                     | ({"id": start.group(2)} if start.group(2) else {}))
+                     | ({"id": start.group(2)} if start.group(2) is not None else {}))
         at = len(text) - len(text[end:].lstrip())
     return (calls, len(text[:at].rstrip())) if calls else None
 
 
 def _mistral_args_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
     """``text`` as a reply in Mistral's per-call layout (:func:`template_tool_calls`), else None."""
-    at = text.find(MISTRAL_TOOL_CALLS)
+    at = text.find(MISTRAL_TOOL_CALLS, _after_mistral_reasoning(text))
     read = _mistral_args_span(text, at) if at >= 0 else None
     if read is None or text[read[1]:].strip():
         return None
@@ -450,7 +463,7 @@ def _json_call(text: str) -> dict[str, Any] | None:
 
 _NAME = r"[A-Za-z_][\w.\-]*"
 _MISTRAL_CALL = re.compile(re.escape(MISTRAL_TOOL_CALLS) + rf"\s*({_NAME})\s*(?:" + re.escape(MISTRAL_CALL_ID)
-                           + r"\s*([A-Za-z0-9]+)\s*)?" + re.escape(MISTRAL_ARGS) + r"\s*")
+                           + r"\s*([^\[\]\s]*)\s*)?" + re.escape(MISTRAL_ARGS) + r"\s*")
 """A call's start in Mistral's per-call layout: ``[TOOL_CALLS]``, its name, an id and ``[ARGS]``."""
 _CALL_BEGINS = (r"\s*(?:\{|<function=)|[ \t]*" + _NAME + r"(?:[ \t]*\n\s*" + re.escape(TOOL_CALL_END)
                 + r"|\s*<arg_key>)")

@@ -52,9 +52,10 @@ tool) or, with a
 template that renders calls so, a reply that is one bare JSON call (``{"name": ..., "parameters": ...}``: Llama 3.1 to
 3.3's), a ``[TOOL_CALLS]`` list (Mistral 7B Instruct v0.3's and Mistral Small 3.1's) or calls each after
 ``[TOOL_CALLS]`` (``NAME[ARGS]{...}``, an id before ``[ARGS]`` or not: Mistral's templates from tokenizer
-version 11 on) (in Mistral's layouts a call keeps the id its model wrote, which the template renders; an
-agent that sends back other ids has them rendered, and Mistral's templates refuse one that is not 9
-characters long: the call is answered 400) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
+version 11 on) (in Mistral's layouts a call keeps the id its model wrote, which the list's templates and
+version 11's render; an agent that sends back other ids has them rendered, and those templates refuse
+one of another length, 9 characters or, Mistral Small 3.1's, fewer: the call is answered 400; version
+13's render no ids) (:func:`sao.models.chat.template_tool_calls`; an XML call's values typed by the
 offered tool's schema, as a GLM-4.5 call's are) as its ``tool_calls``, the text before them as its
 content (a call's id is derived from the episode and the call's place in it: :func:`call_id`); ``usage``; ``logprobs`` when asked for. Sent
 back, such a reply extends the record when the template renders it as it was sampled (the template's
@@ -356,7 +357,7 @@ def call_id(key: str, index: int) -> str:
 
 MISTRAL_LAYOUTS = frozenset({"mistral", "mistral_args"})
 """Mistral's tool-call layouts (:func:`sao.models.chat.tool_call_layout`), whose templates render a call's
-id of 9 characters."""
+id of 9 characters (all but version 13's, which render none)."""
 
 
 def _calling(content: str, calls: list[dict[str, Any]], key: str, layout: str | None = None) -> tuple[Message, str]:
@@ -364,7 +365,8 @@ def _calling(content: str, calls: list[dict[str, Any]], key: str, layout: str | 
     :func:`call_id`) after ``content``, and its finish reason. In Mistral's layouts (``layout``) a call
     keeps the ``"id"`` its model wrote, when the template can render it back as written (9 characters,
     as Mistral's templates require, none that JSON escapes) and no earlier call of the reply has
-    it (a result answers its call by id); else it gets the last 9 characters of :func:`call_id`'s."""
+    it (a result answers its call by id); else it gets the last 9 characters of :func:`call_id`'s (a
+    template that renders no ids, version 13's, ignores them)."""
     mistral = layout in MISTRAL_LAYOUTS
     ids: list[str] = []
     for k, call in enumerate(calls):

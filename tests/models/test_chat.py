@@ -298,8 +298,10 @@ def test_template_tool_calls_of_a_template_that_renders_bare_json_calls(text, ex
     ('[TOOL_CALLS] {"name": "add", "arguments": {}}', None),  # not a list
     ('[TOOL_CALLS] [{"name": "add", "arguments": {}', None),  # cut off
     ('[{"name": "add", "arguments": {}}]', None),  # no [TOOL_CALLS]
-], ids=["mistral", "no id", "after text", "before text", "other key", "string arguments", "numeric id", "empty name",
-        "empty list", "object", "cut off", "no marker"])
+    ('[THINK]Or [TOOL_CALLS] [{"name": "f"}]?[/THINK][TOOL_CALLS] [{"name": "add"}]',  # after the reasoning
+     ('[THINK]Or [TOOL_CALLS] [{"name": "f"}]?[/THINK]', [{"name": "add", "arguments": {}}])),
+], ids=["mistral", "no id", "text before", "text after", "other key", "string arguments", "numeric id", "empty name",
+        "empty list", "object", "cut off", "no marker", "after reasoning"])
 def test_template_tool_calls_of_a_template_that_renders_mistrals_calls(text, expected):
     """With a template that renders calls as a [TOOL_CALLS] list (Mistral's), such a reply is its calls,
     an id the model wrote kept; with any other, it is text."""
@@ -324,11 +326,15 @@ def test_template_tool_calls_of_a_template_that_renders_mistrals_calls(text, exp
     ('[TOOL_CALLS]add[ARGS]"{}"', None),  # arguments not an object
     ('[TOOL_CALLS]add[ARGS]{"a": 2', None),  # cut off
     ('[TOOL_CALLS]two words[ARGS]{}', None),  # not a name
-    ('[TOOL_CALLS]add[CALL_ID]a-b[ARGS]{}', None),  # an id of other characters
+    ('[TOOL_CALLS]add[CALL_ID]a-b[ARGS]{}', ("", [{"name": "add", "arguments": {}, "id": "a-b"}])),  # any id: kept or not
+    ('[TOOL_CALLS]add[CALL_ID][ARGS]{}', ("", [{"name": "add", "arguments": {}, "id": ""}])),  # by the chat endpoint
+    ('[THINK]Or [TOOL_CALLS]f[ARGS]{}?[/THINK]Adding.[TOOL_CALLS]add[ARGS]{}',  # after the reasoning
+     ("[THINK]Or [TOOL_CALLS]f[ARGS]{}?[/THINK]Adding.", [{"name": "add", "arguments": {}}])),
+    ('[THINK]Or [TOOL_CALLS]f[ARGS]{}[/THINK]', None),  # in the reasoning: text
     ('[TOOL_CALLS] [{"name": "add", "arguments": {}}]', None),  # the list layout
     ('add[ARGS]{}', None),  # no [TOOL_CALLS]
-], ids=["version 13", "version 11", "after text", "whitespace", "before text", "no args token", "string arguments",
-        "cut off", "not a name", "other id", "list", "no marker"])
+], ids=["version 13", "version 11", "text before", "whitespace", "text after", "no args token", "string arguments",
+        "cut off", "not a name", "other id", "empty id", "after reasoning", "in reasoning", "list", "no marker"])
 def test_template_tool_calls_of_a_template_that_renders_mistrals_calls_one_by_one(text, expected):
     """With a template that renders each call as [TOOL_CALLS]NAME[ARGS]{...} (Mistral's from tokenizer
     version 11 on, an id between them or not), such a reply is its calls, an id the model wrote kept; with
@@ -540,6 +546,7 @@ def test_the_layout_of_a_templates_calls_is_told_by_the_probe():
         LLAMA32_TEMPLATE,
         MISTRAL11_TEMPLATE,
         MISTRAL13_TEMPLATE,
+        MISTRAL31_TEMPLATE,
         MISTRAL_TEMPLATE,
         QWEN_STYLE,
         glm_style_tokenizer,
@@ -556,6 +563,7 @@ def test_the_layout_of_a_templates_calls_is_told_by_the_probe():
     assert idless != MISTRAL_TEMPLATE and tool_call_layout(mistral_style_tokenizer(idless)) == "mistral"
     longer = MISTRAL_TEMPLATE.replace("tool_call.id | length != 9", "tool_call.id | length != 12")
     assert longer != MISTRAL_TEMPLATE and tool_call_layout(mistral_style_tokenizer(longer)) is None
+    assert tool_call_layout(mistral_style_tokenizer(MISTRAL31_TEMPLATE)) == "mistral"  # the last 9 of an id
     assert tool_call_layout(mistral_style_tokenizer(MISTRAL11_TEMPLATE)) == "mistral_args"  # with the probe's id
     assert tool_call_layout(mistral_style_tokenizer(MISTRAL13_TEMPLATE)) == "mistral_args"  # without
     spaced = MISTRAL13_TEMPLATE.replace('"[ARGS]" + arguments', '"[ARGS]" + arguments + " ok"')

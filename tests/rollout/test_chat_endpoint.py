@@ -413,6 +413,9 @@ MISTRAL_TEMPLATE = (TEMPLATES / "mistral_v3.jinja").read_text()
 the last user turn, a call as ``[TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}]`` with ids of 9
 characters (another length is refused, as Mistral's templates refuse it), a result as ``[TOOL_RESULTS]
 {"content": ..., "call_id": ...}[/TOOL_RESULTS]``, no generation prompt."""
+MISTRAL31_TEMPLATE = (TEMPLATES / "mistral_small_3_1.jinja").read_text()
+"""The list layout as Mistral Small 3.1's template renders it, written for these tests: a system prompt that
+reads the date, ids of at least 9 characters rendered as their last 9, a result's content as it is."""
 MISTRAL11_TEMPLATE = (TEMPLATES / "mistral_v11.jinja").read_text()
 """Mistral's layout of tokenizer version 11 (Devstral Small 1.1's template and others'), written for these
 tests: a system prompt that reads the date, the tools after it, the text and then each call as
@@ -421,7 +424,8 @@ tests: a system prompt that reads the date, the tools after it, the text and the
 MISTRAL13_TEMPLATE = (TEMPLATES / "mistral_v13.jinja").read_text()
 """The same layout as tokenizer version 13 has it (Ministral 3's, Devstral 2's templates): calls as
 ``[TOOL_CALLS]NAME[ARGS]{...}`` without ids, a result as ``[TOOL_RESULTS]...[/TOOL_RESULTS]``."""
-MISTRAL_TEMPLATES = (MISTRAL_TEMPLATE, MISTRAL11_TEMPLATE, MISTRAL13_TEMPLATE)
+MISTRAL_LIST_TEMPLATES = (MISTRAL_TEMPLATE, MISTRAL31_TEMPLATE)
+MISTRAL_TEMPLATES = (*MISTRAL_LIST_TEMPLATES, MISTRAL11_TEMPLATE, MISTRAL13_TEMPLATE)
 
 
 def mistral_style_tokenizer(chat_template: str = MISTRAL_TEMPLATE):

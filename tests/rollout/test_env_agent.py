@@ -25,6 +25,7 @@ from tests.rollout.test_chat_endpoint import (
     LLAMA_TEMPLATES,
     MISTRAL11_TEMPLATE,
     MISTRAL13_TEMPLATE,
+    MISTRAL_LIST_TEMPLATES,
     MISTRAL_TEMPLATE,
     MISTRAL_TEMPLATES,
     QWEN3_TEMPLATE,
@@ -165,7 +166,7 @@ def calls(template, *called):
     after an empty thinking block for GLM-4.5's, the same on one line for the GLM-4.7-style one, a ``[TOOL_CALLS]`` list with ids of 9 characters for
     Mistral's, ``[TOOL_CALLS]`` before each call for Mistral's later ones, with such ids where the template
     renders them), then ends its turn."""
-    if template == MISTRAL_TEMPLATE:
+    if template in MISTRAL_LIST_TEMPLATES:
         listed = [{"name": name, "arguments": arguments, "id": f"call{k:05d}"} for k, (name, arguments) in enumerate(called)]
         return "[TOOL_CALLS] " + json.dumps(listed) + "</s>"
     if template in MISTRAL_TEMPLATES:
@@ -204,10 +205,10 @@ ALL_TEMPLATES = pytest.mark.parametrize(
     "template", [QWEN_STYLE, QWEN25_TEMPLATE, QWEN3_TEMPLATE, QWEN35_NOTHINK_TEMPLATE, GLM45_TEMPLATE, GLM47_STYLE,
                  LLAMA31_TEMPLATE, LLAMA32_TEMPLATE, *MISTRAL_TEMPLATES],
     ids=["qwen-parts", "qwen2.5", "qwen3", "qwen3.5", "glm4.5", "glm4.7-style", "llama3.1", "llama3.2", "mistral",
-         "mistral11", "mistral13"])
+         "mistral-small3.1", "mistral11", "mistral13"])
 """The templates of :data:`OWN_TEMPLATES`, GLM-4.5's and a GLM-4.7-style one (each call on one line),
-Llama 3.1's and 3.2's (which render one call a reply) and Mistral's (its list; its calls one by one, with
-ids and without)."""
+Llama 3.1's and 3.2's (which render one call a reply) and Mistral's (its list, as Mistral 7B v0.3's and
+Small 3.1's render it; its calls one by one, with ids and without)."""
 
 
 @OWN_TEMPLATES
@@ -523,6 +524,29 @@ def test_mistrals_calls_one_by_one_run_the_built_in_tool_loop_as_one_trajectory(
     assert texts[1] == f"[TOOL_RESULTS]{ids[0]}2[/TOOL_RESULTS][TOOL_RESULTS]{ids[1]}[/TOOL_RESULTS]5[/TOOL_RESULTS]"
     closing = tokenizer.convert_tokens_to_ids("[/TOOL_RESULTS]")
     assert observations[1].count(closing) == 2  # the template's own; the printed one is text
+
+
+@pytest.mark.parametrize("template", [MISTRAL11_TEMPLATE, MISTRAL13_TEMPLATE], ids=["mistral11", "mistral13"])
+def test_text_before_mistrals_calls_one_by_one_stays_in_the_trajectory(template, caplog):
+    """Mistral's later templates render a message's text right before its calls: a reply that says
+    something, then calls, renders as sampled (one trajectory, nothing logged); in version 11's, a call
+    without the id its template renders gets one the model did not sample, and the episode splits."""
+    from sao.rollout.chat_endpoint import call_id
+
+    run = "Let me check. " + calls(template, python("print(5)"))
+    with caplog.at_level("INFO", logger="sao.rollout.chat_endpoint"):
+        (record,), tokenizer, _ = own_format_episode([run, final(template, "5")], template=template)
+    assert [s.kind for s in record.segments] == ["action", "observation", "action"] and record.reward == 1.0
+    assert tokenizer.decode(list(record.completion_ids[:record.segments[0].end])) == run
+    assert not [r for r in caplog.records if "splits" in r.getMessage()]
+    bare = '[TOOL_CALLS]python[ARGS]{"code": "print(5)"}</s>'
+    records, tokenizer, _ = own_format_episode([bare, final(template, "5")], template=template)
+    if template == MISTRAL13_TEMPLATE:  # renders no ids: as sampled
+        assert [r.episode_part for r in records] == [0]
+        return
+    assert [r.episode_part for r in records] == [0, 1] and records[0].reward == 1.0
+    second = tokenizer.decode(list(records[1].prompt_ids))
+    assert f'[TOOL_CALLS]python[CALL_ID]{call_id("ep-own/1", 0)[-9:]}[ARGS]{{"code": "print(5)"}}</s>' in second
 
 
 def test_a_mistral_call_without_a_written_id_gets_one_and_splits_the_episode():
