@@ -279,8 +279,9 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
       ``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}`` with the id the model wrote (kept in the call as
       ``"id"``), then nothing; the text before the first call is kept as it is (those templates render
       it right before the calls); whitespace around the names, ids and arguments is read (a template
-      renders none: the episode splits there); vLLM's ``mistral`` parser reads the same calls from a
-      version-11 tokenizer.
+      renders none: the episode splits there); vLLM's ``mistral`` parser reads such calls from a
+      tokenizer of version 11 on as a name, ``[ARGS]`` and the arguments (an id the model wrote stays in
+      its name there).
 
     In both of Mistral's layouts the calls come after the reply's reasoning, if any (its last
     ``[/THINK]``: a ``[TOOL_CALLS]`` before it is text);
