@@ -591,6 +591,8 @@ def bare_name_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 _PROBE_ID = "call00000"
 """The probe's call id: 9 letters and digits, as Mistral's templates require."""
+_PROBE_QUESTION = {"role": "user", "content": "What is 6 * 7?"}
+"""The probe conversation's first message."""
 
 
 def _probe_renderings(tokenizer: PreTrainedTokenizerBase, tool: dict[str, Any], arguments: dict[str, Any],
@@ -599,7 +601,7 @@ def _probe_renderings(tokenizer: PreTrainedTokenizerBase, tool: dict[str, Any], 
     ``arguments`` and its ``result`` (then the generation prompt), and of the question alone (its
     generation prompt); raises what the template raises."""
     name = tool["function"]["name"]
-    messages = [{"role": "user", "content": "What is 6 * 7?"},
+    messages = [_PROBE_QUESTION,
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"id": _PROBE_ID, "type": "function", "function": {"name": name, "arguments": arguments}}]},
                 {"role": "tool", "tool_call_id": _PROBE_ID, "name": name, "content": result}]
@@ -631,7 +633,8 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
                 "GLM-4.5's (<tool_call>NAME\\n<arg_key>...</arg_key>\\n<arg_value>...</arg_value></tool_call>), a "
                 'reply that is one bare JSON call ({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s are) or '
                 'Mistral\'s ([TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}], or [TOOL_CALLS]NAME[ARGS]{...} '
-                "for each call)"), None
+                f"for each call); it renders a call of python with code {code!r}, then the result 42, as "
+                f"{_rendered_call(tokenizer, tool, text, prompt)!r}"), None
     (start, end), layout = found
     if described not in text[:start]:
         return "it does not write the tools it is given into the prompt", layout
@@ -644,6 +647,21 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
                 "(a thinking block the prompt opens and the rendering drops, say), so every episode would "
                 "split at its first call"), layout
     return None, layout
+
+
+def _rendered_call(tokenizer: PreTrainedTokenizerBase, tool: dict[str, Any], text: str, prompt: str,
+                   most: int = 240) -> str:
+    """What the probe conversation's ``text`` holds after its question (the question's rendering without
+    a generation prompt, else ``prompt``, the one with it: their common start), up to the tool's result
+    ("42") and ``most`` characters at most: how the template renders the call."""
+    try:
+        question = apply_template(tokenizer, [_PROBE_QUESTION], tools=[tool],
+                                  add_generation_prompt=False, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that needs the prompt: the common start with it
+        question = prompt
+    shown = text[len(os.path.commonprefix([question if isinstance(question, str) else prompt, text])):]
+    result = shown.find("42")
+    return shown[:result if 0 <= result < most else most]
 
 
 def _tagged_calls(text: str, call: dict[str, Any], tools: list[dict[str, Any]]) -> Iterator[tuple[int, int]]:

@@ -576,7 +576,9 @@ def test_what_keeps_a_template_from_the_tool_loop_is_said_in_words():
     from tests.test_own_model import CHATML
 
     assert tool_calls_problem(qwen_style_tokenizer(QWEN_STYLE)) is None
-    assert "does not render tool calls in a layout the loop reads" in tool_calls_problem(qwen_style_tokenizer(CHATML))
+    problem = tool_calls_problem(qwen_style_tokenizer(CHATML))
+    assert "does not render tool calls in a layout the loop reads" in problem
+    assert problem.endswith(r"then the result 42, as '<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n'")  # no call
     toolless = QWEN_STYLE.replace("{{ tool | tojson }}", "")
     assert tool_calls_problem(qwen_style_tokenizer(toolless)) == "it does not write the tools it is given into the prompt"
     resultless = QWEN_STYLE.replace("<tool_response>\n' + message.content + '", "<tool_response>\n' + '")
