@@ -53,8 +53,9 @@ MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 or before each call."""
 MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"
 """The tokens before a call's arguments and before its id in Mistral's per-call layout (:func:`template_tool_calls`)."""
-MISTRAL_THINK_END = "[/THINK]"
-"""Where a reply's reasoning ends in Mistral's reasoning models (Magistral's, Ministral 3's): its calls come after."""
+MISTRAL_THINK, MISTRAL_THINK_END = "[THINK]", "[/THINK]"
+"""Where a reply's reasoning begins and ends in Mistral's reasoning models (Magistral's, Ministral 3's): its
+calls come after."""
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Tokens that end an assistant turn in common chat templates (ChatML, Llama 3, Phi, Gemma, GPT-2)."""
 # Every special token of the format; the order fixes the ids of our tokenizer (0 .. len - 1).
@@ -281,16 +282,17 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
       it right before the calls); whitespace around the names, ids and arguments is read (a template
       renders none: the episode splits there); vLLM's ``mistral`` parser reads such calls from a
       tokenizer of version 11 on as a name, ``[ARGS]`` and the arguments (an id the model wrote stays in
-      its name there).
-
-    In both of Mistral's layouts the calls come after the reply's reasoning, if any (its last
-    ``[/THINK]``: a ``[TOOL_CALLS]`` before it is text);
+      its name there);
     - "bare_json": one **bare JSON** call
       that is the whole reply, ``{"name": ..., "parameters": {...}}``, as the templates of Llama 3.1, 3.2
       and 3.3 write one (``"arguments"`` is read as well, and a ``<|python_tag|>`` before it, as vLLM's
       ``llama3_json`` parser reads them: the templates render the call back without the tag, so the
       episode splits there; no other key, and nothing but whitespace around it; those templates render
       one call a reply).
+
+    In both of Mistral's layouts the calls begin at the first ``[TOOL_CALLS]`` from which whole calls
+    run to the end of the reply, outside its reasoning (a ``[TOOL_CALLS]`` in a ``[THINK]`` block that
+    has not ended before it is text; a ``[/THINK]`` in a call's arguments is theirs).
 
     With any other layout (None, "tagged"), the calls are each a ``<tool_call>...</tool_call>`` block
     after optional text, holding either
@@ -352,19 +354,29 @@ def template_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = N
     return (text[:first].rstrip("\n"), calls) if calls else None
 
 
-def _after_mistral_reasoning(text: str) -> int:
-    """Where the calls of a reply in Mistral's layouts may begin: after its reasoning's last ``[/THINK]``."""
-    end = text.rfind(MISTRAL_THINK_END)
-    return 0 if end < 0 else end + len(MISTRAL_THINK_END)
+def _mistral_starts(text: str) -> Iterator[int]:
+    """Where the calls of a reply in Mistral's layouts may begin: each ``[TOOL_CALLS]`` of ``text`` that no
+    ``[THINK]`` block still open before it holds (:func:`template_tool_calls`)."""
+    at = text.find(MISTRAL_TOOL_CALLS)
+    while at >= 0:
+        if text.count(MISTRAL_THINK, 0, at) <= text.count(MISTRAL_THINK_END, 0, at):
+            yield at
+        at = text.find(MISTRAL_TOOL_CALLS, at + len(MISTRAL_TOOL_CALLS))
 
 
 def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
     """``text`` as a reply in Mistral's list layout (:func:`template_tool_calls`), else None."""
-    reasoned = _after_mistral_reasoning(text)
-    head, marker, rest = text[reasoned:].partition(MISTRAL_TOOL_CALLS)
-    head = text[:reasoned] + head
+    for at in _mistral_starts(text):
+        calls = _mistral_list(text[at + len(MISTRAL_TOOL_CALLS):])
+        if calls is not None:
+            return text[:at].rstrip(), calls
+    return None
+
+
+def _mistral_list(text: str) -> list[dict[str, Any]] | None:
+    """``text`` (what follows ``[TOOL_CALLS]``) as a JSON list of Mistral's calls and nothing else, else None."""
     try:
-        listed = json.loads(rest) if marker else None
+        listed = json.loads(text)
     except (ValueError, RecursionError):  # nested past the parser's depth
         return None
     if not isinstance(listed, list) or not listed:
@@ -376,7 +388,7 @@ def _mistral_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
             return None
         calls.append({"name": item["name"], "arguments": item.get("arguments", {})}
                      | ({"id": item["id"]} if "id" in item else {}))
-    return head.rstrip(), calls
+    return calls
 
 
 def _mistral_args_span(text: str, at: int) -> tuple[list[dict[str, Any]], int] | None:
@@ -399,11 +411,11 @@ def _mistral_args_span(text: str, at: int) -> tuple[list[dict[str, Any]], int] |
 
 def _mistral_args_calls(text: str) -> tuple[str, list[dict[str, Any]]] | None:
     """``text`` as a reply in Mistral's per-call layout (:func:`template_tool_calls`), else None."""
-    at = text.find(MISTRAL_TOOL_CALLS, _after_mistral_reasoning(text))
-    read = _mistral_args_span(text, at) if at >= 0 else None
-    if read is None or text[read[1]:].strip():
-        return None
-    return text[:at], read[0]
+    for at in _mistral_starts(text):
+        read = _mistral_args_span(text, at)
+        if read is not None and not text[read[1]:].strip():
+            return text[:at], read[0]
+    return None
 
 
 def _hermes_call(block: str) -> dict[str, Any] | None:
@@ -633,8 +645,8 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
                 "GLM-4.5's (<tool_call>NAME\\n<arg_key>...</arg_key>\\n<arg_value>...</arg_value></tool_call>), a "
                 'reply that is one bare JSON call ({"name": ..., "parameters": ...}, as Llama 3.1-3.3\'s are) or '
                 'Mistral\'s ([TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}], or [TOOL_CALLS]NAME[ARGS]{...} '
-                f"for each call); it renders a call of python with code {code!r}, then the result 42, as "
-                f"{_rendered_call(tokenizer, tool, text, prompt)!r}"), None
+                f"for each call); it renders a call of python with code {code!r}, up to the result 42, as "
+                f"{_rendered_call(tokenizer, tool, text, prompt, code)!r}"), None
     (start, end), layout = found
     if described not in text[:start]:
         return "it does not write the tools it is given into the prompt", layout
@@ -649,19 +661,20 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, str | None]:
     return None, layout
 
 
-def _rendered_call(tokenizer: PreTrainedTokenizerBase, tool: dict[str, Any], text: str, prompt: str,
+def _rendered_call(tokenizer: PreTrainedTokenizerBase, tool: dict[str, Any], text: str, prompt: str, code: str,
                    most: int = 240) -> str:
     """What the probe conversation's ``text`` holds after its question (the question's rendering without
     a generation prompt, else ``prompt``, the one with it: their common start), up to the tool's result
-    ("42") and ``most`` characters at most: how the template renders the call."""
+    ("42", after the call's ``code`` where the template writes it) and ``most`` characters at most (an
+    ellipsis where it is cut): how the template renders the call."""
     try:
         question = apply_template(tokenizer, [_PROBE_QUESTION], tools=[tool],
                                   add_generation_prompt=False, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that needs the prompt: the common start with it
         question = prompt
     shown = text[len(os.path.commonprefix([question if isinstance(question, str) else prompt, text])):]
-    result = shown.find("42")
-    return shown[:result if 0 <= result < most else most]
+    result = shown.find("42", max(0, shown.find(code)))
+    return shown[:result] if 0 <= result <= most else shown[:most] + ("…" if len(shown) > most else "")
 
 
 def _tagged_calls(text: str, call: dict[str, Any], tools: list[dict[str, Any]]) -> Iterator[tuple[int, int]]:

@@ -300,8 +300,11 @@ def test_template_tool_calls_of_a_template_that_renders_bare_json_calls(text, ex
     ('[{"name": "add", "arguments": {}}]', None),  # no [TOOL_CALLS]
     ('[THINK]Or [TOOL_CALLS] [{"name": "f"}]?[/THINK][TOOL_CALLS] [{"name": "add"}]',  # after the reasoning
      ('[THINK]Or [TOOL_CALLS] [{"name": "f"}]?[/THINK]', [{"name": "add", "arguments": {}}])),
+    ('[THINK]Or [TOOL_CALLS] [{"name": "f"}][/THINK]', None),  # in the reasoning: text
+    ('[TOOL_CALLS] [{"name": "python", "arguments": {"code": "print(\'[/THINK]\')"}}]',  # the closing tag printed
+     ("", [{"name": "python", "arguments": {"code": "print('[/THINK]')"}}])),
 ], ids=["mistral", "no id", "text before", "text after", "other key", "string arguments", "numeric id", "empty name",
-        "empty list", "object", "cut off", "no marker", "after reasoning"])
+        "empty list", "object", "cut off", "no marker", "after reasoning", "in reasoning", "printed tag"])
 def test_template_tool_calls_of_a_template_that_renders_mistrals_calls(text, expected):
     """With a template that renders calls as a [TOOL_CALLS] list (Mistral's), such a reply is its calls,
     an id the model wrote kept; with any other, it is text."""
@@ -331,10 +334,13 @@ def test_template_tool_calls_of_a_template_that_renders_mistrals_calls(text, exp
     ('[THINK]Or [TOOL_CALLS]f[ARGS]{}?[/THINK]Adding.[TOOL_CALLS]add[ARGS]{}',  # after the reasoning
      ("[THINK]Or [TOOL_CALLS]f[ARGS]{}?[/THINK]Adding.", [{"name": "add", "arguments": {}}])),
     ('[THINK]Or [TOOL_CALLS]f[ARGS]{}[/THINK]', None),  # in the reasoning: text
+    ('[TOOL_CALLS]python[ARGS]{"code": "print(\'[/THINK]\')"}',  # the closing tag printed: the call's
+     ("", [{"name": "python", "arguments": {"code": "print('[/THINK]')"}}])),
     ('[TOOL_CALLS] [{"name": "add", "arguments": {}}]', None),  # the list layout
     ('add[ARGS]{}', None),  # no [TOOL_CALLS]
 ], ids=["version 13", "version 11", "text before", "whitespace", "text after", "no args token", "string arguments",
-        "cut off", "not a name", "other id", "empty id", "after reasoning", "in reasoning", "list", "no marker"])
+        "cut off", "not a name", "other id", "empty id", "after reasoning", "in reasoning", "printed tag", "list",
+        "no marker"])
 def test_template_tool_calls_of_a_template_that_renders_mistrals_calls_one_by_one(text, expected):
     """With a template that renders each call as [TOOL_CALLS]NAME[ARGS]{...} (Mistral's from tokenizer
     version 11 on, an id between them or not), such a reply is its calls, an id the model wrote kept; with
@@ -578,7 +584,9 @@ def test_what_keeps_a_template_from_the_tool_loop_is_said_in_words():
     assert tool_calls_problem(qwen_style_tokenizer(QWEN_STYLE)) is None
     problem = tool_calls_problem(qwen_style_tokenizer(CHATML))
     assert "does not render tool calls in a layout the loop reads" in problem
-    assert problem.endswith(r"then the result 42, as '<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n'")  # no call
+    assert problem.endswith(r"up to the result 42, as '<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n'")  # no call
+    padded = CHATML.replace("{{ m['content'] }}", "{{ m['content'] }}{{ 'x' * 300 }}")
+    assert padded != CHATML and tool_calls_problem(qwen_style_tokenizer(padded)).endswith("xxx…'")  # cut, and said so
     toolless = QWEN_STYLE.replace("{{ tool | tojson }}", "")
     assert tool_calls_problem(qwen_style_tokenizer(toolless)) == "it does not write the tools it is given into the prompt"
     resultless = QWEN_STYLE.replace("<tool_response>\n' + message.content + '", "<tool_response>\n' + '")
