@@ -708,8 +708,9 @@ def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedT
             _, end = json.JSONDecoder().raw_decode(text, begin)
         except (ValueError, RecursionError):
             return None
+        listed = _mistral_calls(text[start:end]) if layout == "mistral" else None
         calls = ([_json_call(text[start:end])] if layout == "bare_json"
-                 else (_mistral_calls(text[start:end]) or ("", None))[1])
+                 else listed[1] if listed is not None and not listed[0] else None)
     rest = text[end:].lstrip()
     specials = [token for token in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if token]
     read = calls == [call] if layout == "bare_json" else calls in ([call], [call | {"id": _PROBE_ID}])
