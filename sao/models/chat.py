@@ -485,7 +485,6 @@ _TEMPLATE_CALL = re.compile(re.escape(TOOL_CALL_START) + f"(?={_CALL_BEGINS})(.*
 _TEMPLATE_CALL_OR_NAME = re.compile(re.escape(TOOL_CALL_START) + rf"(?={_CALL_BEGINS}|\s*{_NAME}\s*"
                                     + re.escape(TOOL_CALL_END) + ")(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 """The same, or a block that holds a word alone (:func:`template_tool_calls`' ``bare_names``)."""
-_WORD = re.compile(rf"\s*{_NAME}\s*")
 _FUNCTION = re.compile(r"\s*<function=([^<>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^<>\n]+)>\n?(.*?)\n?</parameter>\s*(?=<parameter=|\Z)", re.DOTALL)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
@@ -708,9 +707,7 @@ def _reply_call(text: str, at: int, call: dict[str, Any], tokenizer: PreTrainedT
             _, end = json.JSONDecoder().raw_decode(text, begin)
         except (ValueError, RecursionError):
             return None
-        listed = _mistral_calls(text[start:end]) if layout == "mistral" else None
-        calls = ([_json_call(text[start:end])] if layout == "bare_json"
-                 else listed[1] if listed is not None and not listed[0] else None)
+        calls = [_json_call(text[start:end])] if layout == "bare_json" else _mistral_list(text[begin:end])
     rest = text[end:].lstrip()
     specials = [token for token in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if token]
     read = calls == [call] if layout == "bare_json" else calls in ([call], [call | {"id": _PROBE_ID}])
